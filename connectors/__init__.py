@@ -1,0 +1,1 @@
+"""Engine adapters over tiercache's engine-agnostic connector API (imported as ``tiercache.connectors``)."""

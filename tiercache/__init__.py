@@ -1,0 +1,2 @@
+"""tiercache: tiered KV-cache offloading for LLM serving."""
+__version__ = "0.1.0"

@@ -1,0 +1,129 @@
+"""The self-describing stored chunk: header + payload (DESIGN §4).
+
+Worker side. Every read from L2/L3 goes through `ChunkFormat.decode`, which
+verifies the header's own CRC, magic, version, namespace, key, lengths and the
+payload checksum before any byte is handed on; any failure raises a
+`ChunkFormatError` subclass that the caller counts and turns into a miss.
+
+Header (little endian, 124 bytes = HEADER_BYTES):
+    magic "TCKV" | version u16 | header_len u16 | codec u8 | checksum u8 |
+    dtype u8 | ndim u8 | namespace 16s | key 32s | num_tokens u32 |
+    raw_len u64 | payload_len u64 | payload_checksum u64 | shape 8×u32 |
+    header_crc32 u32
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from tiercache.codecs import Buffer, checksum_by_code, checksums, codec_by_code, codecs
+from tiercache.errors import (
+    ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, TruncatedChunkError,
+)
+from tiercache.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
+
+MAGIC = b"TCKV"
+VERSION = 1
+MAX_DIMS = 8
+_BODY = struct.Struct(f"<4sHHBBBB{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}sIQQQ{MAX_DIMS}I")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _BODY.size + _CRC.size
+
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5, "int8": 6, "uint8": 7}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    namespace: bytes          # namespace digest
+    key: BlockHash
+    num_tokens: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype {self.dtype!r} cannot be stored; known: {', '.join(DTYPE_CODES)}")
+        if len(self.shape) > MAX_DIMS:
+            raise ValueError(f"shape {self.shape} has more than {MAX_DIMS} dims")
+
+    @property
+    def raw_len(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedChunk:
+    meta: ChunkMeta
+    data: Buffer   # raw payload bytes, verified
+
+
+class ChunkFormat:
+    """Encodes and verifies chunks with one configured codec and checksum."""
+
+    def __init__(self, codec: str = "raw", checksum: str = "xxh3_64") -> None:
+        self.codec = codecs.get(codec)()
+        self.checksum = checksums.get(checksum)()
+
+    def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
+        """Header and payload as two buffers, for writers that can write both without joining."""
+        raw_view = memoryview(raw).cast("B")
+        if len(raw_view) != meta.raw_len:
+            raise ValueError(f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}")
+        payload = self.codec.encode(raw_view, DTYPE_SIZES[meta.dtype])
+        shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
+        body = _BODY.pack(
+            MAGIC, VERSION, HEADER_BYTES, self.codec.code, self.checksum.code, DTYPE_CODES[meta.dtype],
+            len(meta.shape), meta.namespace, meta.key, meta.num_tokens, meta.raw_len, len(payload),
+            self.checksum(payload), *shape,
+        )
+        return body + _CRC.pack(zlib.crc32(body)), payload
+
+    def encode(self, meta: ChunkMeta, raw: Buffer) -> bytes:
+        header, payload = self.encode_parts(meta, raw)
+        return header + bytes(payload) if isinstance(payload, memoryview) else header + payload
+
+
+def read_header(blob: Buffer) -> tuple[ChunkMeta, int, int, int, int]:
+    """Parse and check the header alone: (meta, codec code, checksum code, payload length, payload checksum)."""
+    view = memoryview(blob).cast("B")
+    if len(view) < HEADER_BYTES:
+        raise TruncatedChunkError(f"chunk is {len(view)} bytes, shorter than its {HEADER_BYTES}-byte header")
+    body = view[:_BODY.size]
+    (crc,) = _CRC.unpack_from(view, _BODY.size)
+    if zlib.crc32(body) != crc:
+        raise CorruptHeaderError("header checksum mismatch")
+    (magic, version, header_len, codec, checksum, dtype, ndim, namespace, key, num_tokens,
+     raw_len, payload_len, payload_sum, *shape) = _BODY.unpack(body)
+    if magic != MAGIC:
+        raise CorruptHeaderError(f"bad magic {magic!r}")
+    if version != VERSION or header_len != HEADER_BYTES:
+        raise CorruptHeaderError(f"unsupported format version {version} (header {header_len} bytes)")
+    if dtype not in DTYPE_NAMES or ndim > MAX_DIMS:
+        raise CorruptHeaderError(f"bad dtype code {dtype} or ndim {ndim}")
+    meta = ChunkMeta(namespace, BlockHash(key), num_tokens, DTYPE_NAMES[dtype], tuple(shape[:ndim]))
+    if meta.raw_len != raw_len:
+        raise CorruptHeaderError(f"raw length {raw_len} disagrees with shape {meta.shape} {meta.dtype}")
+    return meta, codec, checksum, payload_len, payload_sum
+
+
+def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None) -> DecodedChunk:
+    """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
+    meta, codec_code, checksum_code, payload_len, payload_sum = read_header(blob)
+    if namespace is not None and meta.namespace != namespace:
+        raise NamespaceMismatchError(f"chunk namespace {meta.namespace.hex()} is not {namespace.hex()}")
+    if key is not None and meta.key != key:
+        raise KeyMismatchError(f"chunk key {meta.key.hex()[:16]}… is not {bytes(key).hex()[:16]}…")
+    view = memoryview(blob).cast("B")
+    payload = view[HEADER_BYTES:]
+    if len(payload) != payload_len:
+        raise TruncatedChunkError(f"payload is {len(payload)} bytes, header says {payload_len}")
+    if checksum_by_code(checksum_code)()(payload) != payload_sum:
+        raise ChecksumMismatchError(f"payload checksum mismatch for chunk {meta.key.hex()[:16]}…")
+    data = codec_by_code(codec_code)().decode(payload, meta.raw_len, DTYPE_SIZES[meta.dtype])
+    return DecodedChunk(meta, data)

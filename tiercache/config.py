@@ -1,0 +1,262 @@
+"""The typed configuration tree and its loaders.
+
+One frozen dataclass per section; values are validated in ``__post_init__``
+and every error names its dotted field (``cpu.capacity``). Sources merge in
+this order, later winning: defaults < YAML/TOML file < ``TIERCACHE_*``
+environment variables (``TIERCACHE_CPU__CAPACITY=8GiB``) < CLI overrides
+(``--set cpu.capacity=8GiB``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiercache.errors import ConfigError
+
+ENV_PREFIX = "TIERCACHE_"
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, field_name: str = "size") -> int:
+    """Parse ``8GiB``, ``512MB``, ``1.5GiB`` or an integer into bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(field_name, value, "expected a size such as 512MiB")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(field_name, value, "expected a size such as 512MiB, 8GiB or 1000000")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _size(default: int, doc: str) -> Any:
+    return field(default=default, metadata={"size": True, "doc": doc})
+
+
+def _opt(default: Any, doc: str) -> Any:
+    return field(default=default, metadata={"doc": doc})
+
+
+def _check(cond: bool, name: str, value: object, reason: str) -> None:
+    if not cond:
+        raise ConfigError(name, value, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class KeysConfig:
+    block_size: int = _opt(16, "tokens per L0 block (and per hash-chain link)")
+    chunk_tokens: int = _opt(256, "tokens per offloaded chunk; a multiple of block_size")
+    hash: str = _opt("sha256", "block hash function: sha256 | blake3 | xxh3_128 (unsafe for multi-tenant)")
+    tenant_salt: str = _opt("", "mixed into the namespace digest so tenants never share keys")
+    store_partial_chunks: bool = _opt(False, "also offload a trailing chunk with fewer than chunk_tokens tokens")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, "block_size", self.block_size, "must be positive")
+        _check(self.chunk_tokens > 0 and self.chunk_tokens % self.block_size == 0, "chunk_tokens",
+               self.chunk_tokens, f"must be a positive multiple of block_size ({self.block_size})")
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePoolConfig:
+    device: str = _opt("auto", "where L0 lives: auto (cuda when present) | cpu | cuda | cuda:N")
+    num_blocks: int = _opt(2048, "blocks preallocated in the paged pool")
+
+    def __post_init__(self) -> None:
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
+               "expected auto, cpu, cuda or cuda:N")
+        _check(self.num_blocks > 0, "num_blocks", self.num_blocks, "must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTierConfig:
+    enabled: bool = _opt(True, "keep an L1 tier in (pinned) host memory")
+    capacity: int = _size(1 << 30, "bytes of host memory for L1 chunks")
+    eviction: str = _opt("lru", "eviction policy name")
+    prefault: bool = _opt(True, "touch every page of the L1 buffer at start")
+    pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
+
+    def __post_init__(self) -> None:
+        _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
+        _check(self.pin_memory in ("auto", "on", "off"), "pin_memory", self.pin_memory, "expected auto, on or off")
+
+
+@dataclass(frozen=True, slots=True)
+class FormatConfig:
+    codec: str = _opt("raw", "payload codec for L2/L3: raw | lz4 | lz4-shuffle")
+    checksum: str = _opt("xxh3_64", "payload checksum: xxh3_64 | crc32")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    workers: int = _opt(2, "copy worker threads")
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.workers <= 64, "workers", self.workers, "must be between 1 and 64")
+
+
+@dataclass(frozen=True, slots=True)
+class TierCacheConfig:
+    keys: KeysConfig = field(default_factory=KeysConfig)
+    device_pool: DevicePoolConfig = field(default_factory=DevicePoolConfig)
+    cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    format: FormatConfig = field(default_factory=FormatConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def replace(self, **sections: Mapping[str, Any]) -> "TierCacheConfig":
+        """A copy with some fields changed: ``cfg.replace(cpu={"capacity": "2GiB"})``."""
+        return build_config(_merge(to_dict(self), sections))
+
+
+def to_dict(cfg: object) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)  # type: ignore[arg-type]
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _coerce(name: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
+    if f.metadata.get("size"):
+        return parse_size(value, name)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(name, value, "expected a boolean (true/false)")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(name, value, "expected an integer")
+        try:
+            return int(str(value), 0) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(name, value, "expected an integer") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(name, value, "expected a number") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(name, value, "expected a string")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix.rstrip(".") or "<root>", data, "expected a table of fields")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(prefix + str(key), data[key], f"unknown field; known: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = _build(typ, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(prefix + name, fields[name], typ, value)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if err.field.startswith(prefix):
+            raise
+        raise ConfigError(prefix + err.field, err.value, err.reason) from None
+
+
+def build_config(data: Mapping[str, Any], cls: type = TierCacheConfig) -> Any:
+    return _build(cls, data, "")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError("--config", str(path), f"cannot read file: {err.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text) or {}
+    except Exception as err:  # parser errors differ by format; name the file
+        raise ConfigError("--config", str(path), f"not valid {path.suffix or 'YAML'}: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", str(path), "top level must be a table of sections")
+    return data
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: str, origin: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(origin, dotted, "expected section.field")
+    node = target
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(origin, dotted, "is not a section")
+    node[parts[-1]] = value
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``TIERCACHE_CPU__CAPACITY=8GiB`` → ``{"cpu": {"capacity": "8GiB"}}``."""
+    out: dict[str, Any] = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            _set_dotted(out, dotted, value, key)
+    return out
+
+
+def cli_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["cpu.capacity=8GiB"]`` → ``{"cpu": {"capacity": "8GiB"}}``."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        dotted, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError("--set", pair, "expected section.field=value")
+        _set_dotted(out, dotted.strip(), value.strip(), "--set")
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Iterable[str] = (),
+) -> TierCacheConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _merge(data, _read_file(Path(path)))
+    data = _merge(data, env_overrides(os.environ if env is None else env))
+    data = _merge(data, cli_overrides(overrides))
+    return build_config(data)

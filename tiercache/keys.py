@@ -1,0 +1,134 @@
+"""Namespaces, chained block hashes and chunk keys (DESIGN §2).
+
+Runs anywhere (scheduler or worker side): pure functions over token ids.
+
+A block's hash is ``h_i = H(h_{i-1} ‖ tokens_i ‖ extra_i)`` with ``h_{-1}``
+the namespace digest, so two models, KV layouts or tenants never share a key.
+Token ids are packed once into one little-endian uint32 buffer with numpy and
+each block hashes a slice of it: the per-block Python work is one hash call.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+import numpy as np
+
+from tiercache.registry import Registry
+
+BlockHash = NewType("BlockHash", bytes)
+"""32-byte chained hash of a full block; also the key of the chunk it ends."""
+
+HASH_BYTES = 32
+NAMESPACE_DIGEST_BYTES = 16
+
+HashFn = Callable[[bytes], bytes]
+hash_functions: Registry[HashFn] = Registry("hash function")
+
+
+@hash_functions.register("sha256")
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+@hash_functions.register("blake3")
+def _blake3(data: bytes) -> bytes:
+    import blake3
+    return blake3.blake3(data).digest()
+
+
+@hash_functions.register("xxh3_128")
+def _xxh3_128(data: bytes) -> bytes:
+    """Fast and non-cryptographic: collisions can be forged, so never use it across tenants."""
+    import xxhash
+    digest = xxhash.xxh3_128_digest(data)
+    return digest + digest  # widen to HASH_BYTES so every key has one size
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Shape of the KV cache one block holds, as the engine lays it out."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str          # torch dtype name without the prefix: "bfloat16", "float32"
+    layout: str = "LKBTHD"  # layers, k/v, blocks, tokens, heads, head_dim
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVGeometry.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that makes two KV caches incompatible."""
+    model: str
+    geometry: KVGeometry
+    block_size: int
+    revision: str = ""
+    tenant_salt: str = ""
+
+    def digest(self) -> bytes:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(b"tiercache-namespace-v1\0" + canonical).digest()[:NAMESPACE_DIGEST_BYTES]
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(token_ids)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+class BlockHasher:
+    """Hashes full blocks of token ids into a chain seeded by a namespace."""
+
+    def __init__(self, namespace: Namespace, hash_name: str = "sha256") -> None:
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self.hash_name = hash_name
+        self._hash = hash_functions.get(hash_name)
+        self.seed = BlockHash(namespace.digest().ljust(HASH_BYTES, b"\0"))
+
+    def hash_blocks(
+        self,
+        token_ids: Sequence[int] | np.ndarray,
+        parent: BlockHash | None = None,
+        extra_keys: Sequence[bytes] | None = None,
+    ) -> list[BlockHash]:
+        """Hashes of every full block of ``token_ids``, continuing the chain at ``parent``.
+
+        ``extra_keys[i]``, when given, is mixed into block i (LoRA id,
+        multimodal input hash...). A trailing partial block is not hashed.
+        """
+        buf = tokens_to_bytes(token_ids)
+        step = self.block_size * 4
+        num_blocks = len(buf) // step
+        if extra_keys is not None and len(extra_keys) < num_blocks:
+            raise ValueError(f"extra_keys has {len(extra_keys)} entries for {num_blocks} blocks")
+        h = self._hash
+        prev = self.seed if parent is None else parent
+        out: list[BlockHash] = []
+        append = out.append
+        if extra_keys is None:
+            for off in range(0, num_blocks * step, step):
+                prev = h(prev + buf[off:off + step])
+                append(prev)
+        else:
+            for i, off in enumerate(range(0, num_blocks * step, step)):
+                prev = h(prev + buf[off:off + step] + extra_keys[i])
+                append(prev)
+        return out  # type: ignore[return-value]
+
+
+def chunk_keys(block_hashes: Sequence[BlockHash], blocks_per_chunk: int, include_partial: bool = False) -> list[BlockHash]:
+    """Key of each chunk: the hash of its last block."""
+    n = len(block_hashes)
+    keys = [block_hashes[i] for i in range(blocks_per_chunk - 1, n, blocks_per_chunk)]
+    if include_partial and n % blocks_per_chunk:
+        keys.append(block_hashes[-1])
+    return keys

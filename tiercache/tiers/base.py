@@ -1,0 +1,84 @@
+"""What every tier below L0 shares: its medium, a leading-run `contains`, delete, capacity and counters.
+
+Tier indexes are bookkeeping only and are driven from one thread (the
+manager's); the bytes they describe are moved by transfer handlers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from tiercache.keys import BlockHash
+
+
+class Medium(str, Enum):
+    DEVICE = "device"   # L0: the engine's paged pool
+    CPU = "cpu"         # L1: (pinned) host memory
+    DISK = "disk"       # L2: local NVMe
+    REMOTE = "remote"   # L3: Redis or a tiercache server
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Monotonic counters; only the owning tier increments them."""
+    lookups: int = 0
+    lookup_keys: int = 0
+    hit_keys: int = 0
+    stored: int = 0
+    store_rejected: int = 0      # no room (everything pinned) or already present
+    loaded: int = 0
+    evicted: int = 0
+    deleted: int = 0
+    integrity_failures: int = 0
+    errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Tier(ABC):
+    name: str
+    medium: Medium
+
+    def __init__(self) -> None:
+        self.counters = TierCounters()
+
+    @abstractmethod
+    def contains(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` are present and readable."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        """Remove keys that are present and not in use; returns how many were removed."""
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_chunks(self) -> int: ...
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            "name": self.name,
+            "medium": self.medium.value,
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "chunks": self.num_chunks,
+            "key_hit_ratio": c.hit_keys / c.lookup_keys if c.lookup_keys else 0.0,
+            **c.as_dict(),
+        }
+
+    def _count_lookup(self, asked: int, hit: int) -> int:
+        self.counters.lookups += 1
+        self.counters.lookup_keys += asked
+        self.counters.hit_keys += hit
+        return hit

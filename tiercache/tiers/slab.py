@@ -1,0 +1,41 @@
+"""Fixed-size slot allocator over one preallocated host buffer.
+
+The buffer is allocated once (pinned when CUDA is present) and pre-faulted:
+first-touch page faults cut copy throughput 3–10× on these machines, so no
+allocation or pinning happens on the hot path. Slots are handed out lowest
+address first, which keeps a batch of chunks mostly contiguous.
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+PAGE_BYTES = 4096
+
+
+class SlabAllocator:
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False, prefault: bool = True) -> None:
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError(f"need positive slots and slot size, got {num_slots} × {slot_bytes}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if prefault and not pin_memory:  # pinned pages are resident already
+            self.buffer[::PAGE_BYTES].fill_(0)  # one write per page faults it in
+        self.slots = self.buffer.view(num_slots, slot_bytes)
+        self._free: list[int] = list(range(num_slots))  # a heap: lowest slot first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return heapq.heappop(self._free) if self._free else None
+
+    def release(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        row = self.slots[slot]
+        return row if nbytes is None else row[:nbytes]
