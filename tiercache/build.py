@@ -13,7 +13,6 @@ from tiercache.config import TierCacheConfig
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.manager import CacheManager
 from tiercache.policies import eviction_policies
-from tiercache.pool.block_pool import BlockPool
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
@@ -34,7 +33,7 @@ class OffloadStack:
         self.engine.close()
 
 
-def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, l0: BlockPool | None = None) -> OffloadStack:
+def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache) -> OffloadStack:
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
     try:
@@ -51,8 +50,8 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, l0: BlockPool
             raise ConfigError("cpu.capacity", config.cpu.capacity, f"holds no chunk of {slot_bytes} bytes")
         cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
                       pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
-        DeviceCpuHandlers(kv, cpu).register(engine)
+        DeviceCpuHandlers(kv, cpu, bpc).register(engine)
         tiers.append(cpu)
-    manager = CacheManager(tiers, engine, config.keys.block_size, bpc, kv.block_bytes, l0=l0,
+    manager = CacheManager(tiers, engine, config.keys.block_size, bpc, kv.block_bytes,
                            store_partial_chunks=config.keys.store_partial_chunks)
     return OffloadStack(manager, engine, tiers)

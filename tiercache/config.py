@@ -107,7 +107,7 @@ class FormatConfig:
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    workers: int = _opt(2, "copy worker threads")
+    workers: int = _opt(2, "transfer jobs run at once")
 
     def __post_init__(self) -> None:
         _check(1 <= self.workers <= 64, "workers", self.workers, "must be between 1 and 64")

@@ -1,9 +1,14 @@
 """The cache manager: longest-prefix lookup across tiers, and load/store plans.
 
-Scheduler side, bookkeeping only: it reads and updates tier indexes and the
-L0 block pool's pins, builds `TransferPlan`s (plain data) and hands them to
-the `TransferEngine`; it never touches a tensor. One thread drives it; the
-results of finished transfers are applied in `poll` / `wait` on that thread.
+Scheduler side, bookkeeping only: it reads and updates tier indexes, builds
+`TransferPlan`s (plain data) and hands them to the `TransferEngine`; it never
+touches a tensor. One thread drives it; the results of finished transfers are
+applied in `poll` / `wait` on that thread.
+
+Contract with the engine (as in vLLM's connector API): the L0 blocks named in
+a plan stay allocated to their request until the plan's result is reported —
+the engine delays freeing a finished request whose store is in flight — so
+the manager needs no per-block pins on the hot path.
 
 Chunks: chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and
 is keyed by the hash of its last block (DESIGN §2).
@@ -14,7 +19,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tiercache.keys import BlockHash, chunk_keys
-from tiercache.pool.block_pool import Block, BlockPool
 from tiercache.tiers.base import Medium
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
@@ -49,7 +53,6 @@ class PrefixLookup:
 class _InFlight:
     plan: TransferPlan
     tier: CpuTier
-    pinned: tuple[Block, ...]
 
 
 class CacheManager:
@@ -60,7 +63,6 @@ class CacheManager:
         block_size: int,
         blocks_per_chunk: int,
         block_bytes: int,
-        l0: BlockPool | None = None,
         store_partial_chunks: bool = False,
     ) -> None:
         for t in tiers:
@@ -75,7 +77,6 @@ class CacheManager:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
-        self.l0 = l0
         self.store_partial_chunks = store_partial_chunks
         self._in_flight: dict[JobId, _InFlight] = {}
 
@@ -109,18 +110,10 @@ class CacheManager:
         return PrefixLookup(num_computed_blocks, tuple(runs), hit_blocks, self.block_size)
 
     # -- plans ---------------------------------------------------------------
-    def _pin_l0(self, block_ids: Iterable[int]) -> tuple[Block, ...]:
-        if self.l0 is None:
-            return ()
-        blocks = tuple(self.l0.blocks[i] for i in block_ids)
-        self.l0.pin(blocks)
-        return blocks
-
     def _submit(self, tier: Tier, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy]) -> JobId:
         nbytes = sum(len(c.block_ids) for c in chunks) * self.block_bytes
         plan = TransferPlan(self.engine.next_job_id(), src, dst, priority, tuple(chunks), nbytes)
-        pinned = self._pin_l0(b for c in chunks for b in c.block_ids)
-        self._in_flight[plan.job_id] = _InFlight(plan, tier, pinned)
+        self._in_flight[plan.job_id] = _InFlight(plan, tier)
         self.engine.submit(plan)
         return plan.job_id
 
@@ -176,8 +169,6 @@ class CacheManager:
             tier.complete_load(job.plan.keys)
         else:
             tier.complete_store(job.plan.keys, result.ok)
-        if self.l0 is not None and job.pinned:
-            self.l0.unpin(job.pinned)
 
     def poll(self) -> list[TransferResult]:
         results = self.engine.poll()

@@ -158,6 +158,9 @@ class CpuTier(Tier):
     def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         return self.slab.view(slot, nbytes)
 
+    def slot_run_view(self, first: int, count: int) -> torch.Tensor:
+        return self.slab.run_view(first, count)
+
     def entry_nbytes(self, key: BlockHash) -> int:
         return self.entries[key].nbytes
 

@@ -36,6 +36,10 @@ class SlabAllocator:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
 
+    def run_view(self, first: int, count: int) -> torch.Tensor:
+        """Flat view of ``count`` adjacent slots starting at ``first``."""
+        return self.buffer[first * self.slot_bytes:(first + count) * self.slot_bytes]
+
     def view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         row = self.slots[slot]
         return row if nbytes is None else row[:nbytes]

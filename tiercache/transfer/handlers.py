@@ -4,12 +4,18 @@ Worker side: these run on transfer threads and touch only tensors — the
 pool's KV tensor and the L1 slots named in the plan, which the manager pinned
 (L0 blocks and L1 slots alike) before submitting, so nothing they read or
 write can be reused until the result is applied.
+
+Whole chunks in adjacent slots (the slab hands out lowest slots first, so a
+batch is mostly adjacent) move as one group in one op; a chunk that is only
+partly moved (a load skipping blocks L0 holds) moves on its own.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from tiercache.kernels import chunk_view, gather_blocks, scatter_blocks
+from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
 from tiercache.tiers.cpu import CpuTier
@@ -17,33 +23,54 @@ from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.plan import ChunkCopy, TransferPlan
 
 
-class DeviceCpuHandlers:
-    """L0 → L1 stores (gather) and L1 → L0 loads (scatter), one torch op per chunk."""
+def group_adjacent(chunks: Sequence[ChunkCopy], full_blocks: int) -> list[list[ChunkCopy]]:
+    """Split a plan's chunks into groups of whole chunks in adjacent slots (singletons otherwise)."""
+    groups: list[list[ChunkCopy]] = []
+    prev: ChunkCopy | None = None
+    for c in chunks:
+        if c.slot is None:
+            raise ValueError(f"chunk {c.key.hex()[:16]}… has no L1 slot")
+        whole = c.first_block == 0 and c.chunk_blocks == full_blocks == len(c.block_ids)
+        if whole and prev is not None and c.slot == prev.slot + 1:  # type: ignore[operator]
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+        prev = c if whole else None
+    return groups
 
-    def __init__(self, kv: PagedKVCache, cpu: CpuTier) -> None:
+
+class DeviceCpuHandlers:
+    """L0 → L1 stores (gather) and L1 → L0 loads (scatter)."""
+
+    def __init__(self, kv: PagedKVCache, cpu: CpuTier, blocks_per_chunk: int) -> None:
         self.kv = kv
         self.cpu = cpu
+        self.blocks_per_chunk = blocks_per_chunk
 
     def register(self, engine: TransferEngine) -> None:
         engine.register(Medium.DEVICE, Medium.CPU, self.store)
         engine.register(Medium.CPU, Medium.DEVICE, self.load)
 
-    def _slot_blocks(self, plan: TransferPlan, c: ChunkCopy) -> torch.Tensor:
-        if c.slot is None:
-            raise ValueError(f"job {plan.job_id}: chunk {c.key.hex()[:16]}… has no L1 slot")
-        whole = chunk_view(self.kv.kv, self.cpu.slot_view(c.slot), c.chunk_blocks)
+    def _part(self, c: ChunkCopy) -> torch.Tensor:
+        whole = chunk_view(self.kv.kv, self.cpu.slot_view(c.slot), c.chunk_blocks)  # type: ignore[arg-type]
         return whole[:, :, c.first_block:c.first_block + len(c.block_ids)]
 
-    def store(self, plan: TransferPlan) -> None:
+    def _move(self, plan: TransferPlan, store: bool) -> None:
         pool = self.kv.kv
-        for c in plan.chunks:
-            gather_blocks(pool, c.block_ids, self._slot_blocks(plan, c))
+        for group in group_adjacent(plan.chunks, self.blocks_per_chunk):
+            first = group[0]
+            if len(group) == 1 and (first.first_block or len(first.block_ids) != first.chunk_blocks
+                                    or first.chunk_blocks != self.blocks_per_chunk):
+                (gather_blocks if store else scatter_blocks)(pool, first.block_ids, self._part(first))
+                continue
+            buffer = self.cpu.slot_run_view(first.slot, len(group))  # type: ignore[arg-type]
+            ids = [c.block_ids for c in group]
+            (gather_chunks if store else scatter_chunks)(pool, ids, buffer)
         if pool.is_cuda:
             torch.cuda.current_stream(pool.device).synchronize()
 
+    def store(self, plan: TransferPlan) -> None:
+        self._move(plan, store=True)
+
     def load(self, plan: TransferPlan) -> None:
-        pool = self.kv.kv
-        for c in plan.chunks:
-            scatter_blocks(pool, c.block_ids, self._slot_blocks(plan, c))
-        if pool.is_cuda:
-            torch.cuda.current_stream(pool.device).synchronize()
+        self._move(plan, store=False)
