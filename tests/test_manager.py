@@ -24,8 +24,7 @@ def test_store_then_load_is_bit_exact(stack):
     expect = stack.kv.kv[:, :, ids[:3 * BPC]].clone()
 
     # Store: every full chunk goes to L1; the partial tail does not.
-    job = stack.manager.plan_store(hashes, ids)
-    (result,) = stack.manager.wait([job])
+    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
     assert result.ok and stack.cpu.num_chunks == 3
     stack.blocks.free("a")
 
@@ -37,7 +36,7 @@ def test_store_then_load_is_bit_exact(stack):
 
     stack.blocks.allocate("b", len(tokens))
     new_ids = stack.blocks.block_ids("b")
-    results = stack.manager.wait(stack.manager.plan_load(lookup, new_ids))
+    results = stack.manager.wait(stack.manager.submit(stack.manager.plan_load(lookup, new_ids)))
     assert all(r.ok for r in results)
     assert torch.equal(stack.kv.kv[:, :, new_ids[:3 * BPC]], expect)
     assert stack.manager.num_in_flight == 0
@@ -51,10 +50,10 @@ def test_scattered_blocks_round_trip():
         ids = random.Random(3).sample(range(64), 2 * BPC)
         s.fill("x", ids, seed=5)
         expect = s.kv.kv[:, :, ids].clone()
-        s.manager.wait([s.manager.plan_store(hashes, ids)])
+        s.manager.wait(s.manager.submit([s.manager.plan_store(hashes, ids)]))
         s.kv.kv.zero_()
         other = random.Random(4).sample(range(64), 2 * BPC)
-        s.manager.wait(s.manager.plan_load(s.manager.lookup(hashes), other))
+        s.manager.wait(s.manager.submit(s.manager.plan_load(s.manager.lookup(hashes), other)))
         assert torch.equal(s.kv.kv[:, :, other], expect)
     finally:
         s.close()
@@ -65,7 +64,7 @@ def test_load_skips_blocks_already_in_l0(stack):
     tokens = list(range(3 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=2)
     expect = stack.kv.kv[:, :, ids].clone()
-    stack.manager.wait([stack.manager.plan_store(hashes, ids)])
+    stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
 
     lookup = stack.manager.lookup(hashes, num_computed_blocks=6)
     assert lookup.num_computed_blocks == 6
@@ -74,7 +73,7 @@ def test_load_skips_blocks_already_in_l0(stack):
 
     marker = torch.full_like(stack.kv.kv[:, :, 0], 7.0)
     stack.kv.kv[:, :, ids] = marker.unsqueeze(2)
-    stack.manager.wait(stack.manager.plan_load(lookup, ids))
+    stack.manager.wait(stack.manager.submit(stack.manager.plan_load(lookup, ids)))
     assert torch.equal(stack.kv.kv[:, :, ids[:6]], marker.unsqueeze(2).expand_as(expect[:, :, :6]))
     assert torch.equal(stack.kv.kv[:, :, ids[6:]], expect[:, :, 6:])
 
@@ -82,7 +81,7 @@ def test_load_skips_blocks_already_in_l0(stack):
 def test_lookup_stops_at_the_first_missing_chunk(stack):
     tokens = list(range(3 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=3)
-    stack.manager.wait([stack.manager.plan_store(hashes, ids)])
+    stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
     stack.cpu.delete([hashes[2 * BPC - 1]])          # drop chunk 1
     lookup = stack.manager.lookup(hashes)
     assert lookup.num_hit_blocks == BPC and len(lookup.runs) == 1
@@ -93,15 +92,14 @@ def test_lookup_stops_at_the_first_missing_chunk(stack):
 def test_stores_skip_present_chunks(stack):
     tokens = list(range(2 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=4)
-    job = stack.manager.plan_store(hashes, ids)
+    (job,) = stack.manager.submit([stack.manager.plan_store(hashes, ids)])
     assert stack.manager.num_in_flight == 1
     assert stack.manager.lookup(hashes).num_hit_blocks == 0   # invisible while being written
     stack.manager.wait([job])
     assert stack.manager.plan_store(hashes, ids) is None      # nothing new to store
     longer = stack.hasher.hash_blocks(tokens + list(range(CHUNK)))
     stack.blocks.allocate("b", 3 * CHUNK)
-    job = stack.manager.plan_store(longer, stack.blocks.block_ids("b"))
-    (result,) = stack.manager.wait([job])
+    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(longer, stack.blocks.block_ids("b"))]))
     assert len(result.plan.chunks) == 1 and stack.cpu.num_chunks == 3
 
 
@@ -114,7 +112,7 @@ def test_a_failing_handler_becomes_a_failed_result(stack, monkeypatch):
         raise OSError("injected copy failure")
 
     monkeypatch.setitem(stack.manager.engine._handlers, (stack.cpu.medium.DEVICE, stack.cpu.medium), broken)
-    (result,) = stack.manager.wait([stack.manager.plan_store(hashes, ids)])
+    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
     assert not result.ok and "injected" in result.error and len(result.failed_keys) == 2
     assert stack.cpu.num_chunks == 0 and stack.cpu.used_bytes == 0 and stack.cpu.counters.errors == 2
     assert stack.manager.engine.stats()["device->cpu"]["failed"] == 1
@@ -127,7 +125,7 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
         tokens = list(range(4 * CHUNK))
         hashes = s.hasher.hash_blocks(tokens)
         s.blocks.allocate("a", len(tokens))
-        s.manager.wait([s.manager.plan_store(hashes, s.blocks.block_ids("a"))])
+        s.manager.wait(s.manager.submit([s.manager.plan_store(hashes, s.blocks.block_ids("a"))]))
         assert s.cpu.num_chunks == 2 and s.cpu.used_bytes <= s.cpu.capacity_bytes
         assert s.cpu.counters.store_rejected == 2
         assert s.manager.lookup(hashes).num_hit_blocks == 2 * BPC
@@ -135,7 +133,7 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
         # One chunk of another prompt evicts a's tail chunk, not its head.
         other = s.hasher.hash_blocks([t + 10_000 for t in range(CHUNK)])
         s.blocks.allocate("b", CHUNK)
-        s.manager.wait([s.manager.plan_store(other, s.blocks.block_ids("b"))])
+        s.manager.wait(s.manager.submit([s.manager.plan_store(other, s.blocks.block_ids("b"))]))
         assert s.cpu.counters.evicted == 1
         assert s.manager.lookup(hashes).num_hit_blocks == BPC
         assert s.manager.lookup(other).num_hit_blocks == BPC

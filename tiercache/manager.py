@@ -39,6 +39,7 @@ class PrefixLookup:
     runs: tuple[TierRun, ...]         # chunks after those, tier by tier, in order
     num_hit_blocks: int               # leading blocks available in L0 or any tier
     block_size: int
+    num_blocks: int                   # blocks the looked-up chunks cover (bounds a partial last chunk)
 
     @property
     def num_loadable_tokens(self) -> int:
@@ -86,13 +87,17 @@ class CacheManager:
         return start, min(start + self.blocks_per_chunk, num_blocks)
 
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
-        """Longest run of chunks, after the blocks already in L0, found in any tier.
+        """Longest run of chunks of a request, after the blocks already in L0, found in any tier."""
+        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
+        return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks)
+
+    def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
+        """Like `lookup`, for explicit chunk keys covering ``num_blocks`` blocks (e.g. a swapped-out request).
 
         Greedy across tiers: at each position the fastest tier holding the
         next chunk serves as long a run as it has; one batched `contains` per
         tier per switch.
         """
-        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
         first = num_computed_blocks // self.blocks_per_chunk
         pos, runs = first, []
         while pos < len(keys):
@@ -106,80 +111,99 @@ class CacheManager:
                 break
         hit_blocks = num_computed_blocks
         if pos > first:
-            hit_blocks = max(hit_blocks, self._chunk_bounds(pos - 1, len(block_hashes))[1])
-        return PrefixLookup(num_computed_blocks, tuple(runs), hit_blocks, self.block_size)
+            hit_blocks = max(hit_blocks, self._chunk_bounds(pos - 1, num_blocks)[1])
+        return PrefixLookup(num_computed_blocks, tuple(runs), hit_blocks, self.block_size, num_blocks)
 
     # -- plans ---------------------------------------------------------------
-    def _submit(self, tier: Tier, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy]) -> JobId:
+    def _plan(self, tier: CpuTier, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy]) -> TransferPlan:
         nbytes = sum(len(c.block_ids) for c in chunks) * self.block_bytes
         plan = TransferPlan(self.engine.next_job_id(), src, dst, priority, tuple(chunks), nbytes)
         self._in_flight[plan.job_id] = _InFlight(plan, tier)
-        self.engine.submit(plan)
-        return plan.job_id
+        return plan
 
-    def plan_load(self, lookup: PrefixLookup, block_ids: Sequence[int], num_blocks: int | None = None) -> list[JobId]:
-        """Load every chunk of ``lookup`` into the request's blocks ``block_ids`` (its whole table).
+    def plan_load(self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None) -> list[TransferPlan]:
+        """Plans that load ``lookup``'s hit into the request's table ``block_ids``, one per tier run.
 
-        Blocks the engine already computed are skipped. ``num_blocks`` is the
-        request's count of full, hashed blocks (bounds a partial last chunk).
+        Loads blocks ``lookup.num_computed_blocks .. upto_blocks`` (default:
+        the whole hit); the chunks involved are pinned in their tier until the
+        result is applied.
         """
-        total = num_blocks if num_blocks is not None else lookup.num_hit_blocks
-        if len(block_ids) < lookup.num_hit_blocks:
-            raise ValueError(f"{len(block_ids)} block ids for a hit of {lookup.num_hit_blocks} blocks")
-        jobs = []
+        limit = lookup.num_hit_blocks if upto_blocks is None else min(upto_blocks, lookup.num_hit_blocks)
+        if len(block_ids) < limit:
+            raise ValueError(f"{len(block_ids)} block ids for a load of {limit} blocks")
+        plans = []
         for run in lookup.runs:
+            wanted = []
+            for i, key in enumerate(run.keys):
+                start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
+                if start >= limit:
+                    break
+                wanted.append((key, start, end))
+            if not wanted:
+                break
             tier = self.by_name[run.tier]
-            slots = tier.prepare_load(run.keys)
+            slots = tier.prepare_load([key for key, _, _ in wanted])
             chunks = []
-            for i, (key, slot) in enumerate(zip(run.keys, slots)):
-                start, end = self._chunk_bounds(run.first_chunk + i, total)
+            for (key, start, end), slot in zip(wanted, slots):
                 skip = max(0, lookup.num_computed_blocks - start)
-                chunks.append(ChunkCopy(key, slot, tuple(block_ids[start + skip:end]), end - start, skip))
-            jobs.append(self._submit(tier, Medium.CPU, Medium.DEVICE, Priority.LOAD, chunks))
-        return jobs
+                ids = tuple(block_ids[start + skip:min(end, limit)])
+                chunks.append(ChunkCopy(key, slot, ids, end - start, skip))
+            plans.append(self._plan(tier, Medium.CPU, Medium.DEVICE, Priority.LOAD, chunks))
+        return plans
 
-    def plan_store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> JobId | None:
-        """Store the request's chunks that the first (fastest) tier lacks; None when there is nothing to do.
+    def plan_store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0) -> TransferPlan | None:
+        """Plan storing a request's chunks (from ``first_chunk`` on) that the fastest tier lacks.
 
         ``block_hashes`` are the hashes of the request's full blocks and
         ``block_ids`` its block table. Chunks already present or without room
-        are skipped (stores are best effort).
+        are skipped (stores are best effort); None when nothing is left.
         """
-        if not self.tiers:
+        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
+        return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk)
+
+    def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
+                          first_chunk: int = 0, priority: Priority = Priority.STORE) -> TransferPlan | None:
+        """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks."""
+        if not self.tiers or first_chunk >= len(keys):
             return None
         tier = self.tiers[0]
-        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
-        bounds = [self._chunk_bounds(i, len(block_hashes)) for i in range(len(keys))]
+        bounds = [self._chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
         sizes = [(end - start) * self.block_bytes for start, end in bounds]
-        slots = tier.prepare_store(keys, sizes)
+        slots = tier.prepare_store(keys[first_chunk:], sizes)
         chunks = [
             ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start)
-            for key, slot, (start, end) in zip(keys, slots, bounds)
+            for key, slot, (start, end) in zip(keys[first_chunk:], slots, bounds)
             if slot is not None
         ]
-        if not chunks:
-            return None
-        return self._submit(tier, Medium.DEVICE, Medium.CPU, Priority.STORE, chunks)
+        return self._plan(tier, Medium.DEVICE, Medium.CPU, priority, chunks) if chunks else None
 
-    # -- completions ---------------------------------------------------------
-    def _apply(self, result: TransferResult) -> None:
-        job = self._in_flight.pop(result.job_id)
-        tier = job.tier
-        if job.plan.dst is Medium.DEVICE:
-            tier.complete_load(job.plan.keys)
-        else:
-            tier.complete_store(job.plan.keys, result.ok)
+    # -- execution and completions -------------------------------------------
+    def submit(self, plans: Iterable[TransferPlan | None]) -> list[JobId]:
+        return [self.engine.submit(p) for p in plans if p is not None]
+
+    def apply(self, results: Iterable[TransferResult]) -> None:
+        """Publish or release what finished transfers reserved; call on the manager's thread."""
+        for result in results:
+            job = self._in_flight.pop(result.job_id)
+            if job.plan.dst is Medium.DEVICE:
+                job.tier.complete_load(job.plan.keys)
+            else:
+                job.tier.complete_store(job.plan.keys, result.ok)
+
+    def cancel(self, plan: TransferPlan) -> TransferResult:
+        """A planned transfer that will not run: release its reservations now."""
+        result = TransferResult(plan, ok=False, seconds=0.0, error="cancelled", failed_keys=tuple(plan.keys))
+        self.apply([result])
+        return result
 
     def poll(self) -> list[TransferResult]:
         results = self.engine.poll()
-        for r in results:
-            self._apply(r)
+        self.apply(results)
         return results
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[TransferResult]:
         results = self.engine.wait(job_ids, timeout)
-        for r in results:
-            self._apply(r)
+        self.apply(results)
         return results
 
     @property

@@ -75,8 +75,7 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
 
     def put() -> float:
         t = time.perf_counter()
-        job = manager.plan_store(hashes, block_ids)
-        (result,) = manager.wait([job])
+        (result,) = manager.wait(manager.submit([manager.plan_store(hashes, block_ids)]))
         elapsed = time.perf_counter() - t
         if not result.ok or cpu.num_chunks != num_chunks:
             raise RuntimeError(f"store failed: {result.error}")
@@ -85,7 +84,7 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
     def get() -> float:
         t = time.perf_counter()
         lookup = manager.lookup(hashes)
-        results = manager.wait(manager.plan_load(lookup, block_ids))
+        results = manager.wait(manager.submit(manager.plan_load(lookup, block_ids)))
         elapsed = time.perf_counter() - t
         if lookup.num_hit_blocks != num_blocks or not all(r.ok for r in results):
             raise RuntimeError("load failed")

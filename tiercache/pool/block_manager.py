@@ -64,22 +64,41 @@ class BlockManager:
         return num_hit * self.block_size
 
     def append(self, req: RequestId, num_new_tokens: int = 1) -> list[BlockCopy]:
-        """Make room for ``num_new_tokens`` more tokens; copies a shared partial last block first."""
+        """Make room for ``num_new_tokens`` more tokens; copies a shared partial last block first.
+
+        All-or-nothing: raises MemoryError before changing anything when the
+        pool cannot supply the blocks (including the copy-on-write one).
+        """
         table = self.tables[req]
         old = self.num_tokens[req]
         new = old + num_new_tokens
+        cow = bool(old % self.block_size) and table[-1].ref_cnt > 1
+        extra = max(0, self.blocks_needed(new) - len(table))
+        if cow + extra > self.pool.num_free:
+            raise MemoryError(f"request {req!r} needs {cow + extra} more blocks, {self.pool.num_free} free")
         copies: list[BlockCopy] = []
-        if old % self.block_size and table[-1].ref_cnt > 1:
+        if cow:
             shared = table[-1]
             (private,) = self.pool.allocate(1)
             self.pool.free([shared])
             table[-1] = private
             copies.append(BlockCopy(shared.block_id, private.block_id))
-        extra = self.blocks_needed(new) - len(table)
-        if extra > 0:
+        if extra:
             table.extend(self.pool.allocate(extra))
         self.num_tokens[req] = new
         return copies
+
+    def ensure_tokens(self, req: RequestId, num_tokens: int) -> list[BlockCopy]:
+        """Grow ``req``'s table to hold ``num_tokens`` tokens (no-op when it already does)."""
+        have = self.num_tokens[req]
+        return self.append(req, num_tokens - have) if num_tokens > have else []
+
+    def hold(self, req: RequestId) -> list[Block]:
+        """End ``req``'s table but keep its blocks pinned (an in-flight transfer reads them); see `BlockPool.unpin`."""
+        blocks = self.tables[req]
+        self.pool.pin(blocks)
+        self.free(req)
+        return blocks
 
     def fork(self, parent: RequestId, child: RequestId) -> None:
         """``child`` shares all of ``parent``'s blocks; writes copy on demand."""

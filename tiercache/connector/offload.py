@@ -1,0 +1,269 @@
+"""The tiered-offload connector: `SchedulerConnector` and `WorkerConnector` over one `OffloadStack`.
+
+Scheduler side (`OffloadScheduler`): lookups, load and store planning through
+the `CacheManager`, per-request bookkeeping (chunks stored so far, in-flight
+stores, swapped-out requests), and applying finished transfers.
+
+Worker side (`OffloadWorker`): submits the step's plans to the transfer
+engine, waits for loads before layer 0 reads the cache, submits stores after
+the forward, and reports per-request completion and failed loads. A store
+owned by a request whose load failed in the same step is cancelled, so KV
+computed over missing context is never offloaded.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.build import OffloadStack
+from tiercache.connector.api import (
+    ConnectorMetadata, ConnectorOutput, RequestView, SchedulerConnector, StepRequest, WorkerConnector,
+)
+from tiercache.keys import BlockHash
+from tiercache.manager import PrefixLookup
+from tiercache.pool.kv_cache import PagedKVCache
+from tiercache.tiers.base import Medium
+from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
+
+
+@dataclass(frozen=True, slots=True)
+class _Swapped:
+    keys: tuple[BlockHash, ...]
+    num_blocks: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class ConnectorCounters:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_requests: int = 0
+    hit_tokens: int = 0            # tokens found in the tiers (beyond L0)
+    loaded_tokens: int = 0         # tokens loaded successfully (prefill tokens saved)
+    failed_loads: int = 0
+    stores_planned: int = 0
+    stores_cancelled: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+
+
+class OffloadScheduler(SchedulerConnector):
+    def __init__(self, stack: OffloadStack, block_size: int, swap_salt: bytes = b"") -> None:
+        self.manager = stack.manager
+        self.block_size = block_size
+        self.bpc = stack.manager.blocks_per_chunk
+        self.counters = ConnectorCounters()
+        self._swap_salt = swap_salt
+        self._lookups: dict[str, tuple[PrefixLookup, _Swapped | None]] = {}
+        self._pending_loads: list[TransferPlan] = []
+        self._pending_stores: list[TransferPlan] = []
+        self._owners: dict[JobId, str] = {}
+        self._stored_chunks: dict[str, int] = {}
+        self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
+        self._swapped: dict[str, _Swapped] = {}
+        self._swap_epoch = 0
+
+    # -- lookups and loads ---------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:
+        rid = request.request_id
+        computed_blocks = num_computed_tokens // self.block_size
+        swapped = self._swapped.get(rid)
+        if swapped is not None:
+            lookup = self.manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks)
+            available = min(lookup.num_hit_tokens, swapped.num_tokens)
+        else:
+            lookup = self.manager.lookup(request.block_hashes, computed_blocks)
+            available = lookup.num_hit_tokens
+        # At least one token is computed, so the request gets logits.
+        num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
+        self.counters.lookups += 1
+        self.counters.lookup_tokens += request.num_tokens
+        if num_new:
+            self.counters.hit_requests += 1
+            self.counters.hit_tokens += num_new
+            self._lookups[rid] = (lookup, swapped)
+        else:
+            self._lookups.pop(rid, None)
+        return num_new
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        rid = request.request_id
+        found = self._lookups.pop(rid, None)
+        if not num_external_tokens or found is None:
+            return
+        lookup, swapped = found
+        upto = -(-(lookup.num_computed_blocks * self.block_size + num_external_tokens) // self.block_size)
+        for plan in self.manager.plan_load(lookup, block_ids, upto_blocks=upto):
+            self._pending_loads.append(plan)
+            self._owners[plan.job_id] = rid
+        if swapped is not None:
+            self.counters.swap_ins += 1
+
+    # -- stores --------------------------------------------------------------
+    def build_connector_meta(self, step: Sequence[StepRequest]) -> ConnectorMetadata:
+        for s in step:
+            rid = s.request.request_id
+            full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
+            done = self._stored_chunks.get(rid, 0)
+            if full_chunks <= done:
+                continue
+            plan = self.manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done)
+            self._stored_chunks[rid] = full_chunks
+            if plan is not None:
+                self._pending_stores.append(plan)
+                self._owners[plan.job_id] = rid
+                self._store_jobs[rid].add(plan.job_id)
+                self.counters.stores_planned += 1
+        meta = ConnectorMetadata(tuple(self._pending_loads), tuple(self._pending_stores),
+                                 {p.job_id: self._owners[p.job_id] for p in (*self._pending_loads, *self._pending_stores)})
+        self._pending_loads, self._pending_stores = [], []
+        return meta
+
+    def update_connector_output(self, output: ConnectorOutput) -> None:
+        self.manager.apply(output.results)
+        for result in output.results:
+            rid = self._owners.pop(result.job_id, None)
+            if rid is None:
+                continue
+            if result.plan.dst is Medium.DEVICE:
+                if result.ok:
+                    self.counters.loaded_tokens += sum(len(c.block_ids) for c in result.plan.chunks) * self.block_size
+                else:
+                    self.counters.failed_loads += 1
+                swapped = self._swapped.pop(rid, None)
+                if swapped is not None:  # swapped-in (or failed): the swap copy is no longer needed
+                    self._drop_swap(swapped)
+            else:
+                self._store_jobs[rid].discard(result.job_id)
+                if not self._store_jobs[rid]:
+                    del self._store_jobs[rid]
+                if not result.ok and result.error == "cancelled":
+                    self.counters.stores_cancelled += 1
+
+    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+        rid = request.request_id
+        self._stored_chunks.pop(rid, None)
+        self._lookups.pop(rid, None)
+        swapped = self._swapped.pop(rid, None)
+        if swapped is not None:
+            self._drop_swap(swapped)
+        return self.has_pending_stores(rid)
+
+    def request_reset(self, request_id: str) -> None:
+        self._stored_chunks.pop(request_id, None)
+        self._lookups.pop(request_id, None)
+
+    def has_pending_stores(self, request_id: str) -> bool:
+        return bool(self._store_jobs.get(request_id))
+
+    # -- swap ----------------------------------------------------------------
+    def _swap_keys(self, request_id: str, num_chunks: int) -> tuple[BlockHash, ...]:
+        self._swap_epoch += 1
+        base = hashlib.sha256(b"tiercache-swap\0" + self._swap_salt + request_id.encode() + b"\0"
+                              + self._swap_epoch.to_bytes(8, "little")).digest()
+        return tuple(BlockHash(hashlib.sha256(base + i.to_bytes(4, "little")).digest()) for i in range(num_chunks))
+
+    def swap_out(self, request: RequestView, block_ids: Sequence[int], num_computed_tokens: int) -> bool:
+        rid = request.request_id
+        num_blocks = -(-num_computed_tokens // self.block_size)
+        keys = self._swap_keys(rid, -(-num_blocks // self.bpc))
+        plan = self.manager.plan_store_chunks(keys, block_ids, num_blocks)
+        if plan is None or len(plan.chunks) < len(keys):  # no room for all of it: recompute instead
+            if plan is not None:
+                self.manager.cancel(plan)
+            return False
+        self._swapped[rid] = _Swapped(keys, num_blocks, num_computed_tokens)
+        self._stored_chunks.pop(rid, None)
+        self._pending_stores.append(plan)
+        self._owners[plan.job_id] = rid
+        self._store_jobs[rid].add(plan.job_id)
+        self.counters.swap_outs += 1
+        return True
+
+    def _drop_swap(self, swapped: _Swapped) -> None:
+        for tier in self.manager.tiers:
+            tier.delete(list(swapped.keys))
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        return {
+            **{k: getattr(c, k) for k in c.__slots__},
+            "token_hit_ratio": c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0,
+            **self.manager.stats(),
+        }
+
+
+class OffloadWorker(WorkerConnector):
+    def __init__(self, stack: OffloadStack) -> None:
+        self.engine = stack.engine
+        self.kv: PagedKVCache | None = None
+        self._meta = ConnectorMetadata()
+        self._owners: dict[JobId, str] = {}
+        self._loads_in_flight: dict[str, set[JobId]] = defaultdict(set)
+        self._stores_in_flight: dict[str, set[JobId]] = defaultdict(set)
+        self._step_load_jobs: list[JobId] = []
+        self._results: list[TransferResult] = []
+        self._failed_this_step: set[str] = set()
+
+    def register_kv_caches(self, kv: PagedKVCache) -> None:
+        self.kv = kv
+
+    def bind_connector_meta(self, meta: ConnectorMetadata) -> None:
+        self._meta = meta
+        self._owners.update(meta.owners)
+        self._failed_this_step = set()
+
+    def start_load_kv(self) -> None:
+        self._step_load_jobs = []
+        for plan in self._meta.loads:
+            self.engine.submit(plan)
+            self._loads_in_flight[self._owners[plan.job_id]].add(plan.job_id)
+            self._step_load_jobs.append(plan.job_id)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if layer != 0 or not self._step_load_jobs:
+            return  # whole-chunk loads complete before the first layer reads the cache
+        for result in self.engine.wait(self._step_load_jobs):
+            if not result.ok:
+                self._failed_this_step.add(self._owners[result.job_id])
+            self._results.append(result)
+        self._step_load_jobs = []
+
+    def save_kv_layer(self, layer: int) -> None:
+        return None  # stores are whole chunks across all layers, handed over in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.wait_for_layer_load(0)  # a step with no layers run still settles its loads
+        for plan in self._meta.stores:
+            owner = self._owners[plan.job_id]
+            if owner in self._failed_this_step:
+                self._results.append(TransferResult(plan, ok=False, seconds=0.0, error="cancelled",
+                                                    failed_keys=tuple(plan.keys)))
+                continue
+            self.engine.submit(plan)
+            self._stores_in_flight[owner].add(plan.job_id)
+        self._meta = ConnectorMetadata()
+
+    def get_finished(self) -> ConnectorOutput:
+        results = self._results + self.engine.poll()
+        self._results = []
+        sending, recving, failed, failed_blocks = set(), set(), set(), set()
+        for r in results:
+            owner = self._owners.pop(r.job_id, None)
+            if owner is None:
+                continue
+            if r.plan.dst is Medium.DEVICE:
+                jobs, done = self._loads_in_flight, recving
+                if not r.ok:
+                    failed.add(owner)
+                    failed_blocks.update(b for c in r.plan.chunks for b in c.block_ids)
+            else:
+                jobs, done = self._stores_in_flight, sending
+            jobs[owner].discard(r.job_id)
+            if not jobs[owner]:
+                del jobs[owner]
+                done.add(owner)
+        return ConnectorOutput(tuple(results), frozenset(sending), frozenset(recving),
+                               frozenset(failed), frozenset(failed_blocks))

@@ -1,0 +1,58 @@
+"""Reference-engine configuration: the model's shape and the engine's limits.
+
+Validated on construction; errors name the field (`ConfigError`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiercache.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A Llama-style decoder. The embedded default is small enough to prefill 2K tokens quickly on 2 cores."""
+    vocab_size: int = 320
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 688
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 32768
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}", getattr(self, name), "must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("model.num_kv_heads", self.num_kv_heads,
+                              f"must divide num_heads ({self.num_heads})")
+        if self.head_dim % 2:
+            raise ConfigError("model.head_dim", self.head_dim, "must be even for rotary embeddings")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("model.dtype", self.dtype, "expected float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048     # token budget of one step; longer prefills are chunked
+    preemption: str = "recompute"          # recompute | swap (to L1)
+    enable_prefix_caching: bool = True     # L0 hash hits inside the engine's own pool
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"engine.{name}", getattr(self, name), "must be positive")
+        if self.preemption not in ("recompute", "swap"):
+            raise ConfigError("engine.preemption", self.preemption, "expected recompute or swap")

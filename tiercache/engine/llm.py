@@ -1,0 +1,159 @@
+"""The engine facade: `LLMEngine` (add requests, step) and `LLM` (generate a batch of prompts).
+
+Owns one of each: model, L0 pool, scheduler, runner, and optionally the
+tiercache connector. With ``offload=None`` the engine runs without tiers.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiercache.config import TierCacheConfig
+from tiercache.engine.config import EngineConfig, ModelConfig
+from tiercache.engine.runner import ModelRunner
+from tiercache.engine.scheduler import Scheduler
+from tiercache.engine.sequence import SamplingParams, Sequence
+from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from tiercache.engine.weights import config_from_hf, load_hf_model, seeded_model
+from tiercache.errors import ConfigError
+from tiercache.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    l0_hit_tokens: int
+    external_hit_tokens: int
+    preemptions: int
+    logits: list[torch.Tensor]
+
+
+def _namespace(model_cfg: ModelConfig, engine_cfg: EngineConfig, model_path: str | None, salt: str) -> Namespace:
+    geometry = KVGeometry(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, model_cfg.dtype)
+    if model_path is None:
+        model_id, revision = "tiercache-reference", f"seed-{engine_cfg.seed}-{model_cfg!r}"
+    else:
+        path = Path(model_path)
+        digest = hashlib.sha256((path / "config.json").read_bytes())
+        for f in sorted(path.glob("*.safetensors")):
+            digest.update(f"{f.name}:{f.stat().st_size}".encode())
+        model_id, revision = path.name, digest.hexdigest()[:16]
+    return Namespace(model_id, geometry, engine_cfg.block_size, revision, salt)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_cfg: ModelConfig | None = None,
+        engine_cfg: EngineConfig | None = None,
+        offload: TierCacheConfig | None = None,
+        model_path: str | None = None,
+        tokenizer: Tokenizer | str | None = None,
+        record_logits: bool = False,
+    ) -> None:
+        self.engine_cfg = engine_cfg = engine_cfg or EngineConfig()
+        if model_path is not None:
+            model_cfg = config_from_hf(Path(model_path), (model_cfg or ModelConfig()).dtype)
+            self.model = load_hf_model(model_path, model_cfg.dtype)
+        else:
+            model_cfg = model_cfg or ModelConfig()
+            self.model = seeded_model(model_cfg, engine_cfg.seed)
+        self.model_cfg = model_cfg
+        self.tokenizer: Tokenizer = HFTokenizer(tokenizer) if isinstance(tokenizer, str) else (tokenizer or ByteTokenizer())
+        if offload is not None and offload.keys.block_size != engine_cfg.block_size:
+            raise ConfigError("keys.block_size", offload.keys.block_size,
+                              f"must equal the engine's block size ({engine_cfg.block_size})")
+        self.namespace = _namespace(model_cfg, engine_cfg, model_path, offload.keys.tenant_salt if offload else "")
+        self.kv = PagedKVCache(self.namespace.geometry, engine_cfg.num_blocks, engine_cfg.block_size, engine_cfg.device)
+        self.pool = BlockPool(engine_cfg.num_blocks)
+        self.blocks = BlockManager(self.pool, engine_cfg.block_size)
+        self.hasher = BlockHasher(self.namespace, offload.keys.hash if offload else "sha256")
+        self.connector = None
+        if offload is not None:
+            from tiercache.connectors.reference import ReferenceConnector
+            self.connector = ReferenceConnector(offload, self.namespace, self.kv)
+        self.scheduler = Scheduler(engine_cfg, self.blocks, self.hasher,
+                                   self.connector.scheduler if self.connector else None,
+                                   eos_token_id=self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(self.model, self.kv, self.connector.worker if self.connector else None,
+                                  record_logits=record_logits)
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(t < 0 or t >= self.model_cfg.vocab_size for t in tokens):
+            raise ValueError(f"prompt has token ids outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+        params = params or SamplingParams()
+        if len(tokens) + params.max_tokens > self.model_cfg.max_position:
+            raise ValueError(f"prompt of {len(tokens)} + {params.max_tokens} tokens exceeds max_position "
+                             f"{self.model_cfg.max_position}")
+        need = -(-(len(tokens) + params.max_tokens) // self.engine_cfg.block_size)
+        if need > self.engine_cfg.num_blocks:
+            raise ValueError(f"request needs {need} blocks; the pool has {self.engine_cfg.num_blocks}")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        conn_out = self.connector.worker.get_finished() if self.connector else None
+        return self.scheduler.update(out, sampled, conn_out, time.perf_counter())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run(self) -> list[Sequence]:
+        finished = []
+        while self.has_unfinished():
+            finished += self.step()
+        return finished
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+            self.tokenizer.decode(seq.output_token_ids), seq.metrics.ttft or 0.0,
+            seq.metrics.l0_hit_tokens, seq.metrics.external_hit_tokens, seq.metrics.preemptions, seq.logits,
+        )
+
+    def stats(self) -> dict[str, object]:
+        pool = self.pool.stats()
+        out: dict[str, object] = {
+            "blocks": {"total": pool.num_blocks, "used": pool.used, "pinned": pool.pinned,
+                       "evictable": pool.evictable, "empty": pool.empty,
+                       "held_for_transfers": sum(len(b) for lists in self.scheduler.held.values() for b in lists)},
+            "preemptions": self.scheduler.num_preemptions,
+        }
+        if self.connector is not None:
+            out["connector"] = self.connector.scheduler.stats()
+        return out
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LLM(LLMEngine):
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion together (continuous batching); outputs in prompt order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        self.run()
+        return [self.output(s) for s in seqs]

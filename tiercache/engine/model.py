@@ -1,0 +1,163 @@
+"""A Llama-style decoder over the paged KV pool: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Worker side. One forward runs a flat batch of tokens from many sequences (a
+mix of prefill chunks and decodes). Each layer writes its new K/V into the
+pool through ``slot_mapping`` (one indexed copy for the whole batch) and
+attends over each sequence's cached context through its block table. Layer
+hooks let a KV connector wait for a layer's load and save a layer's KV.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiercache.engine.config import ModelConfig
+from tiercache.pool.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence's part of a flat batch: rows ``start:end`` and its cached context after this step."""
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor   # int64 block ids covering context_len tokens
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBatch:
+    seqs: Sequence[SeqSlice]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset
+
+
+class LayerHooks(Protocol):
+    def before_layer(self, layer: int) -> None: ...
+
+    def after_layer(self, layer: int) -> None: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary embeddings in the rotate-half convention used by Hugging Face Llama checkpoints."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)   # [N, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, batch: AttentionBatch,
+                kv: PagedKVCache, hooks: LayerHooks | None) -> torch.Tensor:
+        n = x.shape[0]
+        q = rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), positions)
+        k = rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), positions)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hooks is not None:
+            hooks.before_layer(self.layer)    # this layer's loaded KV must be in place before we read it
+        cache = kv.layer(self.layer)          # [2, num_blocks, block_size, kv_heads, head_dim]
+        k_flat = cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, batch.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, batch.slot_mapping, v.to(v_flat.dtype))
+        if hooks is not None:
+            hooks.after_layer(self.layer)
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        for s in batch.seqs:
+            ctx = s.context_len
+            keys = cache[0, s.block_table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+            values = cache[1, s.block_table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+            keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)      # [H, ctx, D]
+            values = values.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            query = q[s.start:s.end].transpose(0, 1)                                    # [H, n, D]
+            new = s.end - s.start
+            mask = None
+            if new > 1:  # causal with an offset: query i sits at position ctx - new + i
+                mask = torch.ones(new, ctx, dtype=torch.bool).tril(diagonal=ctx - new)
+            out[s.start:s.end] = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, batch, kv, hooks):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, batch, kv, hooks)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Parameter names follow Hugging Face's LlamaForCausalLM so checkpoints load by name."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.max_position, cfg.rope_theta)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: PagedKVCache, hooks: LayerHooks | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``logits_rows`` of the batch (default: every row)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, batch, kv, hooks)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.lm_head(self.norm(x)).float()

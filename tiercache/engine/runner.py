@@ -1,0 +1,80 @@
+"""Turns a scheduled step into one model forward, with the connector's worker hooks around it.
+
+Worker side. Builds the flat batch (token ids, positions, the slot of every
+new token, each sequence's block table), applies copy-on-write copies, starts
+the step's loads, runs the model (waiting per layer for loaded KV), hands the
+step's stores over, and samples.
+"""
+from __future__ import annotations
+
+import torch
+
+from tiercache.connector.api import WorkerConnector
+from tiercache.engine.model import AttentionBatch, LlamaModel, SeqSlice
+from tiercache.engine.sampler import sample
+from tiercache.engine.scheduler import SchedulerOutput
+from tiercache.pool.kv_cache import PagedKVCache
+
+
+class _ConnectorHooks:
+    def __init__(self, worker: WorkerConnector) -> None:
+        self.worker = worker
+
+    def before_layer(self, layer: int) -> None:
+        self.worker.wait_for_layer_load(layer)
+
+    def after_layer(self, layer: int) -> None:
+        self.worker.save_kv_layer(layer)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, worker: WorkerConnector | None = None,
+                 record_logits: bool = False) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.worker = worker
+        self.hooks = _ConnectorHooks(worker) if worker is not None else None
+        self.record_logits = record_logits
+        if worker is not None:
+            worker.register_kv_caches(kv)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns the sampled token of every sequence that produced one."""
+        if out.copies:
+            self.kv.copy_blocks([c.src for c in out.copies], [c.dst for c in out.copies])
+        if self.worker is not None:
+            if out.connector_meta is not None:
+                self.worker.bind_connector_meta(out.connector_meta)
+            self.worker.start_load_kv()
+        sampled: dict[str, int] = {}
+        if out.scheduled:
+            sampled = self._forward(out)
+        if self.worker is not None:
+            self.worker.wait_for_save()
+        return sampled
+
+    def _forward(self, out: SchedulerOutput) -> dict[str, int]:
+        bs = self.block_size
+        ids, pos, slots, seqs, rows, samplers = [], [], [], [], [], []
+        row = 0
+        for s in out.scheduled:
+            end = s.start + s.num_tokens
+            positions = torch.arange(s.start, end)
+            table = torch.as_tensor(s.block_ids, dtype=torch.int64)
+            ids.append(torch.as_tensor(s.seq.token_ids[s.start:end], dtype=torch.int64))
+            pos.append(positions)
+            slots.append(table[positions // bs] * bs + positions % bs)
+            seqs.append(SeqSlice(row, row + s.num_tokens, end, table[: -(-end // bs)]))
+            row += s.num_tokens
+            if s.samples:
+                rows.append(row - 1)
+                samplers.append(s)
+        batch = AttentionBatch(seqs, torch.cat(slots))
+        logits_rows = torch.as_tensor(rows, dtype=torch.int64)
+        logits = self.model(torch.cat(ids), torch.cat(pos), batch, self.kv, self.hooks, logits_rows)
+        if self.record_logits:
+            for i, s in enumerate(samplers):
+                s.seq.logits.append(logits[i].clone())
+        tokens = sample(logits, [s.seq.params for s in samplers], [s.seq.num_output_tokens for s in samplers])
+        return {s.seq.seq_id: t for s, t in zip(samplers, tokens)}
