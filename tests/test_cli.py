@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def tiercache(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True, timeout=300)
@@ -32,3 +34,37 @@ def test_bad_flags_are_one_clean_line():
     assert proc.returncode == 2 and "cpu.capacity" in proc.stderr and "Traceback" not in proc.stderr
     proc = tiercache("bench", "tiers", "--total-mib", "-3")
     assert proc.returncode == 2 and "--total-mib" in proc.stderr
+
+
+def test_demo_writes_the_report_and_outputs_match(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = tiercache("demo", "--workload", "shared-prefix", "--requests", "4", "--prefix-tokens", "256",
+                     "--output-tokens", "4", "--quiet", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    for key in ("workload", "requests", "ttft_cold_ms_p50", "ttft_warm_ms_p50", "speedup_p50", "token_hit_ratio",
+                "request_hit_ratio", "prefill_tokens_saved", "outputs_match"):
+        assert key in report
+    assert report["outputs_match"] is True and report["requests"] == 4
+    assert report["request_hit_ratio"] == 0.75 and report["prefill_tokens_saved"] == 3 * 256
+
+
+@pytest.mark.parametrize("workload", ["multi-turn", "long-doc"])
+def test_demo_other_workloads(tmp_path, workload):
+    out = tmp_path / "demo.json"
+    proc = tiercache("demo", "--workload", workload, "--requests", "4", "--prefix-tokens", "128", "--output-tokens",
+                     "3", "--tiers", "cpu", "--no-prefix-caching", "--quiet", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["outputs_match"] is True and report["hit_tokens_by_tier"]["l0"] == 0
+    assert report["hit_tokens_by_tier"]["tiers"] > 0
+
+
+def test_generate_prints_text():
+    proc = tiercache("generate", "--prompt", "Hello", "--max-tokens", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 tokens" in proc.stderr
+    proc = tiercache("generate", "--prompt", "x" * 40_000, "--max-tokens", "4")
+    assert proc.returncode == 2 and "max_position" in proc.stderr and "Traceback" not in proc.stderr
+    proc = tiercache("generate", "--prompt", "Hello", "--max-tokens", "0")
+    assert proc.returncode == 2 and "--max-tokens" in proc.stderr

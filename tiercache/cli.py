@@ -37,6 +37,8 @@ def _positive(text: str) -> int:
 
 def _tier_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["none"]:
+        return []
     known = {"cpu"}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
@@ -91,6 +93,56 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _offload_config(args: argparse.Namespace):
+    cfg = load_config(args.config, overrides=args.set)
+    return cfg.replace(cpu={"enabled": "cpu" in args.tiers}, keys={"block_size": args.block_size})
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.demo import demo
+    from tiercache.bench.workloads import WorkloadSpec
+    from tiercache.engine import EngineConfig
+
+    spec = WorkloadSpec(args.workload, requests=args.requests, prefix_tokens=args.prefix_tokens,
+                        suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
+    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks,
+                              enable_prefix_caching=not args.no_prefix_caching)
+    offload = _offload_config(args)
+    total = 2 * (spec.requests if spec.name != "multi-turn" else max(1, spec.requests // spec.turns) * spec.turns)
+    with tqdm(total=total, desc=f"demo {spec.name} (cold, then warm)", file=sys.stderr, disable=args.quiet) as bar:
+        report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1))
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    _write_json(args.json, report)
+    tiers = ",".join(args.tiers) or "none"
+    table = Table(title=f"demo: {spec.name}, {report['requests']} requests, tiers {tiers}", min_width=64)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("ttft_cold_ms_p50", "ttft_warm_ms_p50", "ttft_cold_ms_p99", "ttft_warm_ms_p99", "speedup_p50",
+                "token_hit_ratio", "request_hit_ratio", "prefill_tokens_saved", "outputs_match"):
+        table.add_row(key, str(report[key]))
+    table.add_row("hit tokens from L0 / tiers",
+                  f"{report['hit_tokens_by_tier']['l0']} / {report['hit_tokens_by_tier']['tiers']}")
+    Console(width=max(80, Console().width)).print(table)
+    return 0 if report["outputs_match"] else 1
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tiercache.engine import EngineConfig, LLM, SamplingParams
+
+    offload = _offload_config(args) if args.tiers else None
+    engine_cfg = EngineConfig(block_size=args.block_size)
+    with LLM(engine_cfg=engine_cfg, offload=offload, model_path=args.model_path, tokenizer=args.tokenizer) as llm:
+        (out,) = llm.generate([args.prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    print(out.text)
+    print(f"[{len(out.token_ids)} tokens: {out.token_ids}; time to first token {out.ttft_s * 1e3:.1f} ms]",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache offloading for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +161,32 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
+
+    d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
+    d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc"], default="shared-prefix")
+    d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, or none")
+    d.add_argument("--requests", type=_positive, default=16)
+    d.add_argument("--prefix-tokens", type=_positive, default=2048, help="shared prefix / history / document length")
+    d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")
+    d.add_argument("--output-tokens", type=_positive, default=8)
+    d.add_argument("--block-size", type=_positive, default=16)
+    d.add_argument("--l0-blocks", type=_positive, default=1024, help="blocks in the engine's own pool")
+    d.add_argument("--no-prefix-caching", action="store_true", help="no L0 hits: every hit comes from a tier")
+    d.add_argument("--json", metavar="PATH")
+    d.add_argument("--quiet", action="store_true")
+    _add_config_flags(d)
+    d.set_defaults(func=cmd_demo)
+
+    g = sub.add_parser("generate", help="generate text with the reference engine")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=_positive, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
+    g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
+    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0 (default none)")
+    g.add_argument("--block-size", type=_positive, default=16)
+    _add_config_flags(g)
+    g.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -125,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except TierCacheError as err:
         print(f"tiercache: error: {err}", file=sys.stderr)
         return 1
+    except ValueError as err:  # bad request input (empty prompt, too long, bad workload sizes)
+        print(f"tiercache: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -38,9 +38,9 @@ class _Swapped:
 @dataclass(slots=True)
 class ConnectorCounters:
     lookups: int = 0
-    lookup_tokens: int = 0
+    admitted_tokens: int = 0       # tokens of requests admitted (the denominator of the hit ratio)
     hit_requests: int = 0
-    hit_tokens: int = 0            # tokens found in the tiers (beyond L0)
+    hit_tokens: int = 0            # tokens planned to load from the tiers (beyond L0)
     loaded_tokens: int = 0         # tokens loaded successfully (prefill tokens saved)
     failed_loads: int = 0
     stores_planned: int = 0
@@ -79,10 +79,7 @@ class OffloadScheduler(SchedulerConnector):
         # At least one token is computed, so the request gets logits.
         num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
         self.counters.lookups += 1
-        self.counters.lookup_tokens += request.num_tokens
         if num_new:
-            self.counters.hit_requests += 1
-            self.counters.hit_tokens += num_new
             self._lookups[rid] = (lookup, swapped)
         else:
             self._lookups.pop(rid, None)
@@ -91,9 +88,12 @@ class OffloadScheduler(SchedulerConnector):
     def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
         rid = request.request_id
         found = self._lookups.pop(rid, None)
+        self.counters.admitted_tokens += request.num_tokens
         if not num_external_tokens or found is None:
             return
         lookup, swapped = found
+        self.counters.hit_requests += 1
+        self.counters.hit_tokens += num_external_tokens
         upto = -(-(lookup.num_computed_blocks * self.block_size + num_external_tokens) // self.block_size)
         for plan in self.manager.plan_load(lookup, block_ids, upto_blocks=upto):
             self._pending_loads.append(plan)
@@ -168,6 +168,9 @@ class OffloadScheduler(SchedulerConnector):
     def swap_out(self, request: RequestView, block_ids: Sequence[int], num_computed_tokens: int) -> bool:
         rid = request.request_id
         num_blocks = -(-num_computed_tokens // self.block_size)
+        previous = self._swapped.pop(rid, None)
+        if previous is not None:  # swapped before and resumed from L0: that copy is stale
+            self._drop_swap(previous)
         keys = self._swap_keys(rid, -(-num_blocks // self.bpc))
         plan = self.manager.plan_store_chunks(keys, block_ids, num_blocks)
         if plan is None or len(plan.chunks) < len(keys):  # no room for all of it: recompute instead
@@ -190,7 +193,7 @@ class OffloadScheduler(SchedulerConnector):
         c = self.counters
         return {
             **{k: getattr(c, k) for k in c.__slots__},
-            "token_hit_ratio": c.hit_tokens / c.lookup_tokens if c.lookup_tokens else 0.0,
+            "token_hit_ratio": c.hit_tokens / c.admitted_tokens if c.admitted_tokens else 0.0,
             **self.manager.stats(),
         }
 

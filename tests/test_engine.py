@@ -1,0 +1,186 @@
+"""The reference engine with and without tiercache: same greedy tokens, matching logits, no leaks."""
+import random
+
+import pytest
+import torch
+
+from tiercache.bench.workloads import WorkloadSpec, multi_turn
+from tiercache.config import TierCacheConfig
+from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
+
+BLOCK = 16
+
+
+def offload(capacity="64MiB", **extra) -> TierCacheConfig:
+    return TierCacheConfig().replace(keys={"block_size": BLOCK, "chunk_tokens": 64},
+                                     cpu={"capacity": capacity, "prefault": False}, **extra)
+
+
+def shared_prompts(n=16, prefix=200, suffix=24, seed=0, systems=1):
+    rng = random.Random(seed)
+    heads = [[256] + [rng.randrange(32, 127) for _ in range(prefix)] for _ in range(systems)]
+    return [heads[i % systems] + [rng.randrange(32, 127) for _ in range(suffix)] for i in range(n)]
+
+
+def run_sequential(engine: LLMEngine, prompts, max_tokens=6):
+    """One request at a time: each later request can hit what earlier ones cached."""
+    seqs = []
+    for p in prompts:
+        seqs.append(engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        engine.run()
+    return seqs
+
+
+def assert_back_to_baseline(engine: LLMEngine):
+    stats = engine.pool.stats()
+    assert stats.used == 0 and stats.pinned == 0, stats
+    assert not engine.scheduler.held and not engine.blocks.tables
+    if engine.connector is not None:
+        manager = engine.connector.stack.manager
+        assert manager.num_in_flight == 0
+        for tier in manager.tiers:
+            assert all(e.pins == 0 and e.ready for e in tier.entries.values())
+
+
+@pytest.fixture(scope="module")
+def reference_outputs():
+    """Greedy tokens with every cache off: no tiers and no L0 prefix caching."""
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
+        return {tuple(p): s.output_token_ids for p, s in zip(shared_prompts(), run_sequential(engine, shared_prompts()))}
+
+
+def test_shared_prefix_hits_in_l0_give_identical_tokens(reference_outputs):
+    with LLMEngine(engine_cfg=EngineConfig(), offload=offload()) as engine:
+        seqs = run_sequential(engine, shared_prompts())
+        assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in shared_prompts()]
+        assert sum(s.metrics.l0_hit_tokens for s in seqs[1:]) >= 15 * 192   # every later request hit the prefix
+        assert_back_to_baseline(engine)
+
+
+def test_hits_from_l1_alone_give_identical_tokens(reference_outputs):
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+        seqs = run_sequential(engine, shared_prompts())
+        assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in shared_prompts()]
+        # The 201-token system prompt spans 3 whole 64-token chunks: every later request loads 192 tokens.
+        assert [s.metrics.external_hit_tokens for s in seqs] == [0] + [192] * 15
+        stats = engine.stats()["connector"]
+        assert stats["loaded_tokens"] == 15 * 192 and stats["failed_loads"] == 0
+        assert_back_to_baseline(engine)
+
+
+def test_l1_serves_what_a_small_l0_evicted():
+    """Two system prompts alternate through a pool too small for both: heads hit in L0, the rest in L1."""
+    prompts = shared_prompts(n=16, prefix=240, suffix=16, seed=3, systems=2)
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
+        expect = [s.output_token_ids for s in run_sequential(engine, prompts)]
+    with LLMEngine(engine_cfg=EngineConfig(num_blocks=24), offload=offload()) as engine:
+        seqs = run_sequential(engine, prompts)
+        assert [s.output_token_ids for s in seqs] == expect
+        assert sum(s.metrics.l0_hit_tokens for s in seqs) > 0
+        assert sum(s.metrics.external_hit_tokens for s in seqs) > 0
+        assert_back_to_baseline(engine)
+
+
+def test_multi_turn_histories_give_identical_tokens():
+    spec = WorkloadSpec("multi-turn", requests=16, prefix_tokens=96, suffix_tokens=20, output_tokens=6, turns=4)
+
+    def collect(engine):
+        def generate(prompt):
+            (seq,) = run_sequential(engine, [prompt])
+            return seq.output_token_ids
+        return [out for _, out in multi_turn(spec, generate)]
+
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
+        expect = collect(engine)
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+        got = collect(engine)
+        assert got == expect and len(got) == 16
+        assert engine.stats()["connector"]["hit_requests"] >= 12   # every turn after the first hits its history
+        assert_back_to_baseline(engine)
+
+
+def test_logits_on_the_hit_path_match_a_full_recompute():
+    prompts = shared_prompts(n=2, prefix=300, suffix=10, seed=5)
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), record_logits=True) as engine:
+        full = run_sequential(engine, prompts[1:])[0]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload(), record_logits=True) as engine:
+        _, hit = run_sequential(engine, prompts)
+    assert hit.metrics.external_hit_tokens == 256
+    assert len(hit.logits) == len(full.logits) == 6
+    for a, b in zip(hit.logits, full.logits):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_preserves_outputs(mode):
+    """Eight requests decode together in a pool that cannot hold them all at full length."""
+    prompts = shared_prompts(n=8, prefix=40, suffix=30, seed=7, systems=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run()
+        expect = [s.output_token_ids for s in seqs]
+    cfg = EngineConfig(num_blocks=30, preemption=mode)
+    with LLMEngine(engine_cfg=cfg, offload=offload()) as engine:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run()
+        assert [s.output_token_ids for s in seqs] == expect
+        assert engine.scheduler.num_preemptions > 0
+        stats = engine.stats()["connector"]
+        if mode == "swap":
+            assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0
+        else:
+            assert stats["swap_outs"] == 0
+        assert_back_to_baseline(engine)
+
+
+def test_recompute_preemption_without_tiers():
+    prompts = shared_prompts(n=6, prefix=40, suffix=30, seed=8, systems=6)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with LLMEngine(engine_cfg=EngineConfig()) as engine:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run()
+        expect = [s.output_token_ids for s in seqs]
+    with LLMEngine(engine_cfg=EngineConfig(num_blocks=24)) as engine:
+        seqs = [engine.add_request(p, params) for p in prompts]
+        engine.run()
+        assert [s.output_token_ids for s in seqs] == expect and engine.scheduler.num_preemptions > 0
+        assert_back_to_baseline(engine)
+
+
+def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs):
+    """Fault injected at the transfer boundary: the load fails, the request recomputes, output unchanged."""
+    from tiercache.tiers.base import Medium
+
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+        prompts = shared_prompts()
+        run_sequential(engine, prompts[:1])
+        handlers = engine.connector.stack.engine._handlers
+        real = handlers[(Medium.CPU, Medium.DEVICE)]
+        calls = []
+
+        def flaky(plan):
+            calls.append(plan.job_id)
+            if len(calls) == 1:
+                raise OSError("injected load failure")
+            real(plan)
+
+        monkeypatch.setitem(handlers, (Medium.CPU, Medium.DEVICE), flaky)
+        (seq,) = run_sequential(engine, prompts[1:2])
+        assert seq.output_token_ids == reference_outputs[tuple(prompts[1])]
+        stats = engine.stats()["connector"]
+        assert stats["failed_loads"] == 1 and stats["loaded_tokens"] == 192   # the retry loaded it
+        assert_back_to_baseline(engine)
+
+
+def test_bad_requests_are_refused_clearly():
+    with LLMEngine() as engine:
+        with pytest.raises(ValueError, match="empty prompt"):
+            engine.add_request([])
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.add_request([1, 2, 100_000])
+        with pytest.raises(ValueError, match="blocks"):
+            engine.add_request([1] * 20_000, SamplingParams(max_tokens=1))
+    from tiercache.errors import ConfigError
+    with pytest.raises(ConfigError, match="keys.block_size"):
+        LLMEngine(engine_cfg=EngineConfig(block_size=32), offload=offload())

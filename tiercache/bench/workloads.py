@@ -1,0 +1,72 @@
+"""Synthetic request streams for the engine benchmarks, deterministic by seed.
+
+Prompts are token-id lists (byte tokens 0–255 after a BOS), so every run of a
+workload sends identical prompts. Multi-turn conversations take the model's
+own previous answers into the next prompt, so they are built turn by turn
+through a callback.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+BOS = 256
+
+Generate = Callable[[list[int]], list[int]]   # prompt → output tokens
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    name: str = "shared-prefix"
+    requests: int = 16
+    prefix_tokens: int = 2048     # shared system prompt / document length
+    suffix_tokens: int = 64       # question or user turn
+    output_tokens: int = 8
+    turns: int = 4                # multi-turn: turns per conversation
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.name!r}; known: {', '.join(WORKLOADS)}")
+        for field in ("requests", "prefix_tokens", "suffix_tokens", "output_tokens", "turns"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+
+
+def _text(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(32, 127) for _ in range(n)]
+
+
+def shared_prefix(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
+    """One system prompt, then a different question per request."""
+    rng = random.Random(spec.seed)
+    system = [BOS, *_text(rng, spec.prefix_tokens)]
+    for _ in range(spec.requests):
+        prompt = system + _text(rng, spec.suffix_tokens)
+        yield prompt, generate(prompt)
+
+
+def multi_turn(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
+    """Conversations of ``turns`` turns; each prompt is the whole history plus a new user turn."""
+    rng = random.Random(spec.seed)
+    conversations = max(1, spec.requests // spec.turns)
+    histories = [[BOS, *_text(rng, spec.prefix_tokens)] for _ in range(conversations)]
+    for _ in range(spec.turns):
+        for c in range(conversations):
+            prompt = histories[c] + _text(rng, spec.suffix_tokens)
+            out = generate(prompt)
+            histories[c] = prompt + out
+            yield prompt, out
+
+
+def long_doc(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
+    """A few long documents, several questions about each, documents interleaved."""
+    rng = random.Random(spec.seed)
+    docs = [[BOS, *_text(rng, spec.prefix_tokens * 2)] for _ in range(max(1, spec.requests // 4))]
+    for i in range(spec.requests):
+        prompt = docs[i % len(docs)] + _text(rng, spec.suffix_tokens)
+        yield prompt, generate(prompt)
+
+
+WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-doc": long_doc}
