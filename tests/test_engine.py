@@ -184,3 +184,36 @@ def test_bad_requests_are_refused_clearly():
     from tiercache.errors import ConfigError
     with pytest.raises(ConfigError, match="keys.block_size"):
         LLMEngine(engine_cfg=EngineConfig(block_size=32), offload=offload())
+
+
+def test_chunked_prefill_under_a_small_token_budget(reference_outputs):
+    """A 48-token budget splits a 225-token prompt into five prefill steps; tokens do not change.
+
+    Later requests are admitted while earlier ones are still prefilling and load whatever chunks have
+    reached L1 by then (chunks are stored as they complete)."""
+    prompts = shared_prompts()[:4]
+    cfg = EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=48)
+    with LLMEngine(engine_cfg=cfg, offload=offload()) as engine:
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in prompts]
+        assert steps >= -(-225 // 48) + 5            # the first prompt alone takes five prefill steps
+        hits = [s.metrics.external_hit_tokens for s in seqs]
+        assert hits[0] == 0 and all(h % 64 == 0 and h > 0 for h in hits[1:]) and hits[-1] == 192
+        assert_back_to_baseline(engine)
+
+
+def test_bfloat16_kv_round_trips_through_l1():
+    from tiercache.engine import ModelConfig
+    cfg = ModelConfig(dtype="bfloat16")
+    prompts = shared_prompts(n=3, prefix=150, suffix=10, seed=9)
+    with LLMEngine(model_cfg=cfg, engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
+        expect = [s.output_token_ids for s in run_sequential(engine, prompts)]
+    with LLMEngine(model_cfg=cfg, engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+        seqs = run_sequential(engine, prompts)
+        assert engine.kv.kv.dtype == torch.bfloat16
+        assert [s.output_token_ids for s in seqs] == expect
+        assert seqs[2].metrics.external_hit_tokens == 128
