@@ -15,7 +15,7 @@ from tiercache.pool.kv_cache import PagedKVCache
 
 class ReferenceConnector:
     def __init__(self, config: TierCacheConfig, namespace: Namespace, kv: PagedKVCache) -> None:
-        self.stack = build_offload_stack(config, kv)
+        self.stack = build_offload_stack(config, kv, namespace)
         self.scheduler = OffloadScheduler(self.stack, kv.block_size, swap_salt=namespace.digest())
         self.worker = OffloadWorker(self.stack)
 

@@ -29,10 +29,11 @@ class Stack:
             **cfg,
         )
         self.config = config
-        self.offload = build_offload_stack(config, self.kv)
+        self.namespace = Namespace("test-model", geometry, BLOCK)
+        self.offload = build_offload_stack(config, self.kv, self.namespace)
         self.manager = self.offload.manager
         self.cpu = self.offload.tiers[0]
-        self.hasher = BlockHasher(Namespace("test-model", geometry, BLOCK))
+        self.hasher = BlockHasher(self.namespace)
 
     def fill(self, req: str, block_ids: list[int], seed: int) -> None:
         g = torch.Generator().manual_seed(seed)

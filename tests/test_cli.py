@@ -68,3 +68,23 @@ def test_generate_prints_text():
     assert proc.returncode == 2 and "max_position" in proc.stderr and "Traceback" not in proc.stderr
     proc = tiercache("generate", "--prompt", "Hello", "--max-tokens", "0")
     assert proc.returncode == 2 and "--max-tokens" in proc.stderr
+
+
+def test_demo_with_disk_twice_the_second_process_hits_the_disk(tmp_path):
+    """Process 1 computes and (on exit) writes L1 down to disk; process 2 starts empty and loads from disk."""
+    args = ["demo", "--tiers", "cpu,disk", "--disk-path", str(tmp_path / "l2"), "--requests", "3",
+            "--prefix-tokens", "256", "--output-tokens", "3", "--quiet"]
+    first = tiercache(*args, "--json", str(tmp_path / "1.json"))
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "1.json").read_text())["chunks_loaded_by_tier"]["disk"] == 0
+    second = tiercache(*args, "--json", str(tmp_path / "2.json"))
+    assert second.returncode == 0, second.stderr
+    report = json.loads((tmp_path / "2.json").read_text())
+    assert report["outputs_match"] is True
+    assert report["chunks_loaded_by_tier"]["disk"] > 0
+    assert report["hit_tokens_by_tier"]["tiers"] >= 256
+
+
+def test_disk_tier_flags_are_checked():
+    proc = tiercache("demo", "--tiers", "disk", "--requests", "1")
+    assert proc.returncode == 2 and "include cpu" in proc.stderr

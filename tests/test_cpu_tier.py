@@ -12,7 +12,7 @@ def k(i: int) -> BlockHash:
 def stored(tier: CpuTier, keys) -> None:
     slots = tier.prepare_store(keys, [tier.slot_bytes] * len(keys))
     assert all(s is not None for s in slots)
-    tier.complete_store(keys, ok=True)
+    tier.complete_store(keys)
 
 
 def test_write_is_invisible_until_complete():
@@ -20,7 +20,7 @@ def test_write_is_invisible_until_complete():
     slots = tier.prepare_store([k(1)], [1024])
     assert slots == [0]
     assert tier.contains([k(1)]) == 0          # being written
-    tier.complete_store([k(1)], ok=True)
+    tier.complete_store([k(1)])
     assert tier.contains([k(1)]) == 1
     assert tier.prepare_store([k(1)], [1024]) == [None]   # already present
 
@@ -28,7 +28,7 @@ def test_write_is_invisible_until_complete():
 def test_failed_write_releases_its_slot():
     tier = CpuTier(1024, 1024, prefault=False)
     tier.prepare_store([k(1)], [1024])
-    tier.complete_store([k(1)], ok=False)
+    tier.complete_store([k(1)], failed=[k(1)])
     assert tier.contains([k(1)]) == 0 and tier.used_bytes == 0 and tier.slab.num_free == 1
 
 

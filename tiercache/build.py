@@ -5,53 +5,102 @@ cannot be built fails loudly with the config field that chose it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from tiercache.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.config import TierCacheConfig
 from tiercache.errors import ConfigError, RegistryError
+from tiercache.keys import BlockHash, Namespace
 from tiercache.manager import CacheManager
-from tiercache.policies import eviction_policies
+from tiercache.policies import admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
+from tiercache.tiers.base import LowerTier, Tier
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.handlers import DeviceCpuHandlers
+from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers
+
+log = logging.getLogger(__name__)
 
 
 def _pin(setting: str) -> bool:
     return setting == "on" or (setting == "auto" and torch.cuda.is_available())
 
 
+def _named(registry, name: str, field: str):
+    try:
+        return registry.get(name)
+    except RegistryError as err:
+        raise ConfigError(field, name, str(err)) from None
+
+
 @dataclass
 class OffloadStack:
     manager: CacheManager
     engine: TransferEngine
-    tiers: list[CpuTier]
+    tiers: list[Tier]
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, flush_timeout: float = 60.0) -> None:
+        """Settle in-flight work, write L1's dirty chunks down (write-back), stop the transfer threads."""
+        m = self.manager
+        try:
+            m.submit(m.take_background())
+            m.submit(m.flush_down())
+            m.drain(flush_timeout)
+        except TimeoutError:
+            log.warning("offload stack closed with %d transfers still running", m.num_in_flight)
+        finally:
+            self.engine.close()
 
 
-def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache) -> OffloadStack:
+def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+    from tiercache.tiers.disk import DiskTier
+
+    d = config.disk
+    fmt = ChunkFormat(config.format.codec, config.format.checksum)
+    try:
+        return DiskTier(d.path, d.capacity, namespace.digest(), fmt, eviction=d.eviction, fsync=d.fsync)
+    except OSError as err:
+        raise ConfigError("disk.path", d.path, f"cannot use directory: {err.strerror}") from None
+
+
+def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
+    if not config.cpu.enabled:
+        raise ConfigError("cpu.enabled", False, "L1 stages every transfer to and from L0; run without the connector instead")
+    _named(eviction_policies, config.cpu.eviction, "cpu.eviction")
+    _named(eviction_policies, config.disk.eviction, "disk.eviction")
+    admission_cls = _named(admission_policies, config.disk.admission, "disk.admission")
     try:
-        eviction_policies.get(config.cpu.eviction)
+        ChunkFormat(config.format.codec, config.format.checksum)
     except RegistryError as err:
-        raise ConfigError("cpu.eviction", config.cpu.eviction, str(err)) from None
+        raise ConfigError("format", f"{config.format.codec}/{config.format.checksum}", str(err)) from None
+
     bpc = config.keys.blocks_per_chunk
-    tiers: list[CpuTier] = []
+    slot_bytes = bpc * kv.block_bytes
+    if config.cpu.capacity < slot_bytes:
+        raise ConfigError("cpu.capacity", config.cpu.capacity, f"holds no chunk of {slot_bytes} bytes")
+    cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
+                  pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
+    lower = [_disk_tier(config, namespace)] if config.disk.enabled else []
+
     engine = TransferEngine(workers=config.transfer.workers)
-    if config.cpu.enabled:
-        slot_bytes = bpc * kv.block_bytes
-        if config.cpu.capacity < slot_bytes:
-            engine.close()
-            raise ConfigError("cpu.capacity", config.cpu.capacity, f"holds no chunk of {slot_bytes} bytes")
-        cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
-                      pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
-        DeviceCpuHandlers(kv, cpu, bpc).register(engine)
-        tiers.append(cpu)
-    manager = CacheManager(tiers, engine, config.keys.block_size, bpc, kv.block_bytes,
-                           store_partial_chunks=config.keys.store_partial_chunks)
-    return OffloadStack(manager, engine, tiers)
+    DeviceCpuHandlers(kv, cpu, bpc).register(engine)
+    g = kv.geometry
+    digest = namespace.digest()
+
+    def chunk_meta(key: BlockHash, chunk_blocks: int) -> ChunkMeta:
+        shape = (g.num_layers, 2, chunk_blocks, kv.block_size, g.num_kv_heads, g.head_dim)
+        return ChunkMeta(digest, key, chunk_blocks * kv.block_size, g.dtype, shape)
+
+    for tier in lower:
+        CpuLowerHandlers(cpu, tier, chunk_meta).register(engine)
+    manager = CacheManager(
+        cpu, engine, config.keys.block_size, bpc, kv.block_bytes, lower=lower,
+        store_partial_chunks=config.keys.store_partial_chunks, write_mode=config.disk.write_mode,
+        admission=admission_cls(config.disk.min_hits),
+    )
+    return OffloadStack(manager, engine, [cpu, *lower])

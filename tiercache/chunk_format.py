@@ -112,18 +112,29 @@ def read_header(blob: Buffer) -> tuple[ChunkMeta, int, int, int, int]:
     return meta, codec, checksum, payload_len, payload_sum
 
 
-def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None) -> DecodedChunk:
-    """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
-    meta, codec_code, checksum_code, payload_len, payload_sum = read_header(blob)
+def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> tuple[ChunkMeta, int, int, int, int]:
+    """`read_header` plus the namespace and key checks."""
+    parsed = read_header(header)
+    meta = parsed[0]
     if namespace is not None and meta.namespace != namespace:
         raise NamespaceMismatchError(f"chunk namespace {meta.namespace.hex()} is not {namespace.hex()}")
     if key is not None and meta.key != key:
         raise KeyMismatchError(f"chunk key {meta.key.hex()[:16]}… is not {bytes(key).hex()[:16]}…")
-    view = memoryview(blob).cast("B")
-    payload = view[HEADER_BYTES:]
-    if len(payload) != payload_len:
-        raise TruncatedChunkError(f"payload is {len(payload)} bytes, header says {payload_len}")
+    return parsed
+
+
+def verify_payload(parsed: tuple[ChunkMeta, int, int, int, int], payload: Buffer) -> Buffer:
+    """Check a payload against its parsed header and decode it; returns the raw bytes (``payload`` itself for raw)."""
+    meta, codec_code, checksum_code, payload_len, payload_sum = parsed
+    if len(memoryview(payload).cast("B")) != payload_len:
+        raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {payload_len}")
     if checksum_by_code(checksum_code)()(payload) != payload_sum:
         raise ChecksumMismatchError(f"payload checksum mismatch for chunk {meta.key.hex()[:16]}…")
-    data = codec_by_code(codec_code)().decode(payload, meta.raw_len, DTYPE_SIZES[meta.dtype])
-    return DecodedChunk(meta, data)
+    return codec_by_code(codec_code)().decode(memoryview(payload).cast("B"), meta.raw_len, DTYPE_SIZES[meta.dtype])
+
+
+def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None) -> DecodedChunk:
+    """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
+    parsed = check_header(blob, namespace, key)
+    data = verify_payload(parsed, memoryview(blob).cast("B")[HEADER_BYTES:])
+    return DecodedChunk(parsed[0], data)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import platform
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def _tier_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["none"]:
         return []
-    known = {"cpu"}
+    known = {"cpu", "disk"}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown tier(s) {unknown or text!r}; known: {', '.join(sorted(known))}")
@@ -94,8 +95,16 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
 
 def _offload_config(args: argparse.Namespace):
+    """The config tree with the tiers the flags name; None when no tier is wanted."""
     cfg = load_config(args.config, overrides=args.set)
-    return cfg.replace(cpu={"enabled": "cpu" in args.tiers}, keys={"block_size": args.block_size})
+    if not args.tiers:
+        return None
+    if "cpu" not in args.tiers:
+        raise ConfigError("--tiers", ",".join(args.tiers), "L1 (cpu) stages every lower tier; include cpu")
+    disk = {"enabled": "disk" in args.tiers}
+    if "disk" in args.tiers:
+        disk["path"] = args.disk_path or cfg.disk.path or str(Path(tempfile.gettempdir()) / "tiercache-l2")
+    return cfg.replace(disk=disk, keys={"block_size": args.block_size})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -126,6 +135,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         table.add_row(key, str(report[key]))
     table.add_row("hit tokens from L0 / tiers",
                   f"{report['hit_tokens_by_tier']['l0']} / {report['hit_tokens_by_tier']['tiers']}")
+    for tier, n in report["chunks_loaded_by_tier"].items():
+        table.add_row(f"chunks read from {tier}", str(n))
     Console(width=max(80, Console().width)).print(table)
     return 0 if report["outputs_match"] else 1
 
@@ -133,7 +144,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tiercache.engine import EngineConfig, LLM, SamplingParams
 
-    offload = _offload_config(args) if args.tiers else None
+    offload = _offload_config(args)
     engine_cfg = EngineConfig(block_size=args.block_size)
     with LLM(engine_cfg=engine_cfg, offload=offload, model_path=args.model_path, tokenizer=args.tokenizer) as llm:
         (out,) = llm.generate([args.prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
@@ -164,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
     d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc"], default="shared-prefix")
-    d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, or none")
+    d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, cpu,disk, or none")
+    d.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
     d.add_argument("--requests", type=_positive, default=16)
     d.add_argument("--prefix-tokens", type=_positive, default=2048, help="shared prefix / history / document length")
     d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")
@@ -183,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
     g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
-    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0 (default none)")
+    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu or cpu,disk (default none)")
+    g.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
     g.add_argument("--block-size", type=_positive, default=16)
     _add_config_flags(g)
     g.set_defaults(func=cmd_generate)

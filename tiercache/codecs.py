@@ -25,6 +25,8 @@ class Codec(Protocol):
 
     def decode(self, payload: memoryview, raw_len: int, itemsize: int) -> Buffer: ...
 
+    def max_encoded_len(self, raw_len: int) -> int: ...
+
 
 class Checksum(Protocol):
     name: ClassVar[str]
@@ -50,12 +52,18 @@ class RawCodec:
             raise CodecError(f"raw payload is {len(payload)} bytes, header says {raw_len}")
         return payload
 
+    def max_encoded_len(self, raw_len: int) -> int:
+        return raw_len
+
 
 @codecs.register("lz4")
 class Lz4Codec:
     """LZ4 block format; the raw length lives in the chunk header, not the block."""
     name = "lz4"
     code = 1
+
+    def max_encoded_len(self, raw_len: int) -> int:
+        return raw_len + raw_len // 255 + 16   # LZ4's worst case for incompressible input
 
     def encode(self, raw: memoryview, itemsize: int) -> Buffer:
         import lz4.block

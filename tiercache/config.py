@@ -100,6 +100,25 @@ class CpuTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    enabled: bool = _opt(False, "keep an L2 tier of chunk files on a local disk")
+    path: str = _opt("", "directory for chunk files (created if missing); required when enabled")
+    capacity: int = _size(10 << 30, "bytes of chunk files, headers included")
+    eviction: str = _opt("lru", "eviction policy name")
+    fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
+    write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
+    admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits")
+    min_hits: int = _opt(1, "for admission=min-hits: L1 hits a chunk needs before it is written down")
+
+    def __post_init__(self) -> None:
+        _check(not self.enabled or bool(self.path), "path", self.path, "required when disk.enabled is true")
+        _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
+        _check(self.write_mode in ("write-back", "write-through"), "write_mode", self.write_mode,
+               "expected write-back or write-through")
+        _check(self.min_hits >= 0, "min_hits", self.min_hits, "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class FormatConfig:
     codec: str = _opt("raw", "payload codec for L2/L3: raw | lz4 | lz4-shuffle")
     checksum: str = _opt("xxh3_64", "payload checksum: xxh3_64 | crc32")
@@ -118,6 +137,7 @@ class TierCacheConfig:
     keys: KeysConfig = field(default_factory=KeysConfig)
     device_pool: DevicePoolConfig = field(default_factory=DevicePoolConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     format: FormatConfig = field(default_factory=FormatConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 

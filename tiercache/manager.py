@@ -1,9 +1,21 @@
-"""The cache manager: longest-prefix lookup across tiers, and load/store plans.
+"""The cache manager: longest-prefix lookup across tiers, and every transfer plan.
 
 Scheduler side, bookkeeping only: it reads and updates tier indexes, builds
-`TransferPlan`s (plain data) and hands them to the `TransferEngine`; it never
-touches a tensor. One thread drives it; the results of finished transfers are
-applied in `poll` / `wait` on that thread.
+`TransferPlan`s (plain data) for the `TransferEngine` and applies their
+results; it never touches a tensor. One thread drives it.
+
+The hierarchy is L1 (`CpuTier`, the only tier that exchanges chunks with L0)
+over lower tiers (`LowerTier`: disk, remote):
+
+- a lookup spans every tier; chunks found only below L1 are *promoted*
+  (copied up into L1 slots, at prefetch priority) before they are loaded;
+- stores go to L1; below it, ``write-through`` copies every stored chunk down
+  at once, ``write-back`` copies a chunk down only when L1 evicts it (a
+  *spill*), each gated by an admission policy.
+
+Plans other than the ones a caller asked for (promotions, spills, copies
+down) collect in a background list that the caller drains (`take_background`)
+and submits.
 
 Contract with the engine (as in vLLM's connector API): the L0 blocks named in
 a plan stay allocated to their request until the plan's result is reported —
@@ -16,10 +28,12 @@ is keyed by the hash of its last block (DESIGN §2).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum, auto
 
 from tiercache.keys import BlockHash, chunk_keys
-from tiercache.tiers.base import Medium
+from tiercache.policies import AdmissionPolicy
+from tiercache.tiers.base import LowerTier, Medium, Tier
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.plan import ChunkCopy, JobId, Priority, TransferPlan, TransferResult
@@ -50,36 +64,55 @@ class PrefixLookup:
         return self.num_hit_blocks * self.block_size
 
 
+class JobKind(Enum):
+    LOAD = auto()        # L1 → L0
+    STORE = auto()       # L0 → L1
+    PROMOTE = auto()     # lower → L1
+    SPILL = auto()       # L1 (evicted) → lower
+    COPY_DOWN = auto()   # L1 (still resident) → lower, write-through
+
+
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     plan: TransferPlan
-    tier: CpuTier
+    kind: JobKind
+    lower: LowerTier | None = None
 
 
 class CacheManager:
     def __init__(
         self,
-        tiers: Sequence[CpuTier],
+        l1: CpuTier,
         engine: TransferEngine,
         block_size: int,
         blocks_per_chunk: int,
         block_bytes: int,
+        lower: Sequence[LowerTier] = (),
         store_partial_chunks: bool = False,
+        write_mode: str = "write-back",
+        admission: AdmissionPolicy | None = None,
     ) -> None:
-        for t in tiers:
-            if not isinstance(t, CpuTier):  # slower tiers are staged through L1 by their own handlers
-                raise TypeError(f"tier {t.name!r} ({t.medium.value}) cannot exchange chunks with L0 directly")
-        names = [t.name for t in tiers]
+        if write_mode not in ("write-back", "write-through"):
+            raise ValueError(f"write_mode must be write-back or write-through, got {write_mode!r}")
+        self.l1 = l1
+        self.lower = list(lower)
+        self.tiers: list[Tier] = [l1, *self.lower]
+        names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
-        self.tiers = list(tiers)
-        self.by_name = {t.name: t for t in tiers}
+        self.by_name = {t.name: t for t in self.tiers}
         self.engine = engine
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
         self.store_partial_chunks = store_partial_chunks
+        self.write_mode = write_mode
+        self.admission = admission
         self._in_flight: dict[JobId, _InFlight] = {}
+        self._background: list[TransferPlan] = []
+        self._promoting: dict[BlockHash, JobId] = {}
+        if self.lower and write_mode == "write-back":
+            l1.spill_filter = (lambda key, hits: admission.admit(key, hits)) if admission else (lambda key, hits: True)
 
     # -- lookup --------------------------------------------------------------
     def _chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
@@ -109,30 +142,78 @@ class CacheManager:
                     break
             else:
                 break
-        hit_blocks = num_computed_blocks
-        if pos > first:
-            hit_blocks = max(hit_blocks, self._chunk_bounds(pos - 1, num_blocks)[1])
-        return PrefixLookup(num_computed_blocks, tuple(runs), hit_blocks, self.block_size, num_blocks)
+        return self._lookup_result(num_computed_blocks, runs, num_blocks)
+
+    def _lookup_result(self, computed: int, runs: list[TierRun], num_blocks: int) -> PrefixLookup:
+        hit = computed
+        if runs:
+            last = runs[-1]
+            hit = max(hit, self._chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
+        return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks)
+
+    def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
+        """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now."""
+        runs = []
+        for run in lookup.runs:
+            if run.tier != self.l1.name:
+                break
+            runs.append(run)
+        return self._lookup_result(lookup.num_computed_blocks, runs, lookup.num_blocks)
+
+    def promote(self, lookup: PrefixLookup) -> bool:
+        """Start copying the lookup's lower-tier chunks up into L1; True while any of them is on its way.
+
+        Chunks L1 has no room for are not promoted, so a caller that waits
+        for True to turn False never waits forever.
+        """
+        pending = False
+        for run in lookup.runs:
+            if run.tier == self.l1.name:
+                continue
+            lower = self.by_name[run.tier]
+            todo = [k for k in run.keys if k not in self._promoting]
+            pending |= len(todo) < len(run.keys)
+            if not todo:
+                continue
+            sizes = []
+            for i, key in enumerate(run.keys):
+                if key in todo:
+                    start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
+                    sizes.append((key, end - start))
+            slots = self.l1.prepare_store([k for k, _ in sizes], [n * self.block_bytes for _, n in sizes])
+            chunks = [ChunkCopy(k, slot, (), n) for (k, n), slot in zip(sizes, slots) if slot is not None]
+            if not chunks:
+                continue
+            lower.prepare_load([c.key for c in chunks])
+            plan = self._plan(JobKind.PROMOTE, Medium(lower.medium), Medium.CPU, Priority.PREFETCH, chunks, lower)
+            self._background.append(plan)
+            for c in chunks:
+                self._promoting[c.key] = plan.job_id
+            pending = True
+        return pending
 
     # -- plans ---------------------------------------------------------------
-    def _plan(self, tier: CpuTier, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy]) -> TransferPlan:
-        nbytes = sum(len(c.block_ids) for c in chunks) * self.block_bytes
+    def _plan(self, kind: JobKind, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy],
+              lower: LowerTier | None = None) -> TransferPlan:
+        nbytes = sum(len(c.block_ids) or c.chunk_blocks for c in chunks) * self.block_bytes
         plan = TransferPlan(self.engine.next_job_id(), src, dst, priority, tuple(chunks), nbytes)
-        self._in_flight[plan.job_id] = _InFlight(plan, tier)
+        self._in_flight[plan.job_id] = _InFlight(plan, kind, lower)
         return plan
 
     def plan_load(self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None) -> list[TransferPlan]:
-        """Plans that load ``lookup``'s hit into the request's table ``block_ids``, one per tier run.
+        """Plans that load ``lookup``'s hit (all of it in L1: see `in_l1`) into the request's table ``block_ids``.
 
         Loads blocks ``lookup.num_computed_blocks .. upto_blocks`` (default:
-        the whole hit); the chunks involved are pinned in their tier until the
-        result is applied.
+        the whole hit); the chunks involved are pinned in L1 until the result
+        is applied.
         """
         limit = lookup.num_hit_blocks if upto_blocks is None else min(upto_blocks, lookup.num_hit_blocks)
         if len(block_ids) < limit:
             raise ValueError(f"{len(block_ids)} block ids for a load of {limit} blocks")
         plans = []
         for run in lookup.runs:
+            if run.tier != self.l1.name:
+                raise ValueError(f"chunks in tier {run.tier!r} must be promoted to L1 before a load")
             wanted = []
             for i, key in enumerate(run.keys):
                 start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
@@ -141,18 +222,16 @@ class CacheManager:
                 wanted.append((key, start, end))
             if not wanted:
                 break
-            tier = self.by_name[run.tier]
-            slots = tier.prepare_load([key for key, _, _ in wanted])
+            slots = self.l1.prepare_load([key for key, _, _ in wanted])
             chunks = []
             for (key, start, end), slot in zip(wanted, slots):
                 skip = max(0, lookup.num_computed_blocks - start)
-                ids = tuple(block_ids[start + skip:min(end, limit)])
-                chunks.append(ChunkCopy(key, slot, ids, end - start, skip))
-            plans.append(self._plan(tier, Medium.CPU, Medium.DEVICE, Priority.LOAD, chunks))
+                chunks.append(ChunkCopy(key, slot, tuple(block_ids[start + skip:min(end, limit)]), end - start, skip))
+            plans.append(self._plan(JobKind.LOAD, Medium.CPU, Medium.DEVICE, Priority.LOAD, chunks))
         return plans
 
     def plan_store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0) -> TransferPlan | None:
-        """Plan storing a request's chunks (from ``first_chunk`` on) that the fastest tier lacks.
+        """Plan storing a request's chunks (from ``first_chunk`` on) that L1 lacks.
 
         ``block_hashes`` are the hashes of the request's full blocks and
         ``block_ids`` its block table. Chunks already present or without room
@@ -162,20 +241,38 @@ class CacheManager:
         return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk)
 
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
-                          first_chunk: int = 0, priority: Priority = Priority.STORE) -> TransferPlan | None:
+                          first_chunk: int = 0) -> TransferPlan | None:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks."""
-        if not self.tiers or first_chunk >= len(keys):
+        if first_chunk >= len(keys):
             return None
-        tier = self.tiers[0]
         bounds = [self._chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
-        sizes = [(end - start) * self.block_bytes for start, end in bounds]
-        slots = tier.prepare_store(keys[first_chunk:], sizes)
+        slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds])
         chunks = [
             ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start)
             for key, slot, (start, end) in zip(keys[first_chunk:], slots, bounds)
             if slot is not None
         ]
-        return self._plan(tier, Medium.DEVICE, Medium.CPU, priority, chunks) if chunks else None
+        return self._plan(JobKind.STORE, Medium.DEVICE, Medium.CPU, Priority.STORE, chunks) if chunks else None
+
+    def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy]) -> list[ChunkCopy]:
+        """Reserve the first lower tier for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
+        lower = self.lower[0]
+        sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
+        ok = lower.prepare_store([c.key for c in chunks], sizes)
+        taken = [c for c, good in zip(chunks, ok) if good]
+        if taken:
+            self._background.append(self._plan(kind, Medium.CPU, Medium(lower.medium), Priority.STORE, taken, lower))
+        return [c for c, good in zip(chunks, ok) if not good]
+
+    def take_background(self) -> list[TransferPlan]:
+        """Promotions, spills and write-through copies planned since the last call, to be submitted."""
+        spills = self.l1.take_spills()
+        if spills:
+            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes) for s in spills]
+            refused = self._plan_down(JobKind.SPILL, chunks)
+            self.l1.finish_spills([c.key for c in refused])
+        plans, self._background = self._background, []
+        return plans
 
     # -- execution and completions -------------------------------------------
     def submit(self, plans: Iterable[TransferPlan | None]) -> list[JobId]:
@@ -185,10 +282,45 @@ class CacheManager:
         """Publish or release what finished transfers reserved; call on the manager's thread."""
         for result in results:
             job = self._in_flight.pop(result.job_id)
-            if job.plan.dst is Medium.DEVICE:
-                job.tier.complete_load(job.plan.keys)
-            else:
-                job.tier.complete_store(job.plan.keys, result.ok)
+            keys, failed = job.plan.keys, result.failed_keys
+            if job.kind is JobKind.LOAD:
+                self.l1.complete_load(keys)
+            elif job.kind is JobKind.STORE:
+                self.l1.complete_store(keys, failed)
+                if self.lower and self.write_mode == "write-through":
+                    self._copy_down([c for c in job.plan.chunks if c.key not in set(failed)])
+            elif job.kind is JobKind.PROMOTE:
+                self.l1.complete_store(keys, failed, clean=True)
+                job.lower.complete_load(keys, corrupt=failed)
+                for key in keys:
+                    self._promoting.pop(key, None)
+            elif job.kind is JobKind.SPILL:
+                job.lower.complete_store(keys, failed)
+                self.l1.finish_spills(keys)
+            else:  # COPY_DOWN
+                job.lower.complete_store(keys, failed)
+                self.l1.mark_clean([k for k in keys if k not in set(failed)])
+                self.l1.unpin(keys)
+
+    def _copy_down(self, chunks: list[ChunkCopy]) -> None:
+        if not chunks:
+            return
+        slots = self.l1.pin([c.key for c in chunks])
+        pinned = [replace(c, slot=slot, block_ids=()) for c, slot in zip(chunks, slots)]
+        refused = self._plan_down(JobKind.COPY_DOWN, pinned)
+        self.l1.unpin([c.key for c in refused])
+
+    def flush_down(self) -> list[TransferPlan]:
+        """Plan copying every resident chunk that only L1 holds (and admission accepts) to the next tier.
+
+        Called at shutdown in write-back mode, so what L1 held survives a restart.
+        """
+        if not self.lower:
+            return []
+        dirty = [(key, e) for key, e in self.l1.entries.items() if e.ready and not e.clean and e.pins == 0
+                 and (self.admission is None or self.admission.admit(key, e.hits))]
+        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty])
+        return self.take_background()
 
     def cancel(self, plan: TransferPlan) -> TransferResult:
         """A planned transfer that will not run: release its reservations now."""
@@ -197,14 +329,28 @@ class CacheManager:
         return result
 
     def poll(self) -> list[TransferResult]:
+        """Apply finished results and submit the background plans they caused (standalone use)."""
         results = self.engine.poll()
         self.apply(results)
+        self.submit(self.take_background())
         return results
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[TransferResult]:
         results = self.engine.wait(job_ids, timeout)
         self.apply(results)
+        self.submit(self.take_background())
         return results
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait for every submitted transfer, background work included; cancel plans never submitted."""
+        self.submit(self.take_background())
+        while self._in_flight:
+            running = [j for j in self._in_flight if self.engine.is_submitted(j)]
+            if not running:
+                for job in list(self._in_flight.values()):
+                    self.cancel(job.plan)
+                break
+            self.wait(running, timeout)
 
     @property
     def num_in_flight(self) -> int:

@@ -64,7 +64,7 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def demo(spec: WorkloadSpec, offload: TierCacheConfig, engine_cfg: EngineConfig,
+def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: EngineConfig,
          progress: Callable[[], None] | None = None) -> dict[str, object]:
     cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
                                "enable_prefix_caching": False})
@@ -86,6 +86,8 @@ def demo(spec: WorkloadSpec, offload: TierCacheConfig, engine_cfg: EngineConfig,
         "request_hit_ratio": round(warm.hit_requests / len(warm.outputs), 4),
         "prefill_tokens_saved": hits,
         "hit_tokens_by_tier": {"l0": warm.l0_hit_tokens, "tiers": warm.tier_hit_tokens},
+        "chunks_loaded_by_tier": {name: t["loaded"] for name, t in
+                                  warm.stats.get("connector", {}).get("tiers", {}).items()},
         "outputs_match": cold.outputs == warm.outputs,
         "spec": {f: getattr(spec, f) for f in spec.__slots__},
         "engine": {f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},

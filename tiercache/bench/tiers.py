@@ -56,14 +56,15 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
     pool = BlockPool(num_blocks)
     blocks = BlockManager(pool, BLOCK_SIZE)
     tokens = list(range(num_blocks * BLOCK_SIZE))
-    hashes = BlockHasher(Namespace("bench", geo, BLOCK_SIZE)).hash_blocks(tokens)
+    namespace = Namespace("bench", geo, BLOCK_SIZE)
+    hashes = BlockHasher(namespace).hash_blocks(tokens)
     blocks.allocate("bench", len(tokens))
     block_ids = blocks.block_ids("bench")
     if spec.scattered:
         random.Random(spec.seed).shuffle(block_ids)
 
     cfg = cfg.replace(cpu={"capacity": nbytes}, device_pool={"device": "cpu"})
-    stack = build_offload_stack(cfg, kv)
+    stack = build_offload_stack(cfg, kv, namespace)
     cpu, manager = stack.tiers[0], stack.manager
     src = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(0)

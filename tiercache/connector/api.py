@@ -46,6 +46,7 @@ class ConnectorMetadata:
     """Scheduler → worker, once per step: the plans to run and whom they serve."""
     loads: tuple[TransferPlan, ...] = ()
     stores: tuple[TransferPlan, ...] = ()
+    background: tuple[TransferPlan, ...] = ()   # promotions, spills, copies down: no request waits on them
     owners: dict[JobId, str] = field(default_factory=dict)
 
 

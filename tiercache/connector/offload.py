@@ -38,6 +38,7 @@ class _Swapped:
 @dataclass(slots=True)
 class ConnectorCounters:
     lookups: int = 0
+    ask_again: int = 0             # lookups answered "ask again" while chunks were promoted
     admitted_tokens: int = 0       # tokens of requests admitted (the denominator of the hit ratio)
     hit_requests: int = 0
     hit_tokens: int = 0            # tokens planned to load from the tiers (beyond L0)
@@ -72,10 +73,13 @@ class OffloadScheduler(SchedulerConnector):
         swapped = self._swapped.get(rid)
         if swapped is not None:
             lookup = self.manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks)
-            available = min(lookup.num_hit_tokens, swapped.num_tokens)
         else:
             lookup = self.manager.lookup(request.block_hashes, computed_blocks)
-            available = lookup.num_hit_tokens
+        if self.manager.promote(lookup):
+            self.counters.ask_again += 1
+            return None   # part of the hit is on its way up from a lower tier
+        lookup = self.manager.in_l1(lookup)
+        available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
         # At least one token is computed, so the request gets logits.
         num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
         self.counters.lookups += 1
@@ -117,6 +121,7 @@ class OffloadScheduler(SchedulerConnector):
                 self._store_jobs[rid].add(plan.job_id)
                 self.counters.stores_planned += 1
         meta = ConnectorMetadata(tuple(self._pending_loads), tuple(self._pending_stores),
+                                 tuple(self.manager.take_background()),
                                  {p.job_id: self._owners[p.job_id] for p in (*self._pending_loads, *self._pending_stores)})
         self._pending_loads, self._pending_stores = [], []
         return meta
@@ -220,6 +225,8 @@ class OffloadWorker(WorkerConnector):
 
     def start_load_kv(self) -> None:
         self._step_load_jobs = []
+        for plan in self._meta.background:
+            self.engine.submit(plan)
         for plan in self._meta.loads:
             self.engine.submit(plan)
             self._loads_in_flight[self._owners[plan.job_id]].add(plan.job_id)

@@ -26,6 +26,9 @@ from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 
 
+IDLE_STEP_S = 0.0005
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
@@ -108,6 +111,8 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         out = self.scheduler.schedule()
+        if not out.scheduled and self.connector is not None:
+            time.sleep(IDLE_STEP_S)   # only transfers are running (promotions, held stores): do not spin
         sampled = self.runner.execute(out)
         conn_out = self.connector.worker.get_finished() if self.connector else None
         return self.scheduler.update(out, sampled, conn_out, time.perf_counter())

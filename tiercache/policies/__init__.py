@@ -1,4 +1,5 @@
-"""Pluggable cache policies (eviction now; admission and promotion join here)."""
+"""Pluggable cache policies, each chosen by name from a registry."""
+from tiercache.policies.admission import AdmissionPolicy, admission_policies
 from tiercache.policies.eviction import EvictionPolicy, eviction_policies
 
-__all__ = ["EvictionPolicy", "eviction_policies"]
+__all__ = ["AdmissionPolicy", "EvictionPolicy", "admission_policies", "eviction_policies"]

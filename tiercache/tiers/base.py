@@ -82,3 +82,29 @@ class Tier(ABC):
         self.counters.lookup_keys += asked
         self.counters.hit_keys += hit
         return hit
+
+
+class LowerTier(Tier):
+    """A tier below L1 that stores whole chunks as bytes (disk, remote).
+
+    Its index follows the same two-phase lifecycle as L1; the bytes move
+    between an L1 slot and the tier in transfer handlers.
+    """
+
+    @abstractmethod
+    def reserve_bytes(self, raw_len: int) -> int:
+        """Room one chunk of ``raw_len`` raw bytes may take, headers and codec overhead included."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        """Reserve room per key; False where the key is present or no room can be made."""
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None: ...
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
+        """Pin ready keys for reading; KeyError for a missing one."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None: ...

@@ -10,10 +10,15 @@ bytes are read and written by transfer handlers on worker threads between a
 A key being written is invisible to `contains`; a pinned key is never evicted;
 "no room" is returned as ``None``, never raised. Usage never exceeds capacity:
 the buffer holds ``capacity // slot_bytes`` slots and nothing else.
+
+Spilling (write-back to a slower tier): when ``spill_filter`` says a victim is
+worth keeping, eviction hides the key at once but holds its slot until the
+manager has copied it out (`take_spills` → write → `finish_spills`). A chunk
+already copied to the slower tier (``clean``) is evicted without a spill.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +35,19 @@ class _Entry:
     nbytes: int
     ready: bool = False
     pins: int = 0
+    hits: int = 0        # loads served to L0
+    clean: bool = False  # a copy exists in the next tier down
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    key: BlockHash
+    slot: int
+    nbytes: int
+    hits: int
+
+
+MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
 
 
 class CpuTier(Tier):
@@ -52,6 +70,9 @@ class CpuTier(Tier):
         self.slab = SlabAllocator(num_slots, slot_bytes, pin_memory=pin_memory, prefault=prefault)
         self.policy = eviction_policies.get(eviction)()
         self.entries: dict[BlockHash, _Entry] = {}
+        self.spill_filter: Callable[[BlockHash, int], bool] | None = None   # set by the manager
+        self._spilling: dict[BlockHash, _Entry] = {}
+        self._spill_queue: list[Spill] = []
         self._used_bytes = 0
 
     # -- Tier ----------------------------------------------------------------
@@ -102,8 +123,14 @@ class CpuTier(Tier):
                 out.append(None)
                 continue
             slot = self.slab.allocate()
-            if slot is None and self._evict_one():
-                slot = self.slab.allocate()
+            tries = 0
+            while slot is None and tries < MAX_EVICTIONS_PER_SLOT:
+                freed = self._evict_one()
+                if freed is None:
+                    break
+                tries += 1
+                if freed:
+                    slot = self.slab.allocate()
             if slot is None:
                 self.counters.store_rejected += 1
                 out.append(None)
@@ -113,32 +140,35 @@ class CpuTier(Tier):
             out.append(slot)
         return out
 
-    def complete_store(self, keys: Sequence[BlockHash], ok: bool) -> None:
-        """Publish written keys (or release their slots when the write failed).
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), clean: bool = False) -> None:
+        """Publish written keys and release the slots of ``failed`` ones.
 
         Keys are published tail first so that, under LRU, a chain's head is the
-        most recently used and outlives its tail.
+        most recently used and outlives its tail. ``clean``: the keys came from
+        the next tier down, which still holds them.
         """
+        bad = set(failed)
         for key in reversed(keys):
             entry = self.entries.get(key)
             if entry is None or entry.ready:
                 continue
-            if ok:
-                entry.ready = True
-                self.policy.insert(key)
-                self.counters.stored += 1
-            else:
+            if key in bad:
                 self._drop(key, entry)
                 self.counters.errors += 1
+            else:
+                entry.ready = True
+                entry.clean = clean
+                self.policy.insert(key)
+                self.counters.stored += 1
 
     # -- loads ---------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[BlockHash]) -> list[int]:
-        """Pin ready keys for reading and return their slots; raises KeyError for a missing key."""
+    def pin(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Pin ready keys (not evictable) and return their slots; raises KeyError for a missing key."""
         slots = []
         for i, key in enumerate(keys):
             entry = self.entries.get(key)
             if entry is None or not entry.ready:
-                self.complete_load(keys[:i])
+                self.unpin(keys[:i])
                 raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
             if entry.pins == 0:
                 self.policy.remove(key)
@@ -146,13 +176,40 @@ class CpuTier(Tier):
             slots.append(entry.slot)
         return slots
 
-    def complete_load(self, keys: Sequence[BlockHash]) -> None:
+    def unpin(self, keys: Sequence[BlockHash]) -> None:
         for key in reversed(keys):  # tail first: the head ends up most recently used
             entry = self.entries[key]
             entry.pins -= 1
             if entry.pins == 0:
                 self.policy.insert(key)
-            self.counters.loaded += 1
+
+    def prepare_load(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Pin keys for a load into L0 and return their slots."""
+        return self.pin(keys)
+
+    def complete_load(self, keys: Sequence[BlockHash]) -> None:
+        for key in keys:
+            self.entries[key].hits += 1
+        self.counters.loaded += len(keys)
+        self.unpin(keys)
+
+    def mark_clean(self, keys: Sequence[BlockHash]) -> None:
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.clean = True
+
+    # -- spills --------------------------------------------------------------
+    def take_spills(self) -> list[Spill]:
+        spills, self._spill_queue = self._spill_queue, []
+        return spills
+
+    def finish_spills(self, keys: Sequence[BlockHash]) -> None:
+        """The spilled bytes were copied out (or given up): free their slots."""
+        for key in keys:
+            entry = self._spilling.pop(key)
+            self._used_bytes -= entry.nbytes
+            self.slab.release(entry.slot)
 
     # -- bytes (for transfer handlers) ---------------------------------------
     def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
@@ -165,12 +222,20 @@ class CpuTier(Tier):
         return self.entries[key].nbytes
 
     # -- internals -----------------------------------------------------------
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> bool | None:
+        """Evict the policy's victim: True if its slot is free now, False if it is being spilled, None if no victim."""
         key = self.policy.pop_victim()
         if key is None:
-            return False
-        self._drop(key, self.entries[key], in_policy=False)
+            return None
+        entry = self.entries[key]
         self.counters.evicted += 1
+        if self.spill_filter is not None and not entry.clean and self.spill_filter(key, entry.hits) \
+                and key not in self._spilling:
+            del self.entries[key]
+            self._spilling[key] = entry
+            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits))
+            return False
+        self._drop(key, entry, in_policy=False)
         return True
 
     def _drop(self, key: BlockHash, entry: _Entry, in_policy: bool = True) -> None:

@@ -15,15 +15,17 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from tiercache.keys import BlockHash
 from tiercache.tiers.base import Medium
 from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[TransferPlan], None]
+Handler = Callable[[TransferPlan], "Sequence[BlockHash] | None"]
+"""Moves one plan's bytes; returns the keys that failed (None or empty: all moved) or raises (all failed)."""
 Link = tuple[Medium, Medium]
 
 
@@ -49,6 +51,7 @@ class TransferEngine:
         self._stats_lock = threading.Lock()
         self._stats: dict[Link, LinkStats] = defaultdict(LinkStats)
         self._pending: dict[JobId, TransferResult] = {}
+        self._submitted: set[JobId] = set()   # submitted, result not yet handed out
         self._closed = False
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)
@@ -72,8 +75,12 @@ class TransferEngine:
             raise RuntimeError("transfer engine is closed")
         if plan.link not in self._handlers:
             raise ValueError(f"no transfer handler for {plan.src.value}→{plan.dst.value}")
+        self._submitted.add(plan.job_id)
         self._queue.put((plan.priority, next(self._seq), plan))
         return plan.job_id
+
+    def is_submitted(self, job_id: JobId) -> bool:
+        return job_id in self._submitted
 
     def _run(self) -> None:
         while True:
@@ -82,8 +89,10 @@ class TransferEngine:
                 return
             start = time.perf_counter()
             try:
-                self._handlers[plan.link](plan)
-                result = TransferResult(plan, ok=True, seconds=time.perf_counter() - start)
+                failed = tuple(self._handlers[plan.link](plan) or ())
+                result = TransferResult(plan, ok=not failed, seconds=time.perf_counter() - start,
+                                        error=f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None,
+                                        failed_keys=failed)
             except Exception as err:  # the boundary: a failed copy is a result, not a crash
                 log.warning("transfer job %d %s→%s (%d chunks, %d B) failed: %r",
                             plan.job_id, plan.src.value, plan.dst.value, len(plan.chunks), plan.nbytes, err)
@@ -93,7 +102,8 @@ class TransferEngine:
                 s = self._stats[plan.link]
                 s.jobs += 1
                 s.failed += not result.ok
-                s.bytes += plan.nbytes if result.ok else 0
+                moved = len(plan.chunks) - len(result.failed_keys)
+                s.bytes += plan.nbytes * moved // len(plan.chunks) if plan.chunks else 0
                 s.busy_seconds += result.seconds
             self._done.put(result)
 
@@ -105,6 +115,7 @@ class TransferEngine:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
+                self._submitted.difference_update(r.job_id for r in out)
                 return out
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[TransferResult]:
@@ -124,6 +135,7 @@ class TransferEngine:
                 got.append(result)
             else:
                 self._pending[result.job_id] = result
+        self._submitted.difference_update(r.job_id for r in got)
         return got
 
     def stats(self) -> dict[str, dict[str, float]]:

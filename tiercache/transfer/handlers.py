@@ -1,4 +1,4 @@
-"""Byte movers between L0 (the paged pool) and L1 (host slots).
+"""Byte movers: L0 (the paged pool) ↔ L1 (host slots), and L1 ↔ lower tiers.
 
 Worker side: these run on transfer threads and touch only tensors — the
 pool's KV tensor and the L1 slots named in the plan, which the manager pinned
@@ -11,16 +11,20 @@ partly moved (a load skipping blocks L0 holds) moves on its own.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from tiercache.errors import ChunkFormatError
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.plan import ChunkCopy, TransferPlan
+
+log = logging.getLogger(__name__)
 
 
 def group_adjacent(chunks: Sequence[ChunkCopy], full_blocks: int) -> list[list[ChunkCopy]]:
@@ -74,3 +78,48 @@ class DeviceCpuHandlers:
 
     def load(self, plan: TransferPlan) -> None:
         self._move(plan, store=False)
+
+
+class CpuLowerHandlers:
+    """L1 ↔ a lower tier (disk): spills and copies down encode an L1 slot into the tier's chunk format;
+    promotions read, verify and decode a chunk straight into its reserved L1 slot.
+
+    A chunk that fails (a full disk, a corrupt file) fails alone: its key is
+    returned, the plan's other chunks still move.
+    """
+
+    def __init__(self, cpu: CpuTier, lower, chunk_meta) -> None:
+        self.cpu = cpu
+        self.lower = lower
+        self.chunk_meta = chunk_meta   # (key, chunk_blocks) -> ChunkMeta
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(Medium.CPU, self.lower.medium, self.store)
+        engine.register(self.lower.medium, Medium.CPU, self.load)
+
+    def _slot(self, c: ChunkCopy) -> memoryview:
+        return memoryview(self.cpu.slot_view(c.slot).numpy())  # type: ignore[arg-type]
+
+    def store(self, plan: TransferPlan) -> list:
+        failed = []
+        for c in plan.chunks:
+            meta = self.chunk_meta(c.key, c.chunk_blocks)
+            try:
+                self.lower.write_chunk(meta, self._slot(c)[:meta.raw_len])
+            except OSError as err:
+                log.warning("writing chunk %s… to %s failed: %s", c.key.hex()[:16], self.lower.name, err)
+                failed.append(c.key)
+        return failed
+
+    def load(self, plan: TransferPlan) -> list:
+        failed = []
+        for c in plan.chunks:
+            want = self.chunk_meta(c.key, c.chunk_blocks).raw_len
+            try:
+                got = self.lower.read_chunk_into(c.key, self._slot(c))
+                if got != want:
+                    raise ChunkFormatError(f"chunk holds {got} bytes, expected {want}")
+            except (ChunkFormatError, OSError) as err:
+                log.warning("reading chunk %s… from %s failed: %s", c.key.hex()[:16], self.lower.name, err)
+                failed.append(c.key)
+        return failed

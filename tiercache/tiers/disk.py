@@ -1,0 +1,258 @@
+"""L2: chunks as files on a local disk, in the stored chunk format, surviving restarts.
+
+Index (scheduler side, one thread) and I/O (worker side, transfer threads) are
+split: `prepare_*` / `complete_*` change the index; `write_chunk` /
+`read_chunk_into` touch only files, never the index.
+
+- Layout: ``<root>/<namespace digest>/<key[:2]>/<key>.chunk``; other
+  namespaces' directories are never touched.
+- Crash safety: a chunk is written to ``<name>.tmp`` and renamed into place,
+  so a reader sees a whole file or none; ``fsync`` (off by default) adds
+  durability across power loss. Every read verifies the header and payload
+  checksum, so even a torn file is a miss, never served.
+- Restart: the index is rebuilt from the chunk headers on disk (oldest file
+  first in LRU order); leftover ``.tmp`` files and files whose header or size
+  is wrong are deleted and counted.
+- Capacity counts whole files, headers included; usage never exceeds it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
+from tiercache.codecs import Buffer
+from tiercache.errors import ChunkFormatError
+from tiercache.keys import BlockHash
+from tiercache.policies import eviction_policies
+from tiercache.tiers.base import LowerTier, Medium
+
+SUFFIX = ".chunk"
+
+
+@dataclass(slots=True)
+class _Entry:
+    nbytes: int
+    ready: bool = False
+    pins: int = 0
+
+
+class DiskTier(LowerTier):
+    medium = Medium.DISK
+
+    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, namespace: bytes,
+                 fmt: ChunkFormat | None = None, eviction: str = "lru", fsync: bool = False,
+                 name: str = "disk") -> None:
+        super().__init__()
+        self.fmt = fmt or ChunkFormat()
+        if capacity_bytes <= HEADER_BYTES:
+            raise ValueError(f"L2 capacity {capacity_bytes} B cannot hold a chunk")
+        self.name = name
+        self.namespace = namespace
+        self.fsync = fsync
+        self._capacity = capacity_bytes
+        self.dir = Path(root) / namespace.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.policy = eviction_policies.get(eviction)()
+        self.entries: dict[BlockHash, _Entry] = {}
+        self._used = 0
+        self._rebuild()
+
+    # -- restart -------------------------------------------------------------
+    def _rebuild(self) -> None:
+        found = []
+        for path in self.dir.glob("*/*"):
+            if path.name.endswith(".tmp"):          # a writer died mid-chunk
+                path.unlink(missing_ok=True)
+                continue
+            if not path.name.endswith(SUFFIX):
+                continue
+            try:
+                key = BlockHash(bytes.fromhex(path.name[:-len(SUFFIX)]))
+                st = path.stat()
+                with open(path, "rb") as f:
+                    parsed = check_header(f.read(HEADER_BYTES), self.namespace, key)
+                if st.st_size != HEADER_BYTES + parsed[3]:
+                    raise ChunkFormatError(f"{path.name} is {st.st_size} bytes, header says {HEADER_BYTES + parsed[3]}")
+            except (ValueError, ChunkFormatError, OSError):
+                self.counters.integrity_failures += 1
+                path.unlink(missing_ok=True)
+                continue
+            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found, key=lambda f: f[0]):
+            self.entries[key] = _Entry(size, ready=True)
+            self._used += size
+            self.policy.insert(key)
+        while self._used > self._capacity and self._evict_one():
+            pass
+
+    # -- Tier ----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.entries)
+
+    def reserve_bytes(self, raw_len: int) -> int:
+        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
+
+    def path(self, key: BlockHash) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}{SUFFIX}"
+
+    def contains(self, keys: Sequence[BlockHash]) -> int:
+        n = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or not entry.ready:
+                break
+            n += 1
+        return self._count_lookup(len(keys), n)
+
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        removed = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and entry.ready and entry.pins == 0:
+                self._drop(key, entry)
+                removed += 1
+        self.counters.deleted += removed
+        return removed
+
+    # -- index: stores -------------------------------------------------------
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        """Reserve room for each key's file (header included); False where present or no room."""
+        out = []
+        for key, size in zip(keys, nbytes, strict=True):
+            if key in self.entries or size > self._capacity:
+                out.append(False)
+                continue
+            while self._used + size > self._capacity and self._evict_one():
+                pass
+            if self._used + size > self._capacity:
+                self.counters.store_rejected += 1
+                out.append(False)
+                continue
+            self.entries[key] = _Entry(size)
+            self._used += size
+            out.append(True)
+        return out
+
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        bad = set(failed)
+        for key in reversed(keys):
+            entry = self.entries.get(key)
+            if entry is None or entry.ready:
+                continue
+            if key in bad:
+                self._drop(key, entry, in_policy=False)
+                self.counters.errors += 1
+            else:
+                entry.ready = True
+                self.policy.insert(key)
+                self.counters.stored += 1
+
+    # -- index: loads --------------------------------------------------------
+    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
+        for i, key in enumerate(keys):
+            entry = self.entries.get(key)
+            if entry is None or not entry.ready:
+                self.complete_load(keys[:i])
+                raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
+            if entry.pins == 0:
+                self.policy.remove(key)
+            entry.pins += 1
+
+    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
+        """Unpin; chunks that failed verification are deleted (a miss from now on)."""
+        bad = set(corrupt)
+        for key in reversed(keys):
+            entry = self.entries[key]
+            entry.pins -= 1
+            if key in bad:
+                self.counters.integrity_failures += 1
+                if entry.pins == 0:
+                    self._drop(key, entry, in_policy=False)
+                continue
+            if entry.pins == 0:
+                self.policy.insert(key)
+            self.counters.loaded += 1
+
+    # -- I/O (worker side) ---------------------------------------------------
+    def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
+        """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure."""
+        header, payload = self.fmt.encode_parts(meta, raw)
+        final = self.path(meta.key)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.with_name(final.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            parts = [memoryview(header), memoryview(payload).cast("B")]
+            while parts:
+                written = os.writev(fd, parts)
+                while parts and written >= len(parts[0]):
+                    written -= len(parts[0])
+                    parts.pop(0)
+                if parts and written:
+                    parts[0] = parts[0][written:]
+            if self.fsync:
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.rename(tmp, final)
+
+    def read_chunk_into(self, key: BlockHash, out: memoryview) -> int:
+        """Read and verify one chunk, leaving its raw bytes at the start of ``out``; returns their length.
+
+        Raises `ChunkFormatError` for a corrupt, truncated or foreign file and
+        OSError when the file cannot be read.
+        """
+        with open(self.path(key), "rb", buffering=0) as f:
+            header = f.read(HEADER_BYTES)
+            parsed = check_header(header, self.namespace, key)
+            meta, codec_code, _, payload_len, _ = parsed
+            if meta.raw_len > len(out):
+                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(out)}-byte buffer")
+            if codec_code == 0 and payload_len == meta.raw_len:   # raw: read straight into place
+                target = out[:payload_len]
+                got = f.readinto(target)
+                if got != payload_len or f.read(1):
+                    raise ChunkFormatError(f"chunk file {key.hex()[:16]}… has the wrong length")
+                verify_payload(parsed, target)
+                return payload_len
+            payload = f.read()
+        data = verify_payload(parsed, payload)
+        out[:meta.raw_len] = memoryview(data).cast("B")
+        return meta.raw_len
+
+    # -- internals -----------------------------------------------------------
+    def _evict_one(self) -> bool:
+        key = self.policy.pop_victim()
+        if key is None:
+            return False
+        self._drop(key, self.entries[key], in_policy=False)
+        self.counters.evicted += 1
+        return True
+
+    def _drop(self, key: BlockHash, entry: _Entry, in_policy: bool = True) -> None:
+        if in_policy and entry.ready:
+            self.policy.remove(key)
+        del self.entries[key]
+        self._used -= entry.nbytes
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError as err:  # the index forgets it either way; a stray file is re-verified on restart
+            if err.errno != errno.ENOENT:
+                self.counters.errors += 1
