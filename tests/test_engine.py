@@ -159,11 +159,11 @@ def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs):
         real = handlers[(Medium.CPU, Medium.DEVICE)]
         calls = []
 
-        def flaky(plan):
+        def flaky(plan, progress=None):
             calls.append(plan.job_id)
             if len(calls) == 1:
                 raise OSError("injected load failure")
-            real(plan)
+            real(plan, progress)
 
         monkeypatch.setitem(handlers, (Medium.CPU, Medium.DEVICE), flaky)
         (seq,) = run_sequential(engine, prompts[1:2])

@@ -108,14 +108,14 @@ def test_a_failing_handler_becomes_a_failed_result(stack, monkeypatch):
     tokens = list(range(2 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=5)
 
-    def broken(plan):
+    def broken(plan, progress=None):
         raise OSError("injected copy failure")
 
     monkeypatch.setitem(stack.manager.engine._handlers, (stack.cpu.medium.DEVICE, stack.cpu.medium), broken)
     (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
     assert not result.ok and "injected" in result.error and len(result.failed_keys) == 2
     assert stack.cpu.num_chunks == 0 and stack.cpu.used_bytes == 0 and stack.cpu.counters.errors == 2
-    assert stack.manager.engine.stats()["device->cpu"]["failed"] == 1
+    assert stack.manager.engine.stats()["device_host"]["failed"] == 1
 
 
 def test_l1_capacity_bounds_stores_and_evicts_tails_first():
@@ -151,7 +151,7 @@ def test_priorities_loads_before_stores():
     gate = threading.Event()
     order = []
 
-    def handler(plan):
+    def handler(plan, progress=None):
         gate.wait()
         order.append(plan.priority)
 

@@ -87,7 +87,7 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Na
                   pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
     lower = [_disk_tier(config, namespace)] if config.disk.enabled else []
 
-    engine = TransferEngine(workers=config.transfer.workers)
+    engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
     DeviceCpuHandlers(kv, cpu, bpc).register(engine)
     g = kv.geometry
     digest = namespace.digest()

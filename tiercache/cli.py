@@ -64,33 +64,48 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
+    from tiercache.bench.disk import bench_disk
     from tiercache.bench.tiers import SHAPES, CpuBenchSpec, bench_cpu
 
-    load_config(args.config, overrides=args.set)  # validate what the user passed, even if unused by this bench
+    cfg = load_config(args.config, overrides=args.set)
     layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
-    runs = []
-    with tqdm(total=len(layouts) * args.reps, desc="bench tiers cpu", file=sys.stderr, disable=args.quiet) as bar:
-        for scattered in layouts:
-            spec = CpuBenchSpec(shape=args.shape, chunk_tokens=args.chunk_tokens, total_bytes=args.total_mib,
-                                reps=args.reps, scattered=scattered)
-            runs.append(bench_cpu(spec, progress=lambda: bar.update(1)))
-    headline = dict(runs[0])
-    if len(runs) > 1:
-        headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
-    report = {
-        "tiers": {"cpu": headline},
-        "runs": runs,
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "command": "tiercache " + " ".join(sys.argv[1:]),
-    }
+    total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0)
+    report: dict = {"tiers": {}, "runs": []}
+    with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
+        if "cpu" in args.tiers:
+            runs = []
+            for scattered in layouts:
+                spec = CpuBenchSpec(shape=args.shape, chunk_tokens=args.chunk_tokens, total_bytes=args.total_mib,
+                                    reps=args.reps, scattered=scattered)
+                runs.append(bench_cpu(spec, progress=lambda: bar.update(1)))
+            headline = dict(runs[0])
+            if len(runs) > 1:
+                headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
+            report["tiers"]["cpu"] = headline
+            report["runs"] += runs
+        if "disk" in args.tiers:
+            directory = args.disk_path or cfg.disk.path or None
+            r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
+                           fsync=args.fsync, codec=cfg.format.codec, progress=lambda: bar.update(1))
+            report["tiers"]["disk"] = r
+            report["runs"].append(r)
+    report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
     _write_json(args.json, report)
     table = Table(title=f"tier throughput, {args.shape} ({SHAPES[args.shape].dtype}), medians of {args.reps}")
-    for col in ("tier", "L0 blocks", "chunk", "put GB/s", "get GB/s", "raw GB/s", "put/raw", "get/raw"):
+    for col in ("tier", "variant", "chunk", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw"):
         table.add_column(col, justify="right")
-    for r in runs:
-        table.add_row("cpu", r["block_layout"], f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
-                      f"{r['get_gbps']:.2f}", f"{r['raw_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
-    Console(width=max(100, Console().width)).print(table)
+    if "cpu" in report["tiers"]:
+        for r in report["runs"][:len(layouts)]:
+            table.add_row("cpu", f"{r['block_layout']} blocks", f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
+                          f"{r['get_gbps']:.2f}", f"{r['raw_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
+                          f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+    if "disk" in report["tiers"]:
+        r = report["tiers"]["disk"]
+        variant = ("fsync" if r["fsync"] else "buffered") + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
+        table.add_row("disk", variant, f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
+                      f"{r['raw_write_gbps']:.2f}", f"{r['raw_read_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+    Console(width=max(110, Console().width)).print(table)
     return 0
 
 
@@ -160,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
     tiers = bench.add_parser("tiers", help="tier put/get throughput beside the raw machine limit")
-    tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers (cpu)")
+    tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers: cpu, disk")
+    tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
+    tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
     tiers.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                        help="KV geometry: llama-8b (32 layers, 8 KV heads, dim 128, bf16) or small (4, 2, 64, fp32)")
     tiers.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per chunk (multiple of 16)")

@@ -126,10 +126,35 @@ class FormatConfig:
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
+    """Transfer threads, layerwise loading, and limits per link (rates in bytes/s; 0 = unlimited)."""
     workers: int = _opt(2, "transfer jobs run at once")
+    layerwise: bool = _opt(True, "loads land layer by layer, so layer l computes while l+1 copies")
+    device_host_rate: int = _size(0, "device<->host (PCIe) bytes/s")
+    device_host_burst: int = _size(0, "device<->host bucket size (0: 0.1 s at the rate)")
+    device_host_max_in_flight: int = _size(0, "device<->host bytes running at once")
+    device_host_max_queued_stores: int = _size(0, "device<->host store bytes waiting before stores are dropped")
+    host_disk_rate: int = _size(0, "host<->disk bytes/s")
+    host_disk_burst: int = _size(0, "host<->disk bucket size")
+    host_disk_max_in_flight: int = _size(0, "host<->disk bytes running at once")
+    host_disk_max_queued_stores: int = _size(0, "host<->disk store bytes waiting before stores are dropped")
+    host_network_rate: int = _size(0, "host<->network bytes/s")
+    host_network_burst: int = _size(0, "host<->network bucket size")
+    host_network_max_in_flight: int = _size(0, "host<->network bytes running at once")
+    host_network_max_queued_stores: int = _size(0, "host<->network store bytes waiting before stores are dropped")
 
     def __post_init__(self) -> None:
         _check(1 <= self.workers <= 64, "workers", self.workers, "must be between 1 and 64")
+        for f in dataclasses.fields(self):
+            if f.metadata.get("size"):
+                _check(getattr(self, f.name) >= 0, f.name, getattr(self, f.name), "must be >= 0")
+
+    def link_limits(self) -> dict[str, "LinkLimits"]:
+        from tiercache.transfer.links import LinkLimits
+        return {
+            link: LinkLimits(getattr(self, f"{link}_rate"), getattr(self, f"{link}_burst"),
+                             getattr(self, f"{link}_max_in_flight"), getattr(self, f"{link}_max_queued_stores"))
+            for link in ("device_host", "host_disk", "host_network")
+        }
 
 
 @dataclass(frozen=True, slots=True)

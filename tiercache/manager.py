@@ -112,7 +112,10 @@ class CacheManager:
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
         if self.lower and write_mode == "write-back":
-            l1.spill_filter = (lambda key, hits: admission.admit(key, hits)) if admission else (lambda key, hits: True)
+            l1.spill_filter = self._worth_writing_down
+
+    def _worth_writing_down(self, key: BlockHash, hits: int) -> bool:
+        return not self.lower[0].has(key) and (self.admission is None or self.admission.admit(key, hits))
 
     # -- lookup --------------------------------------------------------------
     def _chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
@@ -185,10 +188,11 @@ class CacheManager:
             if not chunks:
                 continue
             lower.prepare_load([c.key for c in chunks])
-            plan = self._plan(JobKind.PROMOTE, Medium(lower.medium), Medium.CPU, Priority.PREFETCH, chunks, lower)
-            self._background.append(plan)
-            for c in chunks:
-                self._promoting[c.key] = plan.job_id
+            for part in self._split(chunks):
+                plan = self._plan(JobKind.PROMOTE, lower.medium, Medium.CPU, Priority.PREFETCH, part, lower)
+                self._background.append(plan)
+                for c in part:
+                    self._promoting[c.key] = plan.job_id
             pending = True
         return pending
 
@@ -260,9 +264,14 @@ class CacheManager:
         sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
-        if taken:
-            self._background.append(self._plan(kind, Medium.CPU, Medium(lower.medium), Priority.STORE, taken, lower))
+        for part in self._split(taken):
+            self._background.append(self._plan(kind, Medium.CPU, lower.medium, Priority.STORE, part, lower))
         return [c for c, good in zip(chunks, ok) if not good]
+
+    def _split(self, chunks: list[ChunkCopy]) -> list[list[ChunkCopy]]:
+        """One job per transfer worker, so file I/O of one chunk overlaps checksums and syncs of another."""
+        n = min(self.engine.num_workers, len(chunks))
+        return [chunks[i::n] for i in range(n)] if n else []
 
     def take_background(self) -> list[TransferPlan]:
         """Promotions, spills and write-through copies planned since the last call, to be submitted."""
@@ -290,7 +299,7 @@ class CacheManager:
                 if self.lower and self.write_mode == "write-through":
                     self._copy_down([c for c in job.plan.chunks if c.key not in set(failed)])
             elif job.kind is JobKind.PROMOTE:
-                self.l1.complete_store(keys, failed, clean=True)
+                self.l1.complete_store(keys, failed)
                 job.lower.complete_load(keys, corrupt=failed)
                 for key in keys:
                     self._promoting.pop(key, None)
@@ -299,7 +308,6 @@ class CacheManager:
                 self.l1.finish_spills(keys)
             else:  # COPY_DOWN
                 job.lower.complete_store(keys, failed)
-                self.l1.mark_clean([k for k in keys if k not in set(failed)])
                 self.l1.unpin(keys)
 
     def _copy_down(self, chunks: list[ChunkCopy]) -> None:
@@ -317,8 +325,8 @@ class CacheManager:
         """
         if not self.lower:
             return []
-        dirty = [(key, e) for key, e in self.l1.entries.items() if e.ready and not e.clean and e.pins == 0
-                 and (self.admission is None or self.admission.admit(key, e.hits))]
+        dirty = [(key, e) for key, e in self.l1.entries.items()
+                 if e.ready and e.pins == 0 and self._worth_writing_down(key, e.hits)]
         self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty])
         return self.take_background()
 

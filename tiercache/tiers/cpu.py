@@ -13,8 +13,8 @@ the buffer holds ``capacity // slot_bytes`` slots and nothing else.
 
 Spilling (write-back to a slower tier): when ``spill_filter`` says a victim is
 worth keeping, eviction hides the key at once but holds its slot until the
-manager has copied it out (`take_spills` → write → `finish_spills`). A chunk
-already copied to the slower tier (``clean``) is evicted without a spill.
+manager has copied it out (`take_spills` → write → `finish_spills`). The
+filter answers no for a chunk the slower tier already holds.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class _Entry:
     ready: bool = False
     pins: int = 0
     hits: int = 0        # loads served to L0
-    clean: bool = False  # a copy exists in the next tier down
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +139,11 @@ class CpuTier(Tier):
             out.append(slot)
         return out
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), clean: bool = False) -> None:
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
         """Publish written keys and release the slots of ``failed`` ones.
 
         Keys are published tail first so that, under LRU, a chain's head is the
-        most recently used and outlives its tail. ``clean``: the keys came from
-        the next tier down, which still holds them.
+        most recently used and outlives its tail.
         """
         bad = set(failed)
         for key in reversed(keys):
@@ -157,7 +155,6 @@ class CpuTier(Tier):
                 self.counters.errors += 1
             else:
                 entry.ready = True
-                entry.clean = clean
                 self.policy.insert(key)
                 self.counters.stored += 1
 
@@ -193,12 +190,6 @@ class CpuTier(Tier):
         self.counters.loaded += len(keys)
         self.unpin(keys)
 
-    def mark_clean(self, keys: Sequence[BlockHash]) -> None:
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is not None:
-                entry.clean = True
-
     # -- spills --------------------------------------------------------------
     def take_spills(self) -> list[Spill]:
         spills, self._spill_queue = self._spill_queue, []
@@ -229,8 +220,7 @@ class CpuTier(Tier):
             return None
         entry = self.entries[key]
         self.counters.evicted += 1
-        if self.spill_filter is not None and not entry.clean and self.spill_filter(key, entry.hits) \
-                and key not in self._spilling:
+        if self.spill_filter is not None and key not in self._spilling and self.spill_filter(key, entry.hits):
             del self.entries[key]
             self._spilling[key] = entry
             self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits))

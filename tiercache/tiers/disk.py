@@ -31,6 +31,19 @@ from tiercache.policies import eviction_policies
 from tiercache.tiers.base import LowerTier, Medium
 
 SUFFIX = ".chunk"
+WRITE_PIECE = 4 << 20   # page-cache writes in one 32 MiB syscall ran at about half the rate of 4 MiB ones here
+
+
+def _write_all(fd: int, header: memoryview, payload: memoryview) -> None:
+    """Header and payload in ``WRITE_PIECE`` syscalls (the first one gathers the header), retrying short writes."""
+    first = payload[:WRITE_PIECE - len(header)]
+    done = os.writev(fd, [header, first])
+    if done < len(header):
+        os.write(fd, header[done:])
+        done = len(header)
+    offset = done - len(header)
+    while offset < len(payload):
+        offset += os.write(fd, payload[offset:offset + WRITE_PIECE])
 
 
 @dataclass(slots=True)
@@ -101,6 +114,10 @@ class DiskTier(LowerTier):
     @property
     def num_chunks(self) -> int:
         return len(self.entries)
+
+    def has(self, key: BlockHash) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.ready
 
     def reserve_bytes(self, raw_len: int) -> int:
         return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
@@ -196,14 +213,7 @@ class DiskTier(LowerTier):
         tmp = final.with_name(final.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            parts = [memoryview(header), memoryview(payload).cast("B")]
-            while parts:
-                written = os.writev(fd, parts)
-                while parts and written >= len(parts[0]):
-                    written -= len(parts[0])
-                    parts.pop(0)
-                if parts and written:
-                    parts[0] = parts[0][written:]
+            _write_all(fd, memoryview(header), memoryview(payload).cast("B"))
             if self.fsync:
                 os.fdatasync(fd)
         except BaseException:

@@ -1,11 +1,16 @@
-"""The transfer engine: a priority queue of plans executed by worker threads.
+"""The transfer engine: per-link queues (rate limits, in-flight caps, priorities) served by worker threads.
 
-Worker side. Handlers are registered per link ``(source medium, destination
-medium)``; a handler moves the bytes of one plan and raises on failure. Any
-exception becomes a failed `TransferResult` (logged with the plan's context),
-never an exception in the caller. Results are collected by the one thread
-that owns the tier indexes (`poll` / `wait`), so completions are applied in
-one place.
+Worker side. Handlers are registered per link direction ``(source medium,
+destination medium)``; a handler moves one plan's bytes and returns the keys
+that failed (or raises: every key failed). Any exception becomes a failed
+`TransferResult` (logged with the plan's context), never an exception in the
+caller. A store the link drops under pressure comes back at once as a failed
+result with ``error="dropped"``. Results are collected by the one thread that
+owns the tier indexes (`poll` / `wait`), so completions are applied in one
+place.
+
+A load may carry a `LayerProgress`: its handler marks each layer as it lands,
+so the engine can compute layer ``l`` while layer ``l + 1`` is still copying.
 """
 from __future__ import annotations
 
@@ -14,50 +19,65 @@ import logging
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import Medium
+from tiercache.transfer.links import LinkLimits, LinkSet
 from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[TransferPlan], "Sequence[BlockHash] | None"]
-"""Moves one plan's bytes; returns the keys that failed (None or empty: all moved) or raises (all failed)."""
 Link = tuple[Medium, Medium]
 
 
-@dataclass(slots=True)
-class LinkStats:
-    jobs: int = 0
-    failed: int = 0
-    bytes: int = 0
-    busy_seconds: float = 0.0
+class LayerProgress:
+    """Layers of one load that have landed; waiters block until theirs has (or the job ended)."""
 
-    def as_dict(self) -> dict[str, float]:
-        gbps = self.bytes / self.busy_seconds / 1e9 if self.busy_seconds else 0.0
-        return {"jobs": self.jobs, "failed": self.failed, "bytes": self.bytes, "gbps": gbps}
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._done = 0
+        self._ended = False
+
+    def mark(self, layer: int) -> None:
+        with self._cond:
+            self._done = max(self._done, layer + 1)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wait(self, layer: int, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._ended or self._done > layer, timeout)
+
+
+Handler = Callable[[TransferPlan, "LayerProgress | None"], "Sequence[BlockHash] | None"]
+"""Moves one plan's bytes; returns the keys that failed (None or empty: all moved) or raises (all failed)."""
 
 
 class TransferEngine:
-    def __init__(self, workers: int = 2, name: str = "tiercache-xfer") -> None:
+    def __init__(self, workers: int = 2, limits: Mapping[str, LinkLimits] | None = None,
+                 clock: Callable[[], float] = time.monotonic, name: str = "tiercache-xfer") -> None:
         self._handlers: dict[Link, Handler] = {}
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._links = LinkSet(dict(limits or {}), clock())
+        self._progress: dict[JobId, LayerProgress] = {}
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        self._seq = itertools.count()
         self._job_ids = itertools.count(1)
-        self._stats_lock = threading.Lock()
-        self._stats: dict[Link, LinkStats] = defaultdict(LinkStats)
         self._pending: dict[JobId, TransferResult] = {}
         self._submitted: set[JobId] = set()   # submitted, result not yet handed out
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)]
         for t in self._threads:
             t.start()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._threads)
 
     def register(self, src: Medium, dst: Medium, handler: Handler) -> None:
         if (src, dst) in self._handlers:
@@ -70,26 +90,43 @@ class TransferEngine:
     def next_job_id(self) -> JobId:
         return JobId(next(self._job_ids))
 
-    def submit(self, plan: TransferPlan) -> JobId:
+    def submit(self, plan: TransferPlan, progress: LayerProgress | None = None) -> JobId:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
         if plan.link not in self._handlers:
             raise ValueError(f"no transfer handler for {plan.src.value}→{plan.dst.value}")
         self._submitted.add(plan.job_id)
-        self._queue.put((plan.priority, next(self._seq), plan))
+        with self._cond:
+            accepted = self._links.offer(plan)
+            if accepted:
+                if progress is not None:
+                    self._progress[plan.job_id] = progress
+                self._cond.notify()
+        if not accepted:
+            if progress is not None:
+                progress.end()
+            self._done.put(TransferResult(plan, ok=False, seconds=0.0, error="dropped", failed_keys=tuple(plan.keys)))
         return plan.job_id
 
     def is_submitted(self, job_id: JobId) -> bool:
         return job_id in self._submitted
 
+    def _next(self) -> tuple[TransferPlan, LayerProgress | None] | None:
+        with self._cond:
+            while True:
+                if self._closed and not self._links.queued():
+                    return None
+                plan, wait = self._links.next_job(self._clock())
+                if plan is not None:
+                    return plan, self._progress.pop(plan.job_id, None)
+                self._cond.wait(timeout=wait)
+
     def _run(self) -> None:
-        while True:
-            _, _, plan = self._queue.get()
-            if plan is None:
-                return
+        while (job := self._next()) is not None:
+            plan, progress = job
             start = time.perf_counter()
             try:
-                failed = tuple(self._handlers[plan.link](plan) or ())
+                failed = tuple(self._handlers[plan.link](plan, progress) or ())
                 result = TransferResult(plan, ok=not failed, seconds=time.perf_counter() - start,
                                         error=f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None,
                                         failed_keys=failed)
@@ -98,13 +135,12 @@ class TransferEngine:
                             plan.job_id, plan.src.value, plan.dst.value, len(plan.chunks), plan.nbytes, err)
                 result = TransferResult(plan, ok=False, seconds=time.perf_counter() - start,
                                         error=repr(err), failed_keys=tuple(plan.keys))
-            with self._stats_lock:
-                s = self._stats[plan.link]
-                s.jobs += 1
-                s.failed += not result.ok
-                moved = len(plan.chunks) - len(result.failed_keys)
-                s.bytes += plan.nbytes * moved // len(plan.chunks) if plan.chunks else 0
-                s.busy_seconds += result.seconds
+            if progress is not None:
+                progress.end()
+            moved = plan.nbytes * (len(plan.chunks) - len(result.failed_keys)) // max(1, len(plan.chunks))
+            with self._cond:
+                self._links.link(plan.src, plan.dst).finish(plan, result.ok, moved, result.seconds, self._clock())
+                self._cond.notify_all()
             self._done.put(result)
 
     def poll(self) -> list[TransferResult]:
@@ -139,14 +175,14 @@ class TransferEngine:
         return got
 
     def stats(self) -> dict[str, dict[str, float]]:
-        with self._stats_lock:
-            return {f"{s.value}->{d.value}": v.as_dict() for (s, d), v in self._stats.items()}
+        with self._cond:
+            return {name: link.as_dict() for name, link in self._links.links.items()}
 
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for _ in self._threads:
-            self._queue.put((99, next(self._seq), None))
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         for t in self._threads:
             t.join()

@@ -21,7 +21,7 @@ from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
 from tiercache.tiers.cpu import CpuTier
-from tiercache.transfer.engine import TransferEngine
+from tiercache.transfer.engine import LayerProgress, TransferEngine
 from tiercache.transfer.plan import ChunkCopy, TransferPlan
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,10 @@ class DeviceCpuHandlers:
         if pool.is_cuda:
             torch.cuda.current_stream(pool.device).synchronize()
 
-    def store(self, plan: TransferPlan) -> None:
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
         self._move(plan, store=True)
 
-    def load(self, plan: TransferPlan) -> None:
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
         self._move(plan, store=False)
 
 
@@ -100,7 +100,7 @@ class CpuLowerHandlers:
     def _slot(self, c: ChunkCopy) -> memoryview:
         return memoryview(self.cpu.slot_view(c.slot).numpy())  # type: ignore[arg-type]
 
-    def store(self, plan: TransferPlan) -> list:
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list:
         failed = []
         for c in plan.chunks:
             meta = self.chunk_meta(c.key, c.chunk_blocks)
@@ -111,7 +111,7 @@ class CpuLowerHandlers:
                 failed.append(c.key)
         return failed
 
-    def load(self, plan: TransferPlan) -> list:
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list:
         failed = []
         for c in plan.chunks:
             want = self.chunk_meta(c.key, c.chunk_blocks).raw_len

@@ -1,0 +1,152 @@
+"""`tiercache bench tiers --tiers disk`: L2 put/get beside raw file I/O of the same bytes, in one run.
+
+*put* writes L1's chunks down through the tier (encode, header + payload in one
+``writev``, temp file + rename, optional ``fdatasync``); *get* promotes them
+back into L1 slots (read, verify the checksum, place). The raw baseline writes
+and reads the same chunk bytes as plain files (``write`` / ``readinto``, and
+``fdatasync`` when the tier uses it). Reads are measured cold — the page cache
+is dropped before each read pass — when the process may write
+``/proc/sys/vm/drop_caches``; otherwise they come from the page cache and the
+report says so.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
+from tiercache.build import build_offload_stack
+from tiercache.config import TierCacheConfig
+from tiercache.keys import BlockHasher, Namespace
+from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.tiers.disk import WRITE_PIECE
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _raw_write(paths: list[Path], chunks: list[memoryview], fsync: bool) -> float:
+    t = time.perf_counter()
+    for path, data in zip(paths, chunks):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for offset in range(0, len(data), WRITE_PIECE):   # the same syscall size the tier uses
+                os.write(fd, data[offset:offset + WRITE_PIECE])
+            if fsync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t
+
+
+def _raw_read(paths: list[Path], out: memoryview) -> float:
+    t = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(out)
+    return time.perf_counter() - t
+
+
+def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, directory: str | None,
+               fsync: bool = False, codec: str = "raw", progress=None) -> dict[str, object]:
+    geo = SHAPES[shape]
+    root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=directory))
+    try:
+        cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": chunk_tokens})
+        bpc = cfg.keys.blocks_per_chunk
+        chunk_bytes = bpc * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
+        num_chunks = max(2, total_bytes // chunk_bytes)
+        num_blocks = num_chunks * bpc
+        nbytes = num_chunks * chunk_bytes
+        kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
+        kv.kv.normal_()
+        blocks = BlockManager(BlockPool(num_blocks), BLOCK_SIZE)
+        blocks.allocate("bench", num_blocks * BLOCK_SIZE)
+        namespace = Namespace("bench-disk", geo, BLOCK_SIZE)
+        hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
+        cfg = cfg.replace(cpu={"capacity": nbytes}, format={"codec": codec},
+                          disk={"enabled": True, "path": str(root / "l2"), "capacity": 4 * nbytes, "fsync": fsync})
+        stack = build_offload_stack(cfg, kv, namespace)
+        manager, cpu, disk = stack.manager, stack.tiers[0], stack.tiers[1]
+        manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
+        keys = list(cpu.entries)
+        raw_dir = root / "raw"
+        raw_dir.mkdir()
+        raw_paths = [raw_dir / f"{i}.bin" for i in range(num_chunks)]
+        src = [memoryview(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
+        sink = memoryview(torch.empty(chunk_bytes, dtype=torch.uint8).fill_(0).numpy())
+        cold = drop_page_cache()
+        times: dict[str, list[float]] = {"raw_write": [], "put": [], "raw_read": [], "get": []}
+        try:
+            for rep in range(-1, reps):   # rep -1 warms the file system up and is not kept
+                # Raw and tier passes swap order every repetition, so background writeback and
+                # discards from one pass weigh on both alike.
+                def put() -> None:
+                    t = time.perf_counter()
+                    manager.submit(manager.flush_down())
+                    manager.drain()
+                    times["put"].append(time.perf_counter() - t)
+                    if disk.num_chunks != num_chunks:
+                        raise RuntimeError(f"L2 holds {disk.num_chunks} of {num_chunks} chunks after the put")
+
+                def raw_write() -> None:
+                    times["raw_write"].append(_raw_write(raw_paths, src, fsync))
+
+                def get() -> None:
+                    cpu.delete(keys)
+                    drop_page_cache()
+                    t = time.perf_counter()
+                    manager.promote(manager.lookup(hashes))
+                    manager.drain()
+                    times["get"].append(time.perf_counter() - t)
+                    if cpu.contains(keys) != num_chunks:
+                        raise RuntimeError("promotion did not bring every chunk back to L1")
+
+                def raw_read() -> None:
+                    drop_page_cache()
+                    times["raw_read"].append(_raw_read(raw_paths, sink))
+
+                for step in ((raw_write, put) if rep % 2 == 0 else (put, raw_write)):
+                    os.sync()   # each write pass starts with no dirty pages from the previous one
+                    step()
+                for step in ((raw_read, get) if rep % 2 == 0 else (get, raw_read)):
+                    step()
+                disk.delete(keys)
+                for p in raw_paths:
+                    p.unlink()
+                if rep < 0:
+                    for samples in times.values():
+                        samples.clear()
+                elif progress:
+                    progress()
+        finally:
+            stack.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    def gbps(name: str) -> float:
+        return nbytes / statistics.median(times[name]) / 1e9
+
+    put, get, rw, rr = gbps("put"), gbps("get"), gbps("raw_write"), gbps("raw_read")
+    return {
+        "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": chunk_bytes, "chunks": num_chunks,
+        "bytes": nbytes, "reps": reps, "fsync": fsync, "codec": codec,
+        "reads": "cold (page cache dropped)" if cold else "page cache (dropping it is not permitted here)",
+        "put_gbps": round(put, 3), "get_gbps": round(get, 3),
+        "raw_write_gbps": round(rw, 3), "raw_read_gbps": round(rr, 3),
+        "put_ratio": round(put / rw, 3), "get_ratio": round(get / rr, 3),
+        "samples_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
+    }
