@@ -17,7 +17,7 @@ class ReferenceConnector:
     def __init__(self, config: TierCacheConfig, namespace: Namespace, kv: PagedKVCache) -> None:
         self.stack = build_offload_stack(config, kv, namespace)
         self.scheduler = OffloadScheduler(self.stack, kv.block_size, swap_salt=namespace.digest())
-        self.worker = OffloadWorker(self.stack)
+        self.worker = OffloadWorker(self.stack, layerwise=config.transfer.layerwise)
 
     def close(self) -> None:
         self.stack.close()

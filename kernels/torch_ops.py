@@ -114,10 +114,31 @@ def _flat_pair(pool: torch.Tensor, buffer: torch.Tensor, num_rows: int) -> tuple
     return _wide(flat, buffer.view(torch.uint8)[: num_rows * row].view(num_rows, row))
 
 
-def gather_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+def _per_chunk(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], buffer: torch.Tensor,
+               layers: slice, op) -> None:
+    """One layer range of ``k`` adjacent chunk buffers, chunk by chunk (a layer of adjacent chunks is strided)."""
+    n = len(block_ids[0])
+    chunk_bytes = rows(pool)[:, :, :n].numel()
+    for c, ids in enumerate(block_ids):
+        view = chunk_view(pool, buffer.view(torch.uint8)[c * chunk_bytes:(c + 1) * chunk_bytes], n)
+        op(pool[layers], ids, view[layers])
+
+
+def gather_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], out: torch.Tensor,
+                  layers: slice | None = None) -> None:
     """Copy ``k`` whole chunks (``block_ids[c]`` are chunk ``c``'s blocks) into the ``k`` adjacent
-    chunk buffers that start at ``out``, in one op whatever the blocks' order in the pool."""
+    chunk buffers that start at ``out``, in one op whatever the blocks' order in the pool.
+
+    ``layers`` restricts the copy to those layers (layerwise transfers)."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if layers is not None:
+        run = _tensor_run(ids)
+        if run is None:
+            _per_chunk(pool, block_ids, out, layers, gather_blocks)
+            return
+        region, chunks = _run_pair(pool, run, out, ids.shape)
+        chunks[layers].copy_(region[layers])
+        return
     run = _tensor_run(ids)
     if run is not None:  # one ascending run: a strided bulk copy, no index at all
         region, chunks = _run_pair(pool, run, out, ids.shape)
@@ -131,9 +152,18 @@ def gather_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], out: t
         dst.copy_(src.index_select(0, index))
 
 
-def scatter_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], src: torch.Tensor) -> None:
+def scatter_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], src: torch.Tensor,
+                   layers: slice | None = None) -> None:
     """Inverse of `gather_chunks`."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
+    if layers is not None:
+        run = _tensor_run(ids)
+        if run is None:
+            _per_chunk(pool, block_ids, src, layers, scatter_blocks)
+            return
+        region, chunks = _run_pair(pool, run, src, ids.shape)
+        region[layers].copy_(chunks[layers].to(region.device, non_blocking=True))
+        return
     run = _tensor_run(ids)
     if run is not None:
         region, chunks = _run_pair(pool, run, src, ids.shape)

@@ -57,8 +57,10 @@ def test_shared_prefix_hits_in_l0_give_identical_tokens(reference_outputs):
         assert_back_to_baseline(engine)
 
 
-def test_hits_from_l1_alone_give_identical_tokens(reference_outputs):
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_hits_from_l1_alone_give_identical_tokens(reference_outputs, layerwise):
+    cfg = offload(transfer={"layerwise": layerwise})
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
         seqs = run_sequential(engine, shared_prompts())
         assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in shared_prompts()]
         # The 201-token system prompt spans 3 whole 64-token chunks: every later request loads 192 tokens.

@@ -85,3 +85,26 @@ def test_random_round_trips():
         target = torch.zeros_like(pool)
         scatter_blocks(target, ids, chunk_view(pool, buf, len(ids)))
         assert torch.equal(target[:, :, ids], pool[:, :, ids])
+
+
+@pytest.mark.parametrize("layout", ["run", "shuffled"])
+def test_layer_by_layer_moves_equal_one_whole_move(layout):
+    """Layerwise transfers copy one layer range at a time; together they equal the whole-chunk copy."""
+    pool = pool_of(torch.float32, layers=4, blocks=40)
+    nb, chunks = 4, 3
+    ids = list(range(4, 4 + nb * chunks))
+    if layout == "shuffled":
+        random.Random(11).shuffle(ids)
+    per_chunk = [ids[c * nb:(c + 1) * nb] for c in range(chunks)]
+    chunk_bytes = pool[:, :, :nb].numel() * 4
+    whole = torch.empty(chunks * chunk_bytes, dtype=torch.uint8)
+    gather_chunks(pool, per_chunk, whole)
+    layered = torch.zeros_like(whole)
+    for layer in range(pool.shape[0]):
+        gather_chunks(pool, per_chunk, layered, layers=slice(layer, layer + 1))
+    assert torch.equal(whole, layered)
+    target = torch.zeros_like(pool)
+    for layer in range(pool.shape[0]):
+        scatter_chunks(target, per_chunk, whole, layers=slice(layer, layer + 1))
+        assert torch.equal(target[layer, :, ids], pool[layer, :, ids])           # this layer landed...
+        assert not target[layer + 1:].any()                                       # ...later ones not yet

@@ -25,6 +25,7 @@ from tiercache.keys import BlockHash
 from tiercache.manager import PrefixLookup
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
+from tiercache.transfer.engine import LayerProgress
 from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
 
 
@@ -204,8 +205,13 @@ class OffloadScheduler(SchedulerConnector):
 
 
 class OffloadWorker(WorkerConnector):
-    def __init__(self, stack: OffloadStack) -> None:
+    """Worker side. With ``layerwise`` loads land layer by layer: `wait_for_layer_load(l)` returns as
+    soon as layer ``l`` of every load of the step is in place, while later layers are still copying."""
+
+    def __init__(self, stack: OffloadStack, layerwise: bool = True) -> None:
         self.engine = stack.engine
+        self.layerwise = layerwise
+        self._progress: list[LayerProgress] = []
         self.kv: PagedKVCache | None = None
         self._meta = ConnectorMetadata()
         self._owners: dict[JobId, str] = {}
@@ -225,27 +231,40 @@ class OffloadWorker(WorkerConnector):
 
     def start_load_kv(self) -> None:
         self._step_load_jobs = []
+        self._progress = []
         for plan in self._meta.background:
             self.engine.submit(plan)
         for plan in self._meta.loads:
-            self.engine.submit(plan)
+            progress = LayerProgress() if self.layerwise else None
+            self.engine.submit(plan, progress)
+            if progress is not None:
+                self._progress.append(progress)
             self._loads_in_flight[self._owners[plan.job_id]].add(plan.job_id)
             self._step_load_jobs.append(plan.job_id)
 
     def wait_for_layer_load(self, layer: int) -> None:
-        if layer != 0 or not self._step_load_jobs:
-            return  # whole-chunk loads complete before the first layer reads the cache
+        if self._progress:
+            for progress in self._progress:
+                progress.wait(layer)
+        elif layer == 0:
+            self._settle_loads()   # whole-chunk loads complete before the first layer reads the cache
+
+    def _settle_loads(self) -> None:
+        """Collect this step's load results; a request whose load failed has its stores cancelled."""
+        if not self._step_load_jobs:
+            return
         for result in self.engine.wait(self._step_load_jobs):
             if not result.ok:
                 self._failed_this_step.add(self._owners[result.job_id])
             self._results.append(result)
         self._step_load_jobs = []
+        self._progress = []
 
     def save_kv_layer(self, layer: int) -> None:
         return None  # stores are whole chunks across all layers, handed over in wait_for_save
 
     def wait_for_save(self) -> None:
-        self.wait_for_layer_load(0)  # a step with no layers run still settles its loads
+        self._settle_loads()  # every load ended (and failures are known) before any store is handed over
         for plan in self._meta.stores:
             owner = self._owners[plan.job_id]
             if owner in self._failed_this_step:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from tiercache.errors import ChunkFormatError
+from tiercache.kernels.cuda import make_copier
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
@@ -50,6 +51,7 @@ class DeviceCpuHandlers:
         self.kv = kv
         self.cpu = cpu
         self.blocks_per_chunk = blocks_per_chunk
+        self.cuda = make_copier(kv.kv)   # CUDA kernels when the pool is on a GPU and cupy is present
 
     def register(self, engine: TransferEngine) -> None:
         engine.register(Medium.DEVICE, Medium.CPU, self.store)
@@ -59,17 +61,22 @@ class DeviceCpuHandlers:
         whole = chunk_view(self.kv.kv, self.cpu.slot_view(c.slot), c.chunk_blocks)  # type: ignore[arg-type]
         return whole[:, :, c.first_block:c.first_block + len(c.block_ids)]
 
-    def _move(self, plan: TransferPlan, store: bool) -> None:
+    def _move(self, plan: TransferPlan, store: bool, layers: slice | None = None) -> None:
         pool = self.kv.kv
         for group in group_adjacent(plan.chunks, self.blocks_per_chunk):
             first = group[0]
             if len(group) == 1 and (first.first_block or len(first.block_ids) != first.chunk_blocks
                                     or first.chunk_blocks != self.blocks_per_chunk):
-                (gather_blocks if store else scatter_blocks)(pool, first.block_ids, self._part(first))
+                part = self._part(first) if layers is None else self._part(first)[layers]
+                (gather_blocks if store else scatter_blocks)(pool if layers is None else pool[layers],
+                                                           first.block_ids, part)
                 continue
             buffer = self.cpu.slot_run_view(first.slot, len(group))  # type: ignore[arg-type]
             ids = [c.block_ids for c in group]
-            (gather_chunks if store else scatter_chunks)(pool, ids, buffer)
+            if self.cuda is not None and layers is None and self.cuda.supports(pool, buffer):
+                (self.cuda.gather_chunks if store else self.cuda.scatter_chunks)(pool, ids, buffer)
+                continue
+            (gather_chunks if store else scatter_chunks)(pool, ids, buffer, layers)
         if pool.is_cuda:
             torch.cuda.current_stream(pool.device).synchronize()
 
@@ -77,7 +84,13 @@ class DeviceCpuHandlers:
         self._move(plan, store=True)
 
     def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
-        self._move(plan, store=False)
+        """With ``progress``, layer by layer: each layer is marked as it lands, so attention over it can start."""
+        if progress is None:
+            self._move(plan, store=False)
+            return
+        for layer in range(self.kv.kv.shape[0]):
+            self._move(plan, store=False, layers=slice(layer, layer + 1))
+            progress.mark(layer)
 
 
 class CpuLowerHandlers:
