@@ -24,7 +24,12 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=2048)
     p.add_argument("--suffix", type=int, default=16)
     p.add_argument("--requests", type=int, default=9)
+    p.add_argument("--compute-threads", type=int, default=0,
+                   help="torch threads for the forward (0: torch's default); 1 leaves a core to the copies")
     args = p.parse_args()
+    if args.compute_threads:
+        import torch
+        torch.set_num_threads(args.compute_threads)
     model = ModelConfig(num_layers=args.layers, hidden_size=256, num_heads=8, num_kv_heads=8, head_dim=64,
                         intermediate_size=512)
     engine_cfg = EngineConfig(enable_prefix_caching=False, num_blocks=-(-(args.prefix + args.suffix + 8) // 16) * 2)

@@ -313,7 +313,7 @@ class CacheManager:
     def _copy_down(self, chunks: list[ChunkCopy]) -> None:
         if not chunks:
             return
-        slots = self.l1.pin([c.key for c in chunks])
+        slots = [entry.slot for entry in self.l1.pin([c.key for c in chunks])]
         pinned = [replace(c, slot=slot, block_ids=()) for c, slot in zip(chunks, slots)]
         refused = self._plan_down(JobKind.COPY_DOWN, pinned)
         self.l1.unpin([c.key for c in refused])

@@ -90,8 +90,9 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
         sink = memoryview(torch.empty(chunk_bytes, dtype=torch.uint8).fill_(0).numpy())
         cold = drop_page_cache()
         times: dict[str, list[float]] = {"raw_write": [], "put": [], "raw_read": [], "get": []}
+        first: dict[str, list[bool]] = {k: [] for k in times}   # did the sample run first in its pair?
         try:
-            for rep in range(-1, reps):   # rep -1 warms the file system up and is not kept
+            for rep in range(-1, reps + reps % 2):   # rep -1 warms up, unkept; an even count balances orders
                 # Raw and tier passes swap order every repetition, so background writeback and
                 # discards from one pass weigh on both alike.
                 def put() -> None:
@@ -119,17 +120,21 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
                     drop_page_cache()
                     times["raw_read"].append(_raw_read(raw_paths, sink))
 
-                for step in ((raw_write, put) if rep % 2 == 0 else (put, raw_write)):
+                raw_first = rep % 2 == 0
+                for step in ((raw_write, put) if raw_first else (put, raw_write)):
                     os.sync()   # each write pass starts with no dirty pages from the previous one
                     step()
-                for step in ((raw_read, get) if rep % 2 == 0 else (get, raw_read)):
+                for step in ((raw_read, get) if raw_first else (get, raw_read)):
                     step()
+                for name in times:
+                    first[name].append(raw_first == name.startswith("raw"))
                 disk.delete(keys)
                 for p in raw_paths:
                     p.unlink()
                 if rep < 0:
-                    for samples in times.values():
-                        samples.clear()
+                    for name in times:
+                        times[name].clear()
+                        first[name].clear()
                 elif progress:
                     progress()
         finally:
@@ -140,6 +145,18 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
     def gbps(name: str) -> float:
         return nbytes / statistics.median(times[name]) / 1e9
 
+    def ratio(tier: str, raw: str) -> float:
+        """Tier vs raw compared position by position (both first in their pair, both second), then
+        the geometric mean: on this disk the second of two back-to-back 512 MiB writes runs several
+        times slower than the first, whichever writer it is."""
+        parts = []
+        for pos in (True, False):
+            t = [x for x, f in zip(times[tier], first[tier]) if f == pos]
+            r = [x for x, f in zip(times[raw], first[raw]) if f == pos]
+            if t and r:
+                parts.append(statistics.median(r) / statistics.median(t))
+        return statistics.geometric_mean(parts)
+
     put, get, rw, rr = gbps("put"), gbps("get"), gbps("raw_write"), gbps("raw_read")
     return {
         "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": chunk_bytes, "chunks": num_chunks,
@@ -147,6 +164,6 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
         "reads": "cold (page cache dropped)" if cold else "page cache (dropping it is not permitted here)",
         "put_gbps": round(put, 3), "get_gbps": round(get, 3),
         "raw_write_gbps": round(rw, 3), "raw_read_gbps": round(rr, 3),
-        "put_ratio": round(put / rw, 3), "get_ratio": round(get / rr, 3),
+        "put_ratio": round(ratio("put", "raw_write"), 3), "get_ratio": round(ratio("get", "raw_read"), 3),
         "samples_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
     }

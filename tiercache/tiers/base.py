@@ -92,10 +92,6 @@ class LowerTier(Tier):
     """
 
     @abstractmethod
-    def has(self, key: BlockHash) -> bool:
-        """Whether ``key`` is stored and readable (not counted as a lookup)."""
-
-    @abstractmethod
     def reserve_bytes(self, raw_len: int) -> int:
         """Room one chunk of ``raw_len`` raw bytes may take, headers and codec overhead included."""
 

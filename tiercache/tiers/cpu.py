@@ -24,18 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.keys import BlockHash
-from tiercache.policies import eviction_policies
-from tiercache.tiers.base import Medium, Tier
+from tiercache.tiers.base import Medium
+from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.tiers.slab import SlabAllocator
-
-
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    nbytes: int
-    ready: bool = False
-    pins: int = 0
-    hits: int = 0        # loads served to L0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +40,7 @@ class Spill:
 MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
 
 
-class CpuTier(Tier):
+class CpuTier(IndexedTier):
     medium = Medium.CPU
 
     def __init__(
@@ -61,18 +52,15 @@ class CpuTier(Tier):
         prefault: bool = True,
         name: str = "cpu",
     ) -> None:
-        super().__init__()
+        super().__init__(eviction)
         num_slots = capacity_bytes // slot_bytes
         if num_slots < 1:
             raise ValueError(f"L1 capacity {capacity_bytes} B holds no {slot_bytes}-byte chunk")
         self.name = name
         self.slab = SlabAllocator(num_slots, slot_bytes, pin_memory=pin_memory, prefault=prefault)
-        self.policy = eviction_policies.get(eviction)()
-        self.entries: dict[BlockHash, _Entry] = {}
         self.spill_filter: Callable[[BlockHash, int], bool] | None = None   # set by the manager
-        self._spilling: dict[BlockHash, _Entry] = {}
+        self._spilling: dict[BlockHash, Entry] = {}
         self._spill_queue: list[Spill] = []
-        self._used_bytes = 0
 
     # -- Tier ----------------------------------------------------------------
     @property
@@ -80,36 +68,8 @@ class CpuTier(Tier):
         return self.slab.num_slots * self.slab.slot_bytes
 
     @property
-    def used_bytes(self) -> int:
-        return self._used_bytes
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.entries)
-
-    @property
     def slot_bytes(self) -> int:
         return self.slab.slot_bytes
-
-    def contains(self, keys: Sequence[BlockHash]) -> int:
-        entries = self.entries
-        n = 0
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or not entry.ready:
-                break
-            n += 1
-        return self._count_lookup(len(keys), n)
-
-    def delete(self, keys: Sequence[BlockHash]) -> int:
-        removed = 0
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is not None and entry.ready and entry.pins == 0:
-                self._drop(key, entry)
-                removed += 1
-        self.counters.deleted += removed
-        return removed
 
     # -- stores --------------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[int | None]:
@@ -134,55 +94,17 @@ class CpuTier(Tier):
                 self.counters.store_rejected += 1
                 out.append(None)
                 continue
-            self.entries[key] = _Entry(slot, size)
-            self._used_bytes += size
+            self._reserve(key, Entry(size, slot=slot))
             out.append(slot)
         return out
 
     def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        """Publish written keys and release the slots of ``failed`` ones.
-
-        Keys are published tail first so that, under LRU, a chain's head is the
-        most recently used and outlives its tail.
-        """
-        bad = set(failed)
-        for key in reversed(keys):
-            entry = self.entries.get(key)
-            if entry is None or entry.ready:
-                continue
-            if key in bad:
-                self._drop(key, entry)
-                self.counters.errors += 1
-            else:
-                entry.ready = True
-                self.policy.insert(key)
-                self.counters.stored += 1
+        self.publish(keys, failed)
 
     # -- loads ---------------------------------------------------------------
-    def pin(self, keys: Sequence[BlockHash]) -> list[int]:
-        """Pin ready keys (not evictable) and return their slots; raises KeyError for a missing key."""
-        slots = []
-        for i, key in enumerate(keys):
-            entry = self.entries.get(key)
-            if entry is None or not entry.ready:
-                self.unpin(keys[:i])
-                raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
-            if entry.pins == 0:
-                self.policy.remove(key)
-            entry.pins += 1
-            slots.append(entry.slot)
-        return slots
-
-    def unpin(self, keys: Sequence[BlockHash]) -> None:
-        for key in reversed(keys):  # tail first: the head ends up most recently used
-            entry = self.entries[key]
-            entry.pins -= 1
-            if entry.pins == 0:
-                self.policy.insert(key)
-
     def prepare_load(self, keys: Sequence[BlockHash]) -> list[int]:
-        """Pin keys for a load into L0 and return their slots."""
-        return self.pin(keys)
+        """Pin keys for a load into L0 (or a copy down) and return their slots."""
+        return [entry.slot for entry in self.pin(keys)]
 
     def complete_load(self, keys: Sequence[BlockHash]) -> None:
         for key in keys:
@@ -199,7 +121,7 @@ class CpuTier(Tier):
         """The spilled bytes were copied out (or given up): free their slots."""
         for key in keys:
             entry = self._spilling.pop(key)
-            self._used_bytes -= entry.nbytes
+            self._used -= entry.nbytes
             self.slab.release(entry.slot)
 
     # -- bytes (for transfer handlers) ---------------------------------------
@@ -209,28 +131,20 @@ class CpuTier(Tier):
     def slot_run_view(self, first: int, count: int) -> torch.Tensor:
         return self.slab.run_view(first, count)
 
-    def entry_nbytes(self, key: BlockHash) -> int:
-        return self.entries[key].nbytes
-
     # -- internals -----------------------------------------------------------
     def _evict_one(self) -> bool | None:
         """Evict the policy's victim: True if its slot is free now, False if it is being spilled, None if no victim."""
-        key = self.policy.pop_victim()
-        if key is None:
+        victim = self._pop_victim()
+        if victim is None:
             return None
-        entry = self.entries[key]
-        self.counters.evicted += 1
+        key, entry = victim
         if self.spill_filter is not None and key not in self._spilling and self.spill_filter(key, entry.hits):
-            del self.entries[key]
+            del self.entries[key]   # hidden at once; bytes and slot stay counted until finish_spills
             self._spilling[key] = entry
             self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits))
             return False
         self._drop(key, entry, in_policy=False)
         return True
 
-    def _drop(self, key: BlockHash, entry: _Entry, in_policy: bool = True) -> None:
-        if in_policy and entry.ready:
-            self.policy.remove(key)
-        del self.entries[key]
-        self._used_bytes -= entry.nbytes
+    def _release(self, key: BlockHash, entry: Entry) -> None:
         self.slab.release(entry.slot)

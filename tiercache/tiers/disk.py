@@ -17,7 +17,6 @@ split: `prepare_*` / `complete_*` change the index; `write_chunk` /
 """
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_h
 from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.policies import eviction_policies
 from tiercache.tiers.base import LowerTier, Medium
+from tiercache.tiers.index import Entry, IndexedTier
 
 SUFFIX = ".chunk"
 WRITE_PIECE = 4 << 20   # page-cache writes in one 32 MiB syscall ran at about half the rate of 4 MiB ones here
@@ -46,20 +45,13 @@ def _write_all(fd: int, header: memoryview, payload: memoryview) -> None:
         offset += os.write(fd, payload[offset:offset + WRITE_PIECE])
 
 
-@dataclass(slots=True)
-class _Entry:
-    nbytes: int
-    ready: bool = False
-    pins: int = 0
-
-
-class DiskTier(LowerTier):
+class DiskTier(IndexedTier, LowerTier):
     medium = Medium.DISK
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, namespace: bytes,
                  fmt: ChunkFormat | None = None, eviction: str = "lru", fsync: bool = False,
                  name: str = "disk") -> None:
-        super().__init__()
+        super().__init__(eviction)
         self.fmt = fmt or ChunkFormat()
         if capacity_bytes <= HEADER_BYTES:
             raise ValueError(f"L2 capacity {capacity_bytes} B cannot hold a chunk")
@@ -69,9 +61,6 @@ class DiskTier(LowerTier):
         self._capacity = capacity_bytes
         self.dir = Path(root) / namespace.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.policy = eviction_policies.get(eviction)()
-        self.entries: dict[BlockHash, _Entry] = {}
-        self._used = 0
         self._rebuild()
 
     # -- restart -------------------------------------------------------------
@@ -96,8 +85,7 @@ class DiskTier(LowerTier):
                 continue
             found.append((st.st_mtime_ns, key, st.st_size))
         for _, key, size in sorted(found, key=lambda f: f[0]):
-            self.entries[key] = _Entry(size, ready=True)
-            self._used += size
+            self._reserve(key, Entry(size, ready=True))
             self.policy.insert(key)
         while self._used > self._capacity and self._evict_one():
             pass
@@ -107,43 +95,12 @@ class DiskTier(LowerTier):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.entries)
-
-    def has(self, key: BlockHash) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry.ready
-
     def reserve_bytes(self, raw_len: int) -> int:
         return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
 
     def path(self, key: BlockHash) -> Path:
         h = key.hex()
         return self.dir / h[:2] / f"{h}{SUFFIX}"
-
-    def contains(self, keys: Sequence[BlockHash]) -> int:
-        n = 0
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is None or not entry.ready:
-                break
-            n += 1
-        return self._count_lookup(len(keys), n)
-
-    def delete(self, keys: Sequence[BlockHash]) -> int:
-        removed = 0
-        for key in keys:
-            entry = self.entries.get(key)
-            if entry is not None and entry.ready and entry.pins == 0:
-                self._drop(key, entry)
-                removed += 1
-        self.counters.deleted += removed
-        return removed
 
     # -- index: stores -------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
@@ -159,50 +116,30 @@ class DiskTier(LowerTier):
                 self.counters.store_rejected += 1
                 out.append(False)
                 continue
-            self.entries[key] = _Entry(size)
-            self._used += size
+            self._reserve(key, Entry(size))
             out.append(True)
         return out
 
     def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        bad = set(failed)
-        for key in reversed(keys):
-            entry = self.entries.get(key)
-            if entry is None or entry.ready:
-                continue
-            if key in bad:
-                self._drop(key, entry, in_policy=False)
-                self.counters.errors += 1
-            else:
-                entry.ready = True
-                self.policy.insert(key)
-                self.counters.stored += 1
+        self.publish(keys, failed)
 
     # -- index: loads --------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
-        for i, key in enumerate(keys):
-            entry = self.entries.get(key)
-            if entry is None or not entry.ready:
-                self.complete_load(keys[:i])
-                raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
-            if entry.pins == 0:
-                self.policy.remove(key)
-            entry.pins += 1
+        self.pin(keys)
 
     def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
         """Unpin; chunks that failed verification are deleted (a miss from now on)."""
         bad = set(corrupt)
-        for key in reversed(keys):
+        self.unpin(keys)
+        for key in keys:
             entry = self.entries[key]
-            entry.pins -= 1
             if key in bad:
                 self.counters.integrity_failures += 1
                 if entry.pins == 0:
-                    self._drop(key, entry, in_policy=False)
-                continue
-            if entry.pins == 0:
-                self.policy.insert(key)
-            self.counters.loaded += 1
+                    self._drop(key, entry)
+            else:
+                entry.hits += 1
+                self.counters.loaded += 1
 
     # -- I/O (worker side) ---------------------------------------------------
     def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
@@ -249,20 +186,14 @@ class DiskTier(LowerTier):
 
     # -- internals -----------------------------------------------------------
     def _evict_one(self) -> bool:
-        key = self.policy.pop_victim()
-        if key is None:
+        victim = self._pop_victim()
+        if victim is None:
             return False
-        self._drop(key, self.entries[key], in_policy=False)
-        self.counters.evicted += 1
+        self._drop(*victim, in_policy=False)
         return True
 
-    def _drop(self, key: BlockHash, entry: _Entry, in_policy: bool = True) -> None:
-        if in_policy and entry.ready:
-            self.policy.remove(key)
-        del self.entries[key]
-        self._used -= entry.nbytes
+    def _release(self, key: BlockHash, entry: Entry) -> None:
         try:
             self.path(key).unlink(missing_ok=True)
-        except OSError as err:  # the index forgets it either way; a stray file is re-verified on restart
-            if err.errno != errno.ENOENT:
-                self.counters.errors += 1
+        except OSError:  # the index forgets it either way; a stray file is re-verified on restart
+            self.counters.errors += 1

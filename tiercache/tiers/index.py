@@ -1,0 +1,130 @@
+"""The chunk index every storing tier shares: entries, their two-phase lifecycle, pins and eviction order.
+
+Scheduler side (one thread). A subclass decides where bytes live (an L1 slot,
+a file) by implementing `_release` — give back the room of an entry that
+leaves — and its own ``prepare_store`` (reserving that room).
+
+Lifecycle of a key: reserved (``ready=False``, invisible to `contains`) →
+published by `publish` (ready, evictable) → pinned while a transfer reads it
+(`pin` / `unpin`; never evicted while pinned) → evicted or deleted.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.keys import BlockHash
+from tiercache.policies import eviction_policies
+from tiercache.tiers.base import Tier
+
+
+@dataclass(slots=True)
+class Entry:
+    nbytes: int
+    slot: int = -1       # L1 only: where the bytes are
+    ready: bool = False
+    pins: int = 0
+    hits: int = 0        # loads served from this tier
+
+
+class IndexedTier(Tier):
+    def __init__(self, eviction: str) -> None:
+        super().__init__()
+        self.policy = eviction_policies.get(eviction)()
+        self.entries: dict[BlockHash, Entry] = {}
+        self._used = 0
+
+    @abstractmethod
+    def _release(self, key: BlockHash, entry: Entry) -> None:
+        """Give back the room ``entry`` held (it has left the index)."""
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.entries)
+
+    def has(self, key: BlockHash) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.ready
+
+    def contains(self, keys: Sequence[BlockHash]) -> int:
+        entries = self.entries
+        n = 0
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None or not entry.ready:
+                break
+            n += 1
+        return self._count_lookup(len(keys), n)
+
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        removed = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and entry.ready and entry.pins == 0:
+                self._drop(key, entry)
+                removed += 1
+        self.counters.deleted += removed
+        return removed
+
+    def _reserve(self, key: BlockHash, entry: Entry) -> None:
+        self.entries[key] = entry
+        self._used += entry.nbytes
+
+    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        """Make written keys visible and drop the ``failed`` ones.
+
+        Keys are published tail first so that, under LRU, a chain's head is the
+        most recently used and outlives its tail.
+        """
+        bad = set(failed)
+        for key in reversed(keys):
+            entry = self.entries.get(key)
+            if entry is None or entry.ready:
+                continue
+            if key in bad:
+                self._drop(key, entry)
+                self.counters.errors += 1
+            else:
+                entry.ready = True
+                self.policy.insert(key)
+                self.counters.stored += 1
+
+    def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
+        """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
+        pinned = []
+        for i, key in enumerate(keys):
+            entry = self.entries.get(key)
+            if entry is None or not entry.ready:
+                self.unpin(keys[:i])
+                raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
+            if entry.pins == 0:
+                self.policy.remove(key)
+            entry.pins += 1
+            pinned.append(entry)
+        return pinned
+
+    def unpin(self, keys: Sequence[BlockHash]) -> None:
+        for key in reversed(keys):  # tail first: the head ends up most recently used
+            entry = self.entries[key]
+            entry.pins -= 1
+            if entry.pins == 0:
+                self.policy.insert(key)
+
+    def _pop_victim(self) -> tuple[BlockHash, Entry] | None:
+        key = self.policy.pop_victim()
+        if key is None:
+            return None
+        self.counters.evicted += 1
+        return key, self.entries[key]
+
+    def _drop(self, key: BlockHash, entry: Entry, in_policy: bool = True) -> None:
+        if in_policy and entry.ready and entry.pins == 0:
+            self.policy.remove(key)
+        del self.entries[key]
+        self._used -= entry.nbytes
+        self._release(key, entry)
