@@ -61,9 +61,12 @@ def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     d = config.disk
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     try:
-        return DiskTier(d.path, d.capacity, namespace.digest(), fmt, eviction=d.eviction, fsync=d.fsync)
+        return DiskTier(d.path, d.capacity, namespace.digest(), fmt, eviction=d.eviction, fsync=d.fsync,
+                        o_direct=d.o_direct)
     except OSError as err:
-        raise ConfigError("disk.path", d.path, f"cannot use directory: {err.strerror}") from None
+        field = "disk.o_direct" if "O_DIRECT" in str(err) else "disk.path"
+        raise ConfigError(field, d.o_direct if field == "disk.o_direct" else d.path,
+                          f"cannot use directory: {err.strerror}") from None
 
 
 def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:

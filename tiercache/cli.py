@@ -86,7 +86,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
         if "disk" in args.tiers:
             directory = args.disk_path or cfg.disk.path or None
             r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
-                           fsync=args.fsync, codec=cfg.format.codec, progress=lambda: bar.update(1))
+                           fsync=args.fsync, codec=cfg.format.codec, o_direct=cfg.disk.o_direct,
+                           progress=lambda: bar.update(1))
             report["tiers"]["disk"] = r
             report["runs"].append(r)
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
@@ -102,7 +103,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
                           f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
     if "disk" in report["tiers"]:
         r = report["tiers"]["disk"]
-        variant = ("fsync" if r["fsync"] else "buffered") + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
+        variant = ("O_DIRECT" if r["o_direct"] else "fsync" if r["fsync"] else "buffered") \
+            + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
         table.add_row("disk", variant, f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
                       f"{r['raw_write_gbps']:.2f}", f"{r['raw_read_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
     Console(width=max(110, Console().width)).print(table)

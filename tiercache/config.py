@@ -106,6 +106,7 @@ class DiskTierConfig:
     capacity: int = _size(10 << 30, "bytes of chunk files, headers included")
     eviction: str = _opt("lru", "eviction policy name")
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
+    o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
     admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits")
     min_hits: int = _opt(1, "for admission=min-hits: L1 hits a chunk needs before it is written down")

@@ -61,7 +61,7 @@ def _raw_read(paths: list[Path], out: memoryview) -> float:
 
 
 def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, directory: str | None,
-               fsync: bool = False, codec: str = "raw", progress=None) -> dict[str, object]:
+               fsync: bool = False, codec: str = "raw", o_direct: bool = False, progress=None) -> dict[str, object]:
     geo = SHAPES[shape]
     root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=directory))
     try:
@@ -78,7 +78,8 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
         namespace = Namespace("bench-disk", geo, BLOCK_SIZE)
         hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
         cfg = cfg.replace(cpu={"capacity": nbytes}, format={"codec": codec},
-                          disk={"enabled": True, "path": str(root / "l2"), "capacity": 4 * nbytes, "fsync": fsync})
+                          disk={"enabled": True, "path": str(root / "l2"), "capacity": 4 * nbytes, "fsync": fsync,
+                                "o_direct": o_direct})
         stack = build_offload_stack(cfg, kv, namespace)
         manager, cpu, disk = stack.manager, stack.tiers[0], stack.tiers[1]
         manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
@@ -160,7 +161,7 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
     put, get, rw, rr = gbps("put"), gbps("get"), gbps("raw_write"), gbps("raw_read")
     return {
         "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": chunk_bytes, "chunks": num_chunks,
-        "bytes": nbytes, "reps": reps, "fsync": fsync, "codec": codec,
+        "bytes": nbytes, "reps": reps, "fsync": fsync, "codec": codec, "o_direct": o_direct,
         "reads": "cold (page cache dropped)" if cold else "page cache (dropping it is not permitted here)",
         "put_gbps": round(put, 3), "get_gbps": round(get, 3),
         "raw_write_gbps": round(rw, 3), "raw_read_gbps": round(rr, 3),

@@ -14,10 +14,17 @@ split: `prepare_*` / `complete_*` change the index; `write_chunk` /
   first in LRU order); leftover ``.tmp`` files and files whose header or size
   is wrong are deleted and counted.
 - Capacity counts whole files, headers included; usage never exceeds it.
+- ``o_direct``: files are written and read with O_DIRECT through a per-thread,
+  page-aligned staging buffer (allocated once, pre-faulted), bypassing the page
+  cache — cold reads at device speed, and no cache pollution — at the cost of
+  one memcpy each way. The file is padded to the alignment while written and
+  truncated to its true length before it is renamed into place.
 """
 from __future__ import annotations
 
+import mmap
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +37,21 @@ from tiercache.tiers.base import LowerTier, Medium
 from tiercache.tiers.index import Entry, IndexedTier
 
 SUFFIX = ".chunk"
+ALIGN = 4096
 WRITE_PIECE = 4 << 20   # page-cache writes in one 32 MiB syscall ran at about half the rate of 4 MiB ones here
+
+
+def _write_direct(fd: int, staging: memoryview, header: memoryview, payload: memoryview) -> None:
+    """O_DIRECT: header and payload copied into aligned staging, written padded, then truncated to size."""
+    size = len(header) + len(payload)
+    padded = -(-size // ALIGN) * ALIGN
+    staging[:len(header)] = header
+    staging[len(header):size] = payload
+    staging[size:padded] = bytes(padded - size)
+    offset = 0
+    while offset < padded:
+        offset += os.pwritev(fd, [staging[offset:min(padded, offset + WRITE_PIECE)]], offset)
+    os.ftruncate(fd, size)
 
 
 def _write_all(fd: int, header: memoryview, payload: memoryview) -> None:
@@ -50,9 +71,11 @@ class DiskTier(IndexedTier, LowerTier):
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, namespace: bytes,
                  fmt: ChunkFormat | None = None, eviction: str = "lru", fsync: bool = False,
-                 name: str = "disk") -> None:
+                 o_direct: bool = False, name: str = "disk") -> None:
         super().__init__(eviction)
         self.fmt = fmt or ChunkFormat()
+        self.o_direct = o_direct
+        self._staging = threading.local()
         if capacity_bytes <= HEADER_BYTES:
             raise ValueError(f"L2 capacity {capacity_bytes} B cannot hold a chunk")
         self.name = name
@@ -61,6 +84,8 @@ class DiskTier(IndexedTier, LowerTier):
         self._capacity = capacity_bytes
         self.dir = Path(root) / namespace.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
+        if o_direct:
+            self._probe_o_direct()
         self._rebuild()
 
     # -- restart -------------------------------------------------------------
@@ -142,15 +167,38 @@ class DiskTier(IndexedTier, LowerTier):
                 self.counters.loaded += 1
 
     # -- I/O (worker side) ---------------------------------------------------
+    def _probe_o_direct(self) -> None:
+        probe = self.dir / ".o_direct_probe"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            os.close(fd)
+        except OSError as err:
+            raise OSError(err.errno, f"O_DIRECT is not supported in {self.dir}: {err.strerror}") from None
+        finally:
+            probe.unlink(missing_ok=True)
+
+    def _aligned(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned staging buffer, grown (and pre-faulted) when too small."""
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+            buf.write(bytes(len(buf)))   # fault every page in now, not on the first copy
+            self._staging.buf = buf
+        return memoryview(buf)
     def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
         """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure."""
         header, payload = self.fmt.encode_parts(meta, raw)
         final = self.path(meta.key)
         final.parent.mkdir(exist_ok=True)
         tmp = final.with_name(final.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
+        fd = os.open(tmp, flags, 0o644)
         try:
-            _write_all(fd, memoryview(header), memoryview(payload).cast("B"))
+            if self.o_direct:
+                _write_direct(fd, self._aligned(len(header) + len(memoryview(payload).cast("B"))),
+                              memoryview(header), memoryview(payload).cast("B"))
+            else:
+                _write_all(fd, memoryview(header), memoryview(payload).cast("B"))
             if self.fsync:
                 os.fdatasync(fd)
         except BaseException:
@@ -166,6 +214,8 @@ class DiskTier(IndexedTier, LowerTier):
         Raises `ChunkFormatError` for a corrupt, truncated or foreign file and
         OSError when the file cannot be read.
         """
+        if self.o_direct:
+            return self._read_direct(key, out)
         with open(self.path(key), "rb", buffering=0) as f:
             header = f.read(HEADER_BYTES)
             parsed = check_header(header, self.namespace, key)
@@ -181,6 +231,30 @@ class DiskTier(IndexedTier, LowerTier):
                 return payload_len
             payload = f.read()
         data = verify_payload(parsed, payload)
+        out[:meta.raw_len] = memoryview(data).cast("B")
+        return meta.raw_len
+
+    def _read_direct(self, key: BlockHash, out: memoryview) -> int:
+        fd = os.open(self.path(key), os.O_RDONLY | os.O_DIRECT)
+        try:
+            size = os.fstat(fd).st_size
+            buf = self._aligned(size)
+            padded = -(-size // ALIGN) * ALIGN
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [buf[got:min(padded, got + WRITE_PIECE)]], got)
+                if n == 0:
+                    break
+                got += n
+        finally:
+            os.close(fd)
+        if got < HEADER_BYTES:
+            raise ChunkFormatError(f"chunk file {key.hex()[:16]}… is {got} bytes")
+        parsed = check_header(buf[:HEADER_BYTES], self.namespace, key)
+        meta = parsed[0]
+        if meta.raw_len > len(out):
+            raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(out)}-byte buffer")
+        data = verify_payload(parsed, buf[HEADER_BYTES:got])
         out[:meta.raw_len] = memoryview(data).cast("B")
         return meta.raw_len
 

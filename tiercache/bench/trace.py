@@ -1,0 +1,139 @@
+"""`tiercache bench trace`: replay a Mooncake-format trace through the tiers' own index and policy code.
+
+Metadata only — no KV bytes move. Each 512-token block of the trace (its
+``hash_ids``, already prefix-chained) is one chunk. A request hits the leading
+run of its chunks the cache holds (prefix semantics), capped at its input
+length; then it touches what it hit and stores what it missed.
+
+- `replay`: one tier with an eviction policy at a capacity (in tokens).
+- `replay_hierarchy`: L1 (`CpuTier`, with 1-byte slots) over L2
+  (`MetadataTier`) driven by the real `CacheManager` — promotions, spills and
+  the admission policy included — with every planned transfer completing at
+  once.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache.keys import BlockHash
+from tiercache.manager import CacheManager
+from tiercache.policies import admission_policies
+from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.metadata import MetadataTier
+from tiercache.transfer.engine import TransferEngine
+from tiercache.transfer.plan import TransferPlan, TransferResult
+
+TRACE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp: float
+    input_length: int
+    output_length: int
+    keys: tuple[BlockHash, ...]
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a Mooncake-format JSONL trace; a malformed line raises ValueError naming the line."""
+    requests = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                keys = tuple(BlockHash(int(h).to_bytes(32, "big")) for h in row["hash_ids"])
+                requests.append(TraceRequest(float(row["timestamp"]), int(row["input_length"]),
+                                             int(row["output_length"]), keys))
+            except (ValueError, KeyError, TypeError, OverflowError) as err:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace record ({err!r})") from None
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    requests: int = 0
+    hit_requests: int = 0
+    input_tokens: int = 0
+    hit_tokens: int = 0
+
+    def add(self, request: TraceRequest, hit_chunks: int) -> None:
+        hit = min(hit_chunks * TRACE_BLOCK_TOKENS, request.input_length)
+        self.requests += 1
+        self.input_tokens += request.input_length
+        self.hit_tokens += hit
+        self.hit_requests += hit > 0
+
+    @property
+    def token_hit_ratio(self) -> float:
+        return self.hit_tokens / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def request_hit_ratio(self) -> float:
+        return self.hit_requests / self.requests if self.requests else 0.0
+
+
+def unique_chunks(trace: Iterable[TraceRequest]) -> int:
+    return len({k for r in trace for k in r.keys})
+
+
+def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
+    tier = MetadataTier(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=policy)
+    result = ReplayResult()
+    for request in trace:
+        keys = request.keys
+        hit = tier.contains(keys)
+        result.add(request, hit)
+        if hit:
+            tier.prepare_load(keys[:hit])
+            tier.complete_load(keys[:hit])
+        missing = list(keys[hit:])
+        reserved = [k for k, ok in zip(missing, tier.prepare_store(missing, [1] * len(missing))) if ok]
+        tier.complete_store(reserved)
+    return result
+
+
+@dataclass(slots=True)
+class HierarchyResult(ReplayResult):
+    l2_hit_chunks: int = 0
+    l2_written_chunks: int = 0
+
+
+def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> None:
+    manager.apply([TransferResult(p, ok=True, seconds=0.0) for p in plans if p is not None])
+
+
+def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
+                     min_hits: int = 1, write_mode: str = "write-back") -> HierarchyResult:
+    l1 = CpuTier(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, prefault=False)
+    l2 = MetadataTier(max(1, l2_tokens // TRACE_BLOCK_TOKENS), name="l2")
+    engine = TransferEngine(workers=1)   # hands out job ids; nothing is submitted
+    manager = CacheManager(l1, engine, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
+                           lower=[l2], write_mode=write_mode,
+                           admission=admission_policies.get(admission)(min_hits))
+    result = HierarchyResult()
+    try:
+        for request in trace:
+            keys = request.keys
+            lookup = manager.lookup_chunks(keys, len(keys))
+            if manager.promote(lookup):
+                result.l2_hit_chunks += sum(len(r.keys) for r in lookup.runs if r.tier == "l2")
+                _complete(manager, manager.take_background())
+                lookup = manager.lookup_chunks(keys, len(keys))
+            lookup = manager.in_l1(lookup)
+            hit = lookup.num_hit_blocks
+            result.add(request, hit)
+            if hit:
+                _complete(manager, manager.plan_load(lookup, range(len(keys))))
+            _complete(manager, [manager.plan_store_chunks(keys, range(len(keys)), len(keys), first_chunk=hit)])
+            _complete(manager, manager.take_background())
+        result.l2_written_chunks = l2.counters.stored
+    finally:
+        engine.close()
+    return result

@@ -1,0 +1,68 @@
+"""A tier that keeps only the index: the real lifecycle, capacity and eviction, no bytes.
+
+Used to replay request traces through the hierarchy's own code (`tiercache
+bench trace`). Capacity is counted in chunks: every chunk takes one unit.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tiercache.keys import BlockHash
+from tiercache.tiers.base import LowerTier, Medium
+from tiercache.tiers.index import Entry, IndexedTier
+
+
+class MetadataTier(IndexedTier, LowerTier):
+    def __init__(self, capacity_chunks: int, eviction: str = "lru", name: str = "meta",
+                 medium: Medium = Medium.DISK) -> None:
+        super().__init__(eviction)
+        if capacity_chunks < 1:
+            raise ValueError(f"capacity must be at least one chunk, got {capacity_chunks}")
+        self.name = name
+        self.medium = medium
+        self._capacity = capacity_chunks
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def reserve_bytes(self, raw_len: int) -> int:
+        return 1
+
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        out = []
+        for key in keys:
+            if key in self.entries:
+                out.append(False)
+                continue
+            while self._used + 1 > self._capacity and self._evict_one():
+                pass
+            if self._used + 1 > self._capacity:
+                self.counters.store_rejected += 1
+                out.append(False)
+                continue
+            self._reserve(key, Entry(1))
+            out.append(True)
+        return out
+
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        self.publish(keys, failed)
+
+    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
+        self.pin(keys)
+
+    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
+        self.unpin(keys)
+        for key in keys:
+            self.entries[key].hits += 1
+        self.counters.loaded += len(keys)
+
+    def _evict_one(self) -> bool:
+        victim = self._pop_victim()
+        if victim is None:
+            return False
+        self._drop(*victim, in_policy=False)
+        return True
+
+    def _release(self, key: BlockHash, entry: Entry) -> None:
+        return None
