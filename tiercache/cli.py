@@ -111,6 +111,71 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capacity_list(text: str) -> list[int]:
+    try:
+        values = [parse_size(v.strip(), "--capacity-tokens") for v in text.split(",") if v.strip()]
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(err.reason) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive token counts such as 1M,3M, got {text!r}")
+    return values
+
+
+def _policy_list(text: str) -> list[str]:
+    from tiercache.policies import eviction_policies
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in eviction_policies]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {unknown or text!r}; known: {', '.join(eviction_policies.names())}")
+    return names
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.report import markdown_table, plot_lines, write_json
+    from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, unique_chunks
+
+    trace = load_trace(args.trace)
+    ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
+    results = []
+    with tqdm(total=len(args.capacity_tokens) * len(args.policy), desc="bench trace", file=sys.stderr,
+              disable=args.quiet) as bar:
+        for policy in args.policy:
+            for capacity in args.capacity_tokens:
+                r = replay(trace, capacity, policy)
+                results.append({"policy": policy, "capacity_tokens": capacity,
+                                "token_hit_ratio": round(r.token_hit_ratio, 4),
+                                "request_hit_ratio": round(r.request_hit_ratio, 4)})
+                bar.update(1)
+    report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
+              "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
+              "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "results": results,
+              "command": "tiercache " + " ".join(sys.argv[1:])}
+    rows = [(r["policy"], r["capacity_tokens"], r["token_hit_ratio"], r["request_hit_ratio"]) for r in results]
+    headers = ("policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "trace.json", report)
+        (out / "trace.md").write_text(f"# Trace replay: {args.trace}\n\nCeiling (infinite capacity): token hit ratio "
+                                      f"{report['ceiling_token_hit_ratio']}\n\n" + markdown_table(headers, rows))
+        series = {p: ([r["capacity_tokens"] for r in results if r["policy"] == p],
+                      [r["token_hit_ratio"] for r in results if r["policy"] == p]) for p in args.policy}
+        plot_lines(out / "trace.png", f"Token hit ratio vs capacity ({Path(args.trace).name})", "capacity (tokens)",
+                   "token hit ratio", series, ("infinite capacity", report["ceiling_token_hit_ratio"]))
+    if args.json:
+        write_json(args.json, report)
+    table = Table(title=f"trace replay: {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(80, Console().width)).print(table)
+    return 0
+
+
 def _offload_config(args: argparse.Namespace):
     """The config tree with the tiers the flags name; None when no tier is wanted."""
     cfg = load_config(args.config, overrides=args.set)
@@ -192,6 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
 
+    t = bench.add_parser("trace", help="replay a Mooncake-format trace through the tiers' index and policies")
+    t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
+    t.add_argument("--capacity-tokens", type=_capacity_list, default=[1_000_000, 3_000_000],
+                   help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
+    t.add_argument("--policy", type=_policy_list, default=["lru"], help="comma-separated eviction policies")
+    t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
+    t.add_argument("--json", metavar="PATH")
+    t.add_argument("--quiet", action="store_true")
+    t.set_defaults(func=cmd_bench_trace)
+
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
     d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc"], default="shared-prefix")
     d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, cpu,disk, or none")
@@ -235,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     except TierCacheError as err:
         print(f"tiercache: error: {err}", file=sys.stderr)
         return 1
-    except ValueError as err:  # bad request input (empty prompt, too long, bad workload sizes)
+    except OSError as err:  # an unreadable input file
+        print(f"tiercache: error: {err.filename or ''}: {err.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as err:  # bad request input (empty prompt, too long, bad workload sizes, bad trace)
         print(f"tiercache: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -107,10 +107,9 @@ class CpuTier(IndexedTier):
         return [entry.slot for entry in self.pin(keys)]
 
     def complete_load(self, keys: Sequence[BlockHash]) -> None:
-        for key in keys:
-            self.entries[key].hits += 1
-        self.counters.loaded += len(keys)
         self.unpin(keys)
+        self.touch(keys)
+        self.counters.loaded += len(keys)
 
     # -- spills --------------------------------------------------------------
     def take_spills(self) -> list[Spill]:

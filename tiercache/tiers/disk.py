@@ -156,15 +156,14 @@ class DiskTier(IndexedTier, LowerTier):
         """Unpin; chunks that failed verification are deleted (a miss from now on)."""
         bad = set(corrupt)
         self.unpin(keys)
-        for key in keys:
+        for key in bad:
+            self.counters.integrity_failures += 1
             entry = self.entries[key]
-            if key in bad:
-                self.counters.integrity_failures += 1
-                if entry.pins == 0:
-                    self._drop(key, entry)
-            else:
-                entry.hits += 1
-                self.counters.loaded += 1
+            if entry.pins == 0:
+                self._drop(key, entry)
+        good = [k for k in keys if k not in bad]
+        self.touch(good)
+        self.counters.loaded += len(good)
 
     # -- I/O (worker side) ---------------------------------------------------
     def _probe_o_direct(self) -> None:

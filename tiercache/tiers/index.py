@@ -7,6 +7,10 @@ leaves — and its own ``prepare_store`` (reserving that room).
 Lifecycle of a key: reserved (``ready=False``, invisible to `contains`) →
 published by `publish` (ready, evictable) → pinned while a transfer reads it
 (`pin` / `unpin`; never evicted while pinned) → evicted or deleted.
+
+The eviction policy sees inserts (publish), uses (`touch`, on a hit) and
+removals; pins are not its business: a pinned victim it proposes is set aside
+and offered again after the eviction.
 """
 from __future__ import annotations
 
@@ -102,28 +106,40 @@ class IndexedTier(Tier):
             if entry is None or not entry.ready:
                 self.unpin(keys[:i])
                 raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
-            if entry.pins == 0:
-                self.policy.remove(key)
             entry.pins += 1
             pinned.append(entry)
         return pinned
 
     def unpin(self, keys: Sequence[BlockHash]) -> None:
-        for key in reversed(keys):  # tail first: the head ends up most recently used
-            entry = self.entries[key]
-            entry.pins -= 1
-            if entry.pins == 0:
-                self.policy.insert(key)
+        for key in keys:
+            self.entries[key].pins -= 1
+
+    def touch(self, keys: Sequence[BlockHash]) -> None:
+        """The keys served a hit: tell the policy, tail first, so under LRU the chain's head is the newest."""
+        for key in reversed(keys):
+            entry = self.entries.get(key)
+            if entry is not None and entry.ready:
+                entry.hits += 1
+                self.policy.touch(key)
 
     def _pop_victim(self) -> tuple[BlockHash, Entry] | None:
-        key = self.policy.pop_victim()
-        if key is None:
-            return None
-        self.counters.evicted += 1
-        return key, self.entries[key]
+        """The policy's first proposal that is not pinned (pinned proposals go back to the policy)."""
+        busy = []
+        victim = None
+        while (key := self.policy.pop_victim()) is not None:
+            entry = self.entries[key]
+            if entry.pins == 0:
+                victim = (key, entry)
+                break
+            busy.append(key)
+        for key in reversed(busy):
+            self.policy.insert(key)
+        if victim is not None:
+            self.counters.evicted += 1
+        return victim
 
     def _drop(self, key: BlockHash, entry: Entry, in_policy: bool = True) -> None:
-        if in_policy and entry.ready and entry.pins == 0:
+        if in_policy and entry.ready:
             self.policy.remove(key)
         del self.entries[key]
         self._used -= entry.nbytes

@@ -53,8 +53,7 @@ class MetadataTier(IndexedTier, LowerTier):
 
     def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
         self.unpin(keys)
-        for key in keys:
-            self.entries[key].hits += 1
+        self.touch(keys)
         self.counters.loaded += len(keys)
 
     def _evict_one(self) -> bool:

@@ -1,0 +1,84 @@
+"""Trace replay through the real tier index and policies (metadata only)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiercache.bench.trace import load_trace, replay, replay_hierarchy, unique_chunks
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+
+
+def write_trace(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def req(ids, length=None):
+    return {"timestamp": 0, "input_length": length or 512 * len(ids), "output_length": 1, "hash_ids": ids}
+
+
+def test_prefix_hits_capped_at_input_length_under_lru(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [
+        req([1, 2]),            # miss, stores 1, 2
+        req([1, 2, 3], 1100),   # hits 1, 2 (1024 tokens), stores 3 → evicts the oldest (2 was touched after 1)
+        req([1, 9]),            # hits 1
+        req([1, 2], 700),       # 1 hits; 2 was evicted → 512 of 700 tokens
+    ]))
+    r = replay(trace, capacity_tokens=3 * 512, policy="lru")
+    assert r.requests == 4 and r.hit_requests == 3
+    assert r.hit_tokens == 0 + 1024 + 512 + 512
+    assert r.input_tokens == 1024 + 1100 + 1024 + 700
+
+
+def test_infinite_capacity_reproduces_the_ceiling_of_the_shared_trace():
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    trace = load_trace(SHARED_TRACE)
+    ceiling = replay(trace, unique_chunks(trace) * 512)
+    assert 0.64 < ceiling.token_hit_ratio < 0.66
+    small, large = replay(trace, 1_000_000), replay(trace, 3_000_000)
+    assert small.token_hit_ratio < large.token_hit_ratio < ceiling.token_hit_ratio
+
+
+def test_hierarchy_admission_trades_hits_for_disk_writes():
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    trace = load_trace(SHARED_TRACE)[:1500]
+    always = replay_hierarchy(trace, 500_000, 2_000_000, "always")
+    picky = replay_hierarchy(trace, 500_000, 2_000_000, "min-hits", 1)
+    l1_only = replay(trace, 500_000)
+    assert always.token_hit_ratio > l1_only.token_hit_ratio      # L2 adds hits
+    assert always.l2_hit_chunks > 0
+    assert picky.l2_written_chunks < always.l2_written_chunks
+    assert picky.token_hit_ratio <= always.token_hit_ratio
+
+
+def test_malformed_traces_name_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(req([1])) + "\n" + '{"timestamp": 0, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_trace(path)
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(path), "--quiet"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "bad.jsonl:2" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(tmp_path / "no"),
+                           "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "No such file" in proc.stderr
+
+
+def test_bench_trace_writes_json_markdown_and_png(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [req([1, 2, 3]), req([1, 2, 4]), req([5]), req([1, 2])])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
+                           "--capacity-tokens", "1024,4K", "--policy", "lru,fifo", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "trace.json").read_text())
+    assert report["ceiling_token_hit_ratio"] == pytest.approx((2 * 512 + 2 * 512) / (3 * 512 + 3 * 512 + 512 + 2 * 512), abs=1e-3)
+    assert {(r["policy"], r["capacity_tokens"]) for r in report["results"]} == {
+        ("lru", 1024), ("lru", 4000), ("fifo", 1024), ("fifo", 4000)}   # 4K = 4000 tokens
+    assert "token hit ratio" in (out / "trace.md").read_text()
+    assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"

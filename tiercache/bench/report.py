@@ -1,0 +1,43 @@
+"""Benchmark report files: JSON, a Markdown table and (when matplotlib is installed) a PNG plot."""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def write_json(path: str | Path, data: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_lines(path: str | Path, title: str, xlabel: str, ylabel: str,
+               series: dict[str, tuple[Sequence[float], Sequence[float]]], hline: tuple[str, float] | None = None) -> bool:
+    """One line per series; False when matplotlib is missing (the JSON and Markdown still tell everything)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if hline is not None:
+        ax.axhline(hline[1], linestyle="--", color="grey", label=hline[0])
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
