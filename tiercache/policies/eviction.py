@@ -65,3 +65,69 @@ class FIFOPolicy(LRUPolicy):
 
     def touch(self, key: Key) -> None:
         return None
+
+
+@eviction_policies.register("s3-fifo")
+class S3FIFOPolicy:
+    """S3-FIFO (Yang et al., SOSP 2023): a small probationary FIFO, a main FIFO and a ghost list of keys.
+
+    New keys enter the small queue; one that was hit while there moves to the
+    main queue when it reaches the end, the rest leave (remembered as ghosts).
+    A ghost that comes back goes straight to the main queue. The main queue is
+    a CLOCK-like FIFO: a key hit since its last pass goes around again with its
+    count lowered. One-hit wonders — the tail chunks of one-off prompts — leave
+    quickly without pushing out reused prefixes. Sizes are relative to how many
+    keys the tier holds, so the policy needs no capacity. O(1) amortized.
+    """
+
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self) -> None:
+        self._small: OrderedDict[Key, None] = OrderedDict()
+        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._freq: dict[Key, int] = {}
+
+    def insert(self, key: Key) -> None:
+        self.remove(key)
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+        self._freq[key] = 0
+
+    def touch(self, key: Key) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self.MAX_FREQ, self._freq[key] + 1)
+
+    def remove(self, key: Key) -> None:
+        if self._freq.pop(key, None) is not None or key in self._small or key in self._main:
+            self._small.pop(key, None)
+            self._main.pop(key, None)
+
+    def pop_victim(self) -> Key | None:
+        while self._small or self._main:
+            if self._small and (len(self._small) >= self.SMALL_FRACTION * len(self) or not self._main):
+                key, _ = self._small.popitem(last=False)
+                if self._freq[key] > 0:          # reused while on probation: promote
+                    self._freq[key] = 0
+                    self._main[key] = None
+                    continue
+                del self._freq[key]
+                self._ghost[key] = None
+                while len(self._ghost) > max(1, len(self._main)):
+                    self._ghost.popitem(last=False)
+                return key
+            key, _ = self._main.popitem(last=False)
+            if self._freq[key] > 0:
+                self._freq[key] -= 1
+                self._main[key] = None           # around again
+                continue
+            del self._freq[key]
+            return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._small) + len(self._main)

@@ -1,0 +1,72 @@
+"""Eviction policies on their own: the order in which each gives keys up."""
+import pytest
+
+from tiercache.policies import admission_policies, eviction_policies
+
+
+def drain(policy):
+    out = []
+    while (key := policy.pop_victim()) is not None:
+        out.append(key)
+    return out
+
+
+def test_lru_evicts_least_recently_used():
+    p = eviction_policies.get("lru")()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")
+    assert drain(p) == ["b", "c", "d", "a"]
+
+
+def test_fifo_ignores_hits():
+    p = eviction_policies.get("fifo")()
+    for k in "abcd":
+        p.insert(k)
+    p.touch("a")
+    assert drain(p) == ["a", "b", "c", "d"]
+
+
+def test_s3fifo_drops_one_hit_wonders_before_reused_keys():
+    p = eviction_policies.get("s3-fifo")()
+    for k in range(10):
+        p.insert(k)
+    p.touch(0)
+    p.touch(1)                           # reused while on probation
+    victims = [p.pop_victim() for _ in range(8)]
+    assert 0 not in victims and 1 not in victims   # promoted to the main queue instead
+    assert len(p) == 2
+
+
+def test_s3fifo_ghosts_come_back_to_the_main_queue():
+    p = eviction_policies.get("s3-fifo")()
+    for k in "abc":
+        p.insert(k)
+    assert p.pop_victim() == "a"         # unreused: evicted, remembered as a ghost
+    p.insert("a")                        # seen again soon: straight to the main queue
+    p.insert("d")
+    order = drain(p)
+    assert order.index("a") > order.index("b") and order.index("a") > order.index("d")
+
+
+@pytest.mark.parametrize("name", eviction_policies.names())
+def test_every_policy_gives_back_exactly_what_it_holds(name):
+    p = eviction_policies.get(name)()
+    live = set()
+    for k in range(50):
+        p.insert(k)
+        live.add(k)
+        if k % 3 == 0:
+            p.touch(k // 2)
+        if k % 7 == 0:
+            p.remove(k // 3)
+            live.discard(k // 3)
+    assert len(p) == len(live)
+    left = drain(p)
+    assert sorted(left) == sorted(live) and len(p) == 0
+
+
+def test_min_hits_admission():
+    admit = admission_policies.get("min-hits")(2)
+    assert not admit.admit(b"k", 1) and admit.admit(b"k", 2)
+    assert admission_policies.get("always")().admit(b"k", 0)
