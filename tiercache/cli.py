@@ -205,7 +205,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     offload = _offload_config(args)
     total = 2 * (spec.requests if spec.name != "multi-turn" else max(1, spec.requests // spec.turns) * spec.turns)
     with tqdm(total=total, desc=f"demo {spec.name} (cold, then warm)", file=sys.stderr, disable=args.quiet) as bar:
-        report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1))
+        report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1), metrics_port=args.metrics_port)
     report["command"] = "tiercache " + " ".join(sys.argv[1:])
     _write_json(args.json, report)
     tiers = ",".join(args.tiers) or "none"
@@ -279,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--l0-blocks", type=_positive, default=1024, help="blocks in the engine's own pool")
     d.add_argument("--no-prefix-caching", action="store_true", help="no L0 hits: every hit comes from a tier")
     d.add_argument("--json", metavar="PATH")
+    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of the cached run on this port")
     d.add_argument("--quiet", action="store_true")
     _add_config_flags(d)
     d.set_defaults(func=cmd_demo)

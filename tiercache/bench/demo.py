@@ -31,10 +31,10 @@ class RunRecord:
 
 
 def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCacheConfig | None,
-                 progress: Callable[[], None] | None = None) -> RunRecord:
+                 progress: Callable[[], None] | None = None, metrics_port: int | None = None) -> RunRecord:
     record = RunRecord()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
-    with LLMEngine(engine_cfg=engine_cfg, offload=offload) as engine:
+    with LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port) as engine:
         # Warm-up on unrelated tokens: the first forwards after start-up (fresh allocator arenas,
         # just-faulted L1 pages) run up to 3x slower here and would otherwise land in one run only.
         engine.add_request([WARMUP_TOKEN] * 300, params)
@@ -65,11 +65,11 @@ def _p(values: list[float], q: float) -> float:
 
 
 def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: EngineConfig,
-         progress: Callable[[], None] | None = None) -> dict[str, object]:
+         progress: Callable[[], None] | None = None, metrics_port: int | None = None) -> dict[str, object]:
     cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
                                "enable_prefix_caching": False})
     cold = run_workload(spec, cold_cfg, None, progress)
-    warm = run_workload(spec, engine_cfg, offload, progress)
+    warm = run_workload(spec, engine_cfg, offload, progress, metrics_port)
     hits = warm.l0_hit_tokens + warm.tier_hit_tokens
     cold_p50 = statistics.median(cold.ttft_s) * 1e3
     warm_p50 = statistics.median(warm.ttft_s) * 1e3

@@ -64,6 +64,7 @@ class LLMEngine:
         model_path: str | None = None,
         tokenizer: Tokenizer | str | None = None,
         record_logits: bool = False,
+        metrics_port: int | None = None,
     ) -> None:
         self.engine_cfg = engine_cfg = engine_cfg or EngineConfig()
         if model_path is not None:
@@ -92,6 +93,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker if self.connector else None,
                                   record_logits=record_logits)
         self._ids = itertools.count()
+        self._metrics = None
+        if metrics_port is not None:
+            from tiercache.metrics import serve_metrics
+            self._metrics = serve_metrics(self.stats, metrics_port)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
@@ -126,6 +131,11 @@ class LLMEngine:
             finished += self.step()
         return finished
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The Prometheus endpoint's port (useful when started with port 0), or None."""
+        return None if self._metrics is None else self._metrics[0].server_port
+
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
             seq.seq_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
@@ -146,6 +156,11 @@ class LLMEngine:
         return out
 
     def close(self) -> None:
+        if self._metrics is not None:
+            server, thread = self._metrics
+            server.shutdown()
+            thread.join()
+            self._metrics = None
         if self.connector is not None:
             self.connector.close()
 

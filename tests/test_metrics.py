@@ -1,0 +1,45 @@
+"""The Prometheus endpoint, scraped over HTTP on loopback while a cached engine runs."""
+import re
+import urllib.request
+
+from tests.test_engine import offload, run_sequential, shared_prompts
+from tiercache.engine import EngineConfig, LLMEngine
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            samples[m.group(1)] = float(m.group(2))
+    return samples
+
+
+def test_metrics_endpoint_reports_tiers_links_blocks_and_connector():
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload(), metrics_port=0) as engine:
+        port = engine.metrics_port
+        run_sequential(engine, shared_prompts(n=4))
+        m = scrape(port)
+        assert m['tiercache_tier_hit_keys_total{tier="cpu"}'] == 9          # 3 chunks × 3 later requests
+        assert m['tiercache_tier_stored_total{tier="cpu"}'] >= 3
+        assert m['tiercache_tier_capacity_bytes{tier="cpu"}'] == 64 << 20
+        assert m['tiercache_connector_loaded_tokens_total'] == 3 * 192      # prefill tokens saved
+        assert m['tiercache_link_bytes_total{link="device_host"}'] > 0
+        assert m['tiercache_link_dropped_total{link="device_host"}'] == 0
+        assert m['tiercache_blocks{state="used"}'] == 0
+        assert m['tiercache_blocks{state="total"}'] == engine.engine_cfg.num_blocks
+        assert 0 < m["tiercache_connector_token_hit_ratio"] < 1
+    # Closed with the engine: the port no longer answers.
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1)
+        raise AssertionError("metrics endpoint still up after close")
+    except OSError:
+        pass
+
+
+def test_two_engines_export_side_by_side():
+    with LLMEngine(offload=offload(), metrics_port=0) as a, LLMEngine(offload=offload(), metrics_port=0) as b:
+        run_sequential(a, shared_prompts(n=2))
+        assert scrape(a.metrics_port)['tiercache_tier_stored_total{tier="cpu"}'] > 0
+        assert scrape(b.metrics_port)['tiercache_tier_stored_total{tier="cpu"}'] == 0

@@ -1,0 +1,98 @@
+"""Prometheus exposition of tiercache's `stats()`.
+
+A collector turns the nested stats of an engine (or any object with
+``stats()``) into metric families at scrape time, so nothing is counted twice
+and no global registry is touched: each exporter has its own registry, and two
+caches in one process export side by side on their own ports.
+
+Families (labels in braces):
+- ``tiercache_tier_*{tier}``: capacity, used bytes, chunks, key hit ratio, and
+  counters (lookups, hit keys, stored, rejected stores, loads, evictions,
+  deletions, integrity failures, errors);
+- ``tiercache_link_*{link}``: bytes, jobs, failures, drops (counters), GB/s,
+  queue depth, bytes in flight, configured rate;
+- ``tiercache_blocks{state}``: L0 blocks by state (used, pinned, evictable,
+  empty, held for transfers);
+- ``tiercache_connector_*``: lookups, hit and loaded tokens (prefill tokens
+  saved), failed loads, planned and cancelled stores, swaps, token hit ratio.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TIER_GAUGES = ("capacity_bytes", "used_bytes", "chunks", "key_hit_ratio")
+TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "stored", "store_rejected", "loaded", "evicted", "deleted",
+                 "integrity_failures", "errors")
+LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_limit_gbps")
+LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
+CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
+                      "failed_loads", "stores_planned", "stores_cancelled", "swap_outs", "swap_ins")
+
+
+class StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        # The scrape runs on the exporter's thread while the engine keeps stepping; a dict that
+        # changes size mid-read makes stats() raise, so take another snapshot rather than fail.
+        for attempt in range(3):
+            try:
+                stats = self._stats()
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        connector = stats.get("connector", stats)
+        tiers = connector.get("tiers", {})
+        for name in TIER_GAUGES:
+            g = GaugeMetricFamily(f"tiercache_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
+            for tier, t in tiers.items():
+                g.add_metric([tier], float(t.get(name, 0)))
+            yield g
+        for name in TIER_COUNTERS:
+            c = CounterMetricFamily(f"tiercache_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
+            for tier, t in tiers.items():
+                c.add_metric([tier], float(t.get(name, 0)))
+            yield c
+        links = connector.get("transfers", {})
+        for name in LINK_GAUGES:
+            g = GaugeMetricFamily(f"tiercache_link_{name}", f"per-link {name.replace('_', ' ')}", labels=["link"])
+            for link, v in links.items():
+                g.add_metric([link], float(v.get(name, 0)))
+            yield g
+        for name in LINK_COUNTERS:
+            c = CounterMetricFamily(f"tiercache_link_{name}", f"per-link {name.replace('_', ' ')}", labels=["link"])
+            for link, v in links.items():
+                c.add_metric([link], float(v.get(name, 0)))
+            yield c
+        blocks = stats.get("blocks")
+        if blocks:
+            g = GaugeMetricFamily("tiercache_blocks", "L0 blocks by state", labels=["state"])
+            for state in ("total", "used", "pinned", "evictable", "empty", "held_for_transfers"):
+                g.add_metric([state], float(blocks.get(state, 0)))
+            yield g
+        if "lookups" in connector:
+            for name in CONNECTOR_COUNTERS:
+                yield CounterMetricFamily(f"tiercache_connector_{name}", f"connector {name.replace('_', ' ')}",
+                                          value=float(connector.get(name, 0)))
+            yield GaugeMetricFamily("tiercache_connector_token_hit_ratio", "tokens loaded from tiers / tokens admitted",
+                                    value=float(connector.get("token_hit_ratio", 0.0)))
+            yield GaugeMetricFamily("tiercache_in_flight_jobs", "transfer jobs planned and not yet applied",
+                                    value=float(connector.get("in_flight_jobs", 0)))
+
+
+def registry_for(stats: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats))
+    return registry
+
+
+def serve_metrics(stats: Callable[[], dict[str, Any]], port: int, addr: str = "127.0.0.1"):
+    """Start a scrape endpoint in a daemon thread; returns (server, thread) so callers can shut it down."""
+    return start_http_server(port, addr=addr, registry=registry_for(stats))
