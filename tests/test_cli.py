@@ -88,3 +88,19 @@ def test_demo_with_disk_twice_the_second_process_hits_the_disk(tmp_path):
 def test_disk_tier_flags_are_checked():
     proc = tiercache("demo", "--tiers", "disk", "--requests", "1")
     assert proc.returncode == 2 and "include cpu" in proc.stderr
+
+
+def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_path):
+    out = tmp_path / "eng"
+    proc = tiercache("bench", "engine", "--workloads", "shared-prefix,no-reuse", "--setups", "none,cpu,cpu+disk",
+                     "--requests", "3", "--prefix-tokens", "256", "--output-tokens", "2", "--quiet", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "engine.json").read_text())
+    rows = {(r["workload"], r["setup"]): r for r in report["results"]}
+    assert len(rows) == 8 and all(r["outputs_match_baseline"] for r in rows.values())
+    assert rows[("shared-prefix", "cpu")]["prefill_tokens_saved"] == 2 * 256
+    assert rows[("no-reuse", "cpu")]["token_hit_ratio"] == 0
+    assert set(report["store_overhead_ttft_ratio_no_reuse"]) == {"none", "cpu", "cpu+disk"}
+    assert (out / "engine.png").read_bytes()[:4] == b"\x89PNG" and "TTFT p50" in (out / "engine.md").read_text()
+    proc = tiercache("bench", "engine", "--setups", "cpu+redis")
+    assert proc.returncode == 2 and "cpu+redis" in proc.stderr

@@ -176,6 +176,74 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.engine import SETUPS, bench_engine
+    from tiercache.bench.report import markdown_table, write_json
+    from tiercache.bench.workloads import WorkloadSpec
+    from tiercache.engine import EngineConfig
+
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ConfigError("--setups", ",".join(unknown), f"unknown setup; known: {', '.join(SETUPS)}")
+    workloads = [WorkloadSpec(w, requests=args.requests, prefix_tokens=args.prefix_tokens,
+                              suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
+                 for w in args.workloads.split(",")]
+    base = load_config(args.config, overrides=args.set).replace(keys={"block_size": 16})
+    total = sum(s.requests if s.name != "multi-turn" else max(1, s.requests // s.turns) * s.turns
+                for s in workloads) * (len(setups) + 1)
+    with tqdm(total=total, desc="bench engine", file=sys.stderr, disable=args.quiet) as bar:
+        report = bench_engine(workloads, setups, EngineConfig(), base, progress=lambda: bar.update(1))
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    headers = ("workload", "setup", "TTFT p50 ms", "TTFT p99 ms", "tok/s", "token hits", "request hits",
+               "tokens saved", "matches")
+    rows = [(r["workload"], r["setup"], r["ttft_ms_p50"], r["ttft_ms_p99"], r["throughput_tok_s"], r["token_hit_ratio"],
+             r["request_hit_ratio"], r["prefill_tokens_saved"], r["outputs_match_baseline"]) for r in report["results"]]
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "engine.json", report)
+        (out / "engine.md").write_text("# Engine benchmark\n\n" + markdown_table(headers, rows))
+        _plot_engine(out / "engine.png", report["results"])
+    if args.json:
+        write_json(args.json, report)
+    table = Table(title="engine benchmark (requests one after another)")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(120, Console().width)).print(table)
+    return 0 if all(r["outputs_match_baseline"] for r in report["results"]) else 1
+
+
+def _plot_engine(path: Path, results: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    setups = list(dict.fromkeys(r["setup"] for r in results))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(setups)
+    for i, setup in enumerate(setups):
+        values = [next((r["ttft_ms_p50"] for r in results if r["workload"] == w and r["setup"] == setup), 0)
+                  for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=setup)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Time to first token by tier setup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _offload_config(args: argparse.Namespace):
     """The config tree with the tiers the flags name; None when no tier is wanted."""
     cfg = load_config(args.config, overrides=args.set)
@@ -267,8 +335,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=cmd_bench_trace)
 
+    e = bench.add_parser("engine", help="reference-engine workloads across tier setups")
+    e.add_argument("--workloads", default="shared-prefix,multi-turn,long-doc,no-reuse",
+                   help="comma-separated: shared-prefix, multi-turn, long-doc, no-reuse")
+    e.add_argument("--setups", default="none,cpu,cpu+disk", help="comma-separated: none, cpu, cpu+disk")
+    e.add_argument("--requests", type=_positive, default=8)
+    e.add_argument("--prefix-tokens", type=_positive, default=1024)
+    e.add_argument("--suffix-tokens", type=_positive, default=64)
+    e.add_argument("--output-tokens", type=_positive, default=8)
+    e.add_argument("--out", metavar="DIR", help="write engine.json, engine.md and engine.png here")
+    e.add_argument("--json", metavar="PATH")
+    e.add_argument("--quiet", action="store_true")
+    _add_config_flags(e)
+    e.set_defaults(func=cmd_bench_engine)
+
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
-    d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc"], default="shared-prefix")
+    d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc", "no-reuse"], default="shared-prefix")
     d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, cpu,disk, or none")
     d.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
     d.add_argument("--requests", type=_positive, default=16)

@@ -7,6 +7,7 @@ request's greedy tokens are compared.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ WARMUP_TOKEN = 7  # a control byte that no workload prompt contains
 
 @dataclass(slots=True)
 class RunRecord:
+    wall_s: float = 0.0
+    output_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -49,12 +52,15 @@ def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCach
             record.l0_hit_tokens += m.l0_hit_tokens
             record.tier_hit_tokens += m.external_hit_tokens
             record.hit_requests += bool(m.l0_hit_tokens or m.external_hit_tokens)
+            record.output_tokens += seq.num_output_tokens
             if progress:
                 progress()
             return seq.output_token_ids
 
+        start = time.perf_counter()
         for _, out in WORKLOADS[spec.name](spec, generate):
             record.outputs.append(out)
+        record.wall_s = time.perf_counter() - start
         record.stats = engine.stats()
     return record
 

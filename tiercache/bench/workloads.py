@@ -69,4 +69,12 @@ def long_doc(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int]
         yield prompt, generate(prompt)
 
 
-WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-doc": long_doc}
+def no_reuse(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
+    """Every prompt is new: nothing can hit, so any difference from no cache is the cost of storing."""
+    rng = random.Random(spec.seed)
+    for _ in range(spec.requests):
+        prompt = [BOS, *_text(rng, spec.prefix_tokens + spec.suffix_tokens)]
+        yield prompt, generate(prompt)
+
+
+WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-doc": long_doc, "no-reuse": no_reuse}
