@@ -12,8 +12,9 @@ def tiercache(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_tiers_cpu_writes_the_json_report(tmp_path):
     out = tmp_path / "out.json"
-    proc = tiercache("bench", "tiers", "--tiers", "cpu", "--shape", "small", "--total-mib", "16",
-                     "--reps", "2", "--quiet", "--json", str(out))
+    proc = tiercache("bench", "tiers", "--tiers", "cpu,disk", "--shape", "small", "--total-mib", "16",
+                     "--reps", "2", "--quiet", "--json", str(out), "--out", str(tmp_path / "rep"),
+                     "--disk-path", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     cpu = report["tiers"]["cpu"]
@@ -21,8 +22,12 @@ def test_bench_tiers_cpu_writes_the_json_report(tmp_path):
         assert cpu[key] > 0
     assert cpu["put_ratio"] == pytest.approx(cpu["put_gbps"] / cpu["raw_gbps"], rel=0.01)   # from unrounded rates
     assert cpu["chunk_bytes"] == 256 * 4 * 2 * 2 * 64 * 4 // 1  # 256 tokens × 4 layers × K,V × 2 heads × 64 × fp32
-    assert {r["block_layout"] for r in report["runs"]} == {"allocated", "scattered"}
+    assert {r.get("block_layout") for r in report["runs"]} == {"allocated", "scattered", None}
+    disk = report["tiers"]["disk"]
+    assert disk["put_gbps"] > 0 and disk["get_ratio"] > 0 and disk["reads"]
     assert "put/raw" in proc.stdout
+    assert (tmp_path / "rep" / "tiers.png").read_bytes()[:4] == b"\x89PNG"
+    assert "raw put GB/s" in (tmp_path / "rep" / "tiers.md").read_text()
 
 
 def test_bad_flags_are_one_clean_line():

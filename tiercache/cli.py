@@ -93,6 +93,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
     report["command"] = "tiercache " + " ".join(sys.argv[1:])
     _write_json(args.json, report)
+    if args.out:
+        _tier_reports(Path(args.out), report)
     table = Table(title=f"tier throughput, {args.shape} ({SHAPES[args.shape].dtype}), medians of {args.reps}")
     for col in ("tier", "variant", "chunk", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw"):
         table.add_column(col, justify="right")
@@ -244,6 +246,38 @@ def _plot_engine(path: Path, results: list[dict]) -> None:
     plt.close(fig)
 
 
+def _tier_reports(out: Path, report: dict) -> None:
+    """tiers.json, tiers.md and tiers.png (tier and raw GB/s side by side) in ``out``."""
+    from tiercache.bench.report import markdown_table, write_json
+
+    write_json(out / "tiers.json", report)
+    rows = []
+    for r in report["runs"]:
+        variant = r.get("block_layout") or ("fsync" if r.get("fsync") else "buffered")
+        tier = "cpu" if "block_layout" in r else "disk"
+        raw_put, raw_get = (r["raw_gbps"], r["raw_gbps"]) if tier == "cpu" else (r["raw_write_gbps"], r["raw_read_gbps"])
+        rows.append((tier, variant, r["put_gbps"], r["get_gbps"], raw_put, raw_get, r["put_ratio"], r["get_ratio"]))
+    headers = ("tier", "variant", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw")
+    (out / "tiers.md").write_text(f"# Tier throughput\n\n`{report['command']}`\n\n" + markdown_table(headers, rows))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"{t} {v}" for t, v, *_ in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, col) in enumerate((("put", 2), ("get", 3), ("raw put", 4), ("raw get", 5))):
+        ax.bar([x + i * 0.2 for x in range(len(rows))], [row[col] for row in rows], 0.2, label=name)
+    ax.set_xticks([x + 0.3 for x in range(len(rows))], labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Tier throughput beside the raw limit (same run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tiers.png", dpi=110)
+    plt.close(fig)
+
+
 def _offload_config(args: argparse.Namespace):
     """The config tree with the tiers the flags name; None when no tier is wanted."""
     cfg = load_config(args.config, overrides=args.set)
@@ -321,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--layout", choices=["allocated", "scattered", "both"], default="both",
                        help="L0 block placement: as the pool allocates, shuffled, or both")
     tiers.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    tiers.add_argument("--out", metavar="DIR", help="write tiers.json, tiers.md and tiers.png here")
     tiers.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
