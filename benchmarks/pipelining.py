@@ -39,7 +39,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     engines = {}
     for layerwise in (False, True):
-        cfg = TierCacheConfig().replace(cpu={"capacity": "1GiB"}, transfer={"layerwise": layerwise})
+        cfg = TierCacheConfig().replace(cpu={"capacity": "1GiB"},
+                                        transfer={"layerwise": layerwise, "inline_host_copies": "off"})
         engines[layerwise] = LLMEngine(model_cfg=model, engine_cfg=engine_cfg, offload=cfg)
     ttft: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list[list[int]]] = {False: [], True: []}

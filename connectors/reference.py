@@ -17,7 +17,9 @@ class ReferenceConnector:
     def __init__(self, config: TierCacheConfig, namespace: Namespace, kv: PagedKVCache) -> None:
         self.stack = build_offload_stack(config, kv, namespace)
         self.scheduler = OffloadScheduler(self.stack, kv.block_size, swap_salt=namespace.digest())
-        self.worker = OffloadWorker(self.stack, layerwise=config.transfer.layerwise)
+        inline = config.transfer.inline_host_copies
+        inline_copies = inline == "on" or (inline == "auto" and kv.device.type == "cpu")
+        self.worker = OffloadWorker(self.stack, layerwise=config.transfer.layerwise, inline=inline_copies)
 
     def close(self) -> None:
         self.stack.close()

@@ -57,9 +57,10 @@ def test_shared_prefix_hits_in_l0_give_identical_tokens(reference_outputs):
         assert_back_to_baseline(engine)
 
 
-@pytest.mark.parametrize("layerwise", [True, False])
-def test_hits_from_l1_alone_give_identical_tokens(reference_outputs, layerwise):
-    cfg = offload(transfer={"layerwise": layerwise})
+@pytest.mark.parametrize("layerwise, inline", [(True, "off"), (False, "off"), (False, "on")])
+def test_hits_from_l1_alone_give_identical_tokens(reference_outputs, layerwise, inline):
+    """Layerwise loads on transfer threads, whole loads on transfer threads, and copies inline."""
+    cfg = offload(transfer={"layerwise": layerwise, "inline_host_copies": inline})
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
         seqs = run_sequential(engine, shared_prompts())
         assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in shared_prompts()]
@@ -114,7 +115,8 @@ def test_logits_on_the_hit_path_match_a_full_recompute():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_preserves_outputs(mode):
+@pytest.mark.parametrize("inline", ["on", "off"])
+def test_preemption_preserves_outputs(mode, inline):
     """Eight requests decode together in a pool that cannot hold them all at full length."""
     prompts = shared_prompts(n=8, prefix=40, suffix=30, seed=7, systems=8)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -123,7 +125,7 @@ def test_preemption_preserves_outputs(mode):
         engine.run()
         expect = [s.output_token_ids for s in seqs]
     cfg = EngineConfig(num_blocks=30, preemption=mode)
-    with LLMEngine(engine_cfg=cfg, offload=offload()) as engine:
+    with LLMEngine(engine_cfg=cfg, offload=offload(transfer={"inline_host_copies": inline})) as engine:
         seqs = [engine.add_request(p, params) for p in prompts]
         engine.run()
         assert [s.output_token_ids for s in seqs] == expect
@@ -150,11 +152,13 @@ def test_recompute_preemption_without_tiers():
         assert_back_to_baseline(engine)
 
 
-def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs):
+@pytest.mark.parametrize("inline", ["on", "off"])
+def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs, inline):
     """Fault injected at the transfer boundary: the load fails, the request recomputes, output unchanged."""
     from tiercache.tiers.base import Medium
 
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload()) as engine:
+    cfg = offload(transfer={"inline_host_copies": inline})
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
         prompts = shared_prompts()
         run_sequential(engine, prompts[:1])
         handlers = engine.connector.stack.engine._handlers

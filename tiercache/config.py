@@ -130,6 +130,7 @@ class TransferConfig:
     """Transfer threads, layerwise loading, and limits per link (rates in bytes/s; 0 = unlimited)."""
     workers: int = _opt(2, "transfer jobs run at once")
     layerwise: bool = _opt(True, "loads land layer by layer, so layer l computes while l+1 copies")
+    inline_host_copies: str = _opt("auto", "L0<->L1 copies on the engine's thread: auto (when L0 is on the CPU) | on | off")
     device_host_rate: int = _size(0, "device<->host (PCIe) bytes/s")
     device_host_burst: int = _size(0, "device<->host bucket size (0: 0.1 s at the rate)")
     device_host_max_in_flight: int = _size(0, "device<->host bytes running at once")
@@ -145,6 +146,8 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.workers <= 64, "workers", self.workers, "must be between 1 and 64")
+        _check(self.inline_host_copies in ("auto", "on", "off"), "inline_host_copies", self.inline_host_copies,
+               "expected auto, on or off")
         for f in dataclasses.fields(self):
             if f.metadata.get("size"):
                 _check(getattr(self, f.name) >= 0, f.name, getattr(self, f.name), "must be >= 0")

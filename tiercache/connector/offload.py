@@ -208,9 +208,10 @@ class OffloadWorker(WorkerConnector):
     """Worker side. With ``layerwise`` loads land layer by layer: `wait_for_layer_load(l)` returns as
     soon as layer ``l`` of every load of the step is in place, while later layers are still copying."""
 
-    def __init__(self, stack: OffloadStack, layerwise: bool = True) -> None:
+    def __init__(self, stack: OffloadStack, layerwise: bool = True, inline: bool = False) -> None:
         self.engine = stack.engine
-        self.layerwise = layerwise
+        self.layerwise = layerwise and not inline
+        self.inline = inline   # L0↔L1 copies on the calling thread (CPU-only machines; see TransferEngine.run_inline)
         self._progress: list[LayerProgress] = []
         self.kv: PagedKVCache | None = None
         self._meta = ConnectorMetadata()
@@ -236,7 +237,10 @@ class OffloadWorker(WorkerConnector):
             self.engine.submit(plan)
         for plan in self._meta.loads:
             progress = LayerProgress() if self.layerwise else None
-            self.engine.submit(plan, progress)
+            if self.inline:
+                self.engine.run_inline(plan)
+            else:
+                self.engine.submit(plan, progress)
             if progress is not None:
                 self._progress.append(progress)
             self._loads_in_flight[self._owners[plan.job_id]].add(plan.job_id)
@@ -271,7 +275,10 @@ class OffloadWorker(WorkerConnector):
                 self._results.append(TransferResult(plan, ok=False, seconds=0.0, error="cancelled",
                                                     failed_keys=tuple(plan.keys)))
                 continue
-            self.engine.submit(plan)
+            if self.inline:
+                self.engine.run_inline(plan)
+            else:
+                self.engine.submit(plan)
             self._stores_in_flight[owner].add(plan.job_id)
         self._meta = ConnectorMetadata()
 

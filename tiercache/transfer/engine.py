@@ -124,24 +124,55 @@ class TransferEngine:
     def _run(self) -> None:
         while (job := self._next()) is not None:
             plan, progress = job
-            start = time.perf_counter()
-            try:
-                failed = tuple(self._handlers[plan.link](plan, progress) or ())
-                result = TransferResult(plan, ok=not failed, seconds=time.perf_counter() - start,
-                                        error=f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None,
-                                        failed_keys=failed)
-            except Exception as err:  # the boundary: a failed copy is a result, not a crash
-                log.warning("transfer job %d %s→%s (%d chunks, %d B) failed: %r",
-                            plan.job_id, plan.src.value, plan.dst.value, len(plan.chunks), plan.nbytes, err)
-                result = TransferResult(plan, ok=False, seconds=time.perf_counter() - start,
-                                        error=repr(err), failed_keys=tuple(plan.keys))
-            if progress is not None:
-                progress.end()
-            moved = plan.nbytes * (len(plan.chunks) - len(result.failed_keys)) // max(1, len(plan.chunks))
+            result = self._execute(plan, progress)
             with self._cond:
-                self._links.link(plan.src, plan.dst).finish(plan, result.ok, moved, result.seconds, self._clock())
+                self._links.link(plan.src, plan.dst).finish(plan, result.ok, self._moved(plan, result),
+                                                            result.seconds, self._clock())
                 self._cond.notify_all()
             self._done.put(result)
+
+    @staticmethod
+    def _moved(plan: TransferPlan, result: TransferResult) -> int:
+        return plan.nbytes * (len(plan.chunks) - len(result.failed_keys)) // max(1, len(plan.chunks))
+
+    def _execute(self, plan: TransferPlan, progress: LayerProgress | None) -> TransferResult:
+        start = time.perf_counter()
+        try:
+            failed = tuple(self._handlers[plan.link](plan, progress) or ())
+            result = TransferResult(plan, ok=not failed, seconds=time.perf_counter() - start,
+                                    error=f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None,
+                                    failed_keys=failed)
+        except Exception as err:  # the boundary: a failed copy is a result, not a crash
+            log.warning("transfer job %d %s→%s (%d chunks, %d B) failed: %r",
+                        plan.job_id, plan.src.value, plan.dst.value, len(plan.chunks), plan.nbytes, err)
+            result = TransferResult(plan, ok=False, seconds=time.perf_counter() - start,
+                                    error=repr(err), failed_keys=tuple(plan.keys))
+        if progress is not None:
+            progress.end()
+        return result
+
+    def run_inline(self, plan: TransferPlan) -> JobId:
+        """Run ``plan`` now, on the calling thread; its result is collected like any other.
+
+        For host-memory copies on a machine without a GPU: there a copy is CPU
+        work either way, and on a worker thread torch runs it in a second
+        OpenMP team that spins on the cores the forward needs. Link limits do
+        not apply (the caller decided to pay for the copy now); link stats do.
+        """
+        if plan.link not in self._handlers:
+            raise ValueError(f"no transfer handler for {plan.src.value}→{plan.dst.value}")
+        self._submitted.add(plan.job_id)
+        link = self._links.link(plan.src, plan.dst)
+        with self._cond:
+            link.in_flight_bytes += plan.nbytes
+            link.in_flight_jobs += 1
+            if link.stats.first_start is None:
+                link.stats.first_start = self._clock()
+        result = self._execute(plan, None)
+        with self._cond:
+            link.finish(plan, result.ok, self._moved(plan, result), result.seconds, self._clock())
+        self._done.put(result)
+        return plan.job_id
 
     def poll(self) -> list[TransferResult]:
         """Results finished since the last call (non-blocking), including any `wait` set aside."""
