@@ -21,7 +21,7 @@ admission_policies: Registry[type[AdmissionPolicy]] = Registry("admission policy
 @admission_policies.register("always")
 class AlwaysAdmit:
     def __init__(self, min_hits: int = 0) -> None:
-        pass
+        """Takes ``min_hits`` only so that every admission policy is built the same way; ignores it."""
 
     def admit(self, key: BlockHash, hits: int) -> bool:
         return True

@@ -112,8 +112,7 @@ class DiskTier(IndexedTier, LowerTier):
         for _, key, size in sorted(found, key=lambda f: f[0]):
             self._reserve(key, Entry(size, ready=True))
             self.policy.insert(key)
-        while self._used > self._capacity and self._evict_one():
-            pass
+        self._trim_to(self._capacity)
 
     # -- Tier ----------------------------------------------------------------
     @property
@@ -130,20 +129,7 @@ class DiskTier(IndexedTier, LowerTier):
     # -- index: stores -------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         """Reserve room for each key's file (header included); False where present or no room."""
-        out = []
-        for key, size in zip(keys, nbytes, strict=True):
-            if key in self.entries or size > self._capacity:
-                out.append(False)
-                continue
-            while self._used + size > self._capacity and self._evict_one():
-                pass
-            if self._used + size > self._capacity:
-                self.counters.store_rejected += 1
-                out.append(False)
-                continue
-            self._reserve(key, Entry(size))
-            out.append(True)
-        return out
+        return self._reserve_bytes(keys, nbytes, self._capacity)
 
     def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
         self.publish(keys, failed)
@@ -258,13 +244,6 @@ class DiskTier(IndexedTier, LowerTier):
         return meta.raw_len
 
     # -- internals -----------------------------------------------------------
-    def _evict_one(self) -> bool:
-        victim = self._pop_victim()
-        if victim is None:
-            return False
-        self._drop(*victim, in_policy=False)
-        return True
-
     def _release(self, key: BlockHash, entry: Entry) -> None:
         try:
             self.path(key).unlink(missing_ok=True)

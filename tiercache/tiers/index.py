@@ -122,6 +122,37 @@ class IndexedTier(Tier):
                 entry.hits += 1
                 self.policy.touch(key)
 
+    def _evict_one(self) -> bool:
+        """Evict the policy's first unpinned proposal; False when nothing can go."""
+        victim = self._pop_victim()
+        if victim is None:
+            return False
+        self._drop(*victim, in_policy=False)
+        return True
+
+    def _reserve_bytes(self, keys: Sequence[BlockHash], nbytes: Sequence[int], capacity: int) -> list[bool]:
+        """Reserve ``nbytes[i]`` for each new key, evicting to make room; False where present or no room."""
+        out = []
+        for key, size in zip(keys, nbytes, strict=True):
+            if key in self.entries or size > capacity:
+                out.append(False)
+                continue
+            while self._used + size > capacity:
+                if not self._evict_one():
+                    break
+            if self._used + size > capacity:
+                self.counters.store_rejected += 1
+                out.append(False)
+                continue
+            self._reserve(key, Entry(size))
+            out.append(True)
+        return out
+
+    def _trim_to(self, capacity: int) -> None:
+        while self._used > capacity:
+            if not self._evict_one():
+                break
+
     def _pop_victim(self) -> tuple[BlockHash, Entry] | None:
         """The policy's first proposal that is not pinned (pinned proposals go back to the policy)."""
         busy = []

@@ -30,20 +30,7 @@ class MetadataTier(IndexedTier, LowerTier):
         return 1
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
-        out = []
-        for key in keys:
-            if key in self.entries:
-                out.append(False)
-                continue
-            while self._used + 1 > self._capacity and self._evict_one():
-                pass
-            if self._used + 1 > self._capacity:
-                self.counters.store_rejected += 1
-                out.append(False)
-                continue
-            self._reserve(key, Entry(1))
-            out.append(True)
-        return out
+        return self._reserve_bytes(keys, [1] * len(keys), self._capacity)   # one unit per chunk
 
     def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
         self.publish(keys, failed)
@@ -56,12 +43,5 @@ class MetadataTier(IndexedTier, LowerTier):
         self.touch(keys)
         self.counters.loaded += len(keys)
 
-    def _evict_one(self) -> bool:
-        victim = self._pop_victim()
-        if victim is None:
-            return False
-        self._drop(*victim, in_policy=False)
-        return True
-
     def _release(self, key: BlockHash, entry: Entry) -> None:
-        return None
+        """Nothing to give back: there are no bytes."""
