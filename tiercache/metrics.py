@@ -34,6 +34,16 @@ CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests",
                       "failed_loads", "stores_planned", "stores_cancelled", "swap_outs", "swap_ins")
 
 
+def _labelled(label: str, items: dict[str, dict], gauges: tuple[str, ...], counters: tuple[str, ...]) -> Iterator:
+    """One family per field, one sample per item (tier or link), labelled with the item's name."""
+    for names, family in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
+        for name in names:
+            metric = family(f"tiercache_{label}_{name}", f"per-{label} {name.replace('_', ' ')}", labels=[label])
+            for item, values in items.items():
+                metric.add_metric([item], float(values.get(name, 0)))
+            yield metric
+
+
 class StatsCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
@@ -49,28 +59,8 @@ class StatsCollector(Collector):
                 if attempt == 2:
                     raise
         connector = stats.get("connector", stats)
-        tiers = connector.get("tiers", {})
-        for name in TIER_GAUGES:
-            g = GaugeMetricFamily(f"tiercache_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
-            for tier, t in tiers.items():
-                g.add_metric([tier], float(t.get(name, 0)))
-            yield g
-        for name in TIER_COUNTERS:
-            c = CounterMetricFamily(f"tiercache_tier_{name}", f"per-tier {name.replace('_', ' ')}", labels=["tier"])
-            for tier, t in tiers.items():
-                c.add_metric([tier], float(t.get(name, 0)))
-            yield c
-        links = connector.get("transfers", {})
-        for name in LINK_GAUGES:
-            g = GaugeMetricFamily(f"tiercache_link_{name}", f"per-link {name.replace('_', ' ')}", labels=["link"])
-            for link, v in links.items():
-                g.add_metric([link], float(v.get(name, 0)))
-            yield g
-        for name in LINK_COUNTERS:
-            c = CounterMetricFamily(f"tiercache_link_{name}", f"per-link {name.replace('_', ' ')}", labels=["link"])
-            for link, v in links.items():
-                c.add_metric([link], float(v.get(name, 0)))
-            yield c
+        yield from _labelled("tier", connector.get("tiers", {}), TIER_GAUGES, TIER_COUNTERS)
+        yield from _labelled("link", connector.get("transfers", {}), LINK_GAUGES, LINK_COUNTERS)
         blocks = stats.get("blocks")
         if blocks:
             g = GaugeMetricFamily("tiercache_blocks", "L0 blocks by state", labels=["state"])
