@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode, read_header
+from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode
 from tiercache.codecs import checksums, codecs
 from tiercache.errors import (
     ChecksumMismatchError, ChunkFormatError, CodecError, CorruptHeaderError, KeyMismatchError,

@@ -16,9 +16,12 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiercache.transfer.links import LinkLimits
 
 ENV_PREFIX = "TIERCACHE_"
 _SIZE_UNITS = {
@@ -152,7 +155,7 @@ class TransferConfig:
             if f.metadata.get("size"):
                 _check(getattr(self, f.name) >= 0, f.name, getattr(self, f.name), "must be >= 0")
 
-    def link_limits(self) -> dict[str, "LinkLimits"]:
+    def link_limits(self) -> dict[str, LinkLimits]:
         from tiercache.transfer.links import LinkLimits
         return {
             link: LinkLimits(getattr(self, f"{link}_rate"), getattr(self, f"{link}_burst"),

@@ -54,7 +54,7 @@ class LayerProgress:
             return self._cond.wait_for(lambda: self._ended or self._done > layer, timeout)
 
 
-Handler = Callable[[TransferPlan, "LayerProgress | None"], "Sequence[BlockHash] | None"]
+Handler = Callable[[TransferPlan, LayerProgress | None], Sequence[BlockHash] | None]
 """Moves one plan's bytes; returns the keys that failed (None or empty: all moved) or raises (all failed)."""
 
 

@@ -1,0 +1,220 @@
+"""The ``tiercache bench`` subcommands: tiers, trace and engine, each with a table and report files.
+
+Called by `tiercache.cli`; bad input raises `ConfigError` / `ValueError`, which
+the CLI prints as one line.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+from tiercache.config import load_config
+from tiercache.errors import ConfigError
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if path:
+        from tiercache.bench.report import write_json
+        write_json(path, data)
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.disk import bench_disk
+    from tiercache.bench.tiers import SHAPES, CpuBenchSpec, bench_cpu
+
+    cfg = load_config(args.config, overrides=args.set)
+    layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
+    total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0)
+    report: dict = {"tiers": {}, "runs": []}
+    with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
+        if "cpu" in args.tiers:
+            runs = []
+            for scattered in layouts:
+                spec = CpuBenchSpec(shape=args.shape, chunk_tokens=args.chunk_tokens, total_bytes=args.total_mib,
+                                    reps=args.reps, scattered=scattered)
+                runs.append(bench_cpu(spec, progress=lambda: bar.update(1)))
+            headline = dict(runs[0])
+            if len(runs) > 1:
+                headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
+            report["tiers"]["cpu"] = headline
+            report["runs"] += runs
+        if "disk" in args.tiers:
+            directory = args.disk_path or cfg.disk.path or None
+            r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
+                           fsync=args.fsync, codec=cfg.format.codec, o_direct=cfg.disk.o_direct,
+                           progress=lambda: bar.update(1))
+            report["tiers"]["disk"] = r
+            report["runs"].append(r)
+    report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    _write_json(args.json, report)
+    if args.out:
+        _tier_reports(Path(args.out), report)
+    table = Table(title=f"tier throughput, {args.shape} ({SHAPES[args.shape].dtype}), medians of {args.reps}")
+    for col in ("tier", "variant", "chunk", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw"):
+        table.add_column(col, justify="right")
+    if "cpu" in report["tiers"]:
+        for r in report["runs"][:len(layouts)]:
+            table.add_row("cpu", f"{r['block_layout']} blocks", f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
+                          f"{r['get_gbps']:.2f}", f"{r['raw_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
+                          f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+    if "disk" in report["tiers"]:
+        r = report["tiers"]["disk"]
+        variant = ("O_DIRECT" if r["o_direct"] else "fsync" if r["fsync"] else "buffered") \
+            + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
+        table.add_row("disk", variant, f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
+                      f"{r['raw_write_gbps']:.2f}", f"{r['raw_read_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+    Console(width=max(110, Console().width)).print(table)
+    return 0
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.report import markdown_table, plot_lines, write_json
+    from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, unique_chunks
+
+    trace = load_trace(args.trace)
+    ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
+    results = []
+    with tqdm(total=len(args.capacity_tokens) * len(args.policy), desc="bench trace", file=sys.stderr,
+              disable=args.quiet) as bar:
+        for policy in args.policy:
+            for capacity in args.capacity_tokens:
+                r = replay(trace, capacity, policy)
+                results.append({"policy": policy, "capacity_tokens": capacity,
+                                "token_hit_ratio": round(r.token_hit_ratio, 4),
+                                "request_hit_ratio": round(r.request_hit_ratio, 4)})
+                bar.update(1)
+    report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
+              "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
+              "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "results": results,
+              "command": "tiercache " + " ".join(sys.argv[1:])}
+    rows = [(r["policy"], r["capacity_tokens"], r["token_hit_ratio"], r["request_hit_ratio"]) for r in results]
+    headers = ("policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "trace.json", report)
+        (out / "trace.md").write_text(f"# Trace replay: {args.trace}\n\nCeiling (infinite capacity): token hit ratio "
+                                      f"{report['ceiling_token_hit_ratio']}\n\n" + markdown_table(headers, rows))
+        series = {p: ([r["capacity_tokens"] for r in results if r["policy"] == p],
+                      [r["token_hit_ratio"] for r in results if r["policy"] == p]) for p in args.policy}
+        plot_lines(out / "trace.png", f"Token hit ratio vs capacity ({Path(args.trace).name})", "capacity (tokens)",
+                   "token hit ratio", series, ("infinite capacity", report["ceiling_token_hit_ratio"]))
+    if args.json:
+        write_json(args.json, report)
+    table = Table(title=f"trace replay: {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(80, Console().width)).print(table)
+    return 0
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.engine import SETUPS, bench_engine
+    from tiercache.bench.report import markdown_table, write_json
+    from tiercache.bench.workloads import WorkloadSpec
+    from tiercache.engine import EngineConfig
+
+    setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        raise ConfigError("--setups", ",".join(unknown), f"unknown setup; known: {', '.join(SETUPS)}")
+    workloads = [WorkloadSpec(w, requests=args.requests, prefix_tokens=args.prefix_tokens,
+                              suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
+                 for w in args.workloads.split(",")]
+    base = load_config(args.config, overrides=args.set).replace(keys={"block_size": 16})
+    total = sum(s.requests if s.name != "multi-turn" else max(1, s.requests // s.turns) * s.turns
+                for s in workloads) * (len(setups) + 1)
+    with tqdm(total=total, desc="bench engine", file=sys.stderr, disable=args.quiet) as bar:
+        report = bench_engine(workloads, setups, EngineConfig(), base, progress=lambda: bar.update(1))
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    headers = ("workload", "setup", "TTFT p50 ms", "TTFT p99 ms", "tok/s", "token hits", "request hits",
+               "tokens saved", "matches")
+    rows = [(r["workload"], r["setup"], r["ttft_ms_p50"], r["ttft_ms_p99"], r["throughput_tok_s"], r["token_hit_ratio"],
+             r["request_hit_ratio"], r["prefill_tokens_saved"], r["outputs_match_baseline"]) for r in report["results"]]
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "engine.json", report)
+        (out / "engine.md").write_text("# Engine benchmark\n\n" + markdown_table(headers, rows))
+        _plot_engine(out / "engine.png", report["results"])
+    if args.json:
+        write_json(args.json, report)
+    table = Table(title="engine benchmark (requests one after another)")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(120, Console().width)).print(table)
+    return 0 if all(r["outputs_match_baseline"] for r in report["results"]) else 1
+
+
+def _plot_engine(path: Path, results: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    setups = list(dict.fromkeys(r["setup"] for r in results))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(setups)
+    for i, setup in enumerate(setups):
+        values = [next((r["ttft_ms_p50"] for r in results if r["workload"] == w and r["setup"] == setup), 0)
+                  for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=setup)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Time to first token by tier setup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _tier_reports(out: Path, report: dict) -> None:
+    """tiers.json, tiers.md and tiers.png (tier and raw GB/s side by side) in ``out``."""
+    from tiercache.bench.report import markdown_table, write_json
+
+    write_json(out / "tiers.json", report)
+    rows = []
+    for r in report["runs"]:
+        variant = r.get("block_layout") or ("fsync" if r.get("fsync") else "buffered")
+        tier = "cpu" if "block_layout" in r else "disk"
+        raw_put, raw_get = (r["raw_gbps"], r["raw_gbps"]) if tier == "cpu" else (r["raw_write_gbps"], r["raw_read_gbps"])
+        rows.append((tier, variant, r["put_gbps"], r["get_gbps"], raw_put, raw_get, r["put_ratio"], r["get_ratio"]))
+    headers = ("tier", "variant", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw")
+    (out / "tiers.md").write_text(f"# Tier throughput\n\n`{report['command']}`\n\n" + markdown_table(headers, rows))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"{t} {v}" for t, v, *_ in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, col) in enumerate((("put", 2), ("get", 3), ("raw put", 4), ("raw get", 5))):
+        ax.bar([x + i * 0.2 for x in range(len(rows))], [row[col] for row in rows], 0.2, label=name)
+    ax.set_xticks([x + 0.3 for x in range(len(rows))], labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Tier throughput beside the raw limit (same run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tiers.png", dpi=110)
+    plt.close(fig)
