@@ -22,7 +22,7 @@ from tiercache.connector.api import (
     ConnectorMetadata, ConnectorOutput, RequestView, SchedulerConnector, StepRequest, WorkerConnector,
 )
 from tiercache.keys import BlockHash
-from tiercache.manager import PrefixLookup
+from tiercache.lookup import PrefixLookup
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
 from tiercache.transfer.engine import LayerProgress
