@@ -70,3 +70,24 @@ def test_min_hits_admission():
     admit = admission_policies.get("min-hits")(2)
     assert not admit.admit(b"k", 1) and admit.admit(b"k", 2)
     assert admission_policies.get("always")().admit(b"k", 0)
+
+
+def test_arc_keeps_reused_keys_through_a_scan():
+    p = eviction_policies.get("arc")()
+    for k in ("hot1", "hot2"):
+        p.insert(k)
+        p.touch(k)                        # seen twice: T2
+    for i in range(6):
+        p.insert(f"scan{i}")              # seen once: T1
+    victims = [p.pop_victim() for _ in range(6)]
+    assert "hot1" not in victims and "hot2" not in victims
+
+
+def test_arc_ghost_hits_shift_the_target():
+    p = eviction_policies.get("arc")()
+    for k in "abcd":
+        p.insert(k)
+    first = p.pop_victim()                # evicted from T1 into ghost list B1
+    assert first == "a" and p._p == 0
+    p.insert("a")                         # a ghost hit in B1: recency deserved more room
+    assert p._p > 0 and "a" in p._t2

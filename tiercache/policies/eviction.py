@@ -131,3 +131,64 @@ class S3FIFOPolicy:
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
+
+
+@eviction_policies.register("arc")
+class ARCPolicy:
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003).
+
+    T1 holds keys seen once, T2 keys seen again; ghost lists B1/B2 remember
+    keys recently evicted from each. A ghost hit in B1 says "recency is
+    winning" and grows T1's target share ``p``; a ghost hit in B2 shrinks it.
+    The cache size ``c`` is taken as the number of resident keys, which equals
+    the capacity whenever the tier is full — the only time it evicts.
+    """
+
+    def __init__(self) -> None:
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._p = 0.0
+
+    def insert(self, key: Key) -> None:
+        self.remove(key)
+        c = max(1, len(self))
+        if key in self._b1:
+            self._p = min(c, self._p + max(len(self._b2) / max(1, len(self._b1)), 1.0))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self._p = max(0.0, self._p - max(len(self._b1) / max(1, len(self._b2)), 1.0))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def touch(self, key: Key) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def pop_victim(self) -> Key | None:
+        if self._t1 and (len(self._t1) > self._p or not self._t2):
+            key, _ = self._t1.popitem(last=False)
+            self._b1[key] = None
+        elif self._t2:
+            key, _ = self._t2.popitem(last=False)
+            self._b2[key] = None
+        else:
+            return None
+        c = max(1, len(self))
+        while len(self._b1) + len(self._b2) > c:
+            (self._b1 if len(self._b1) > len(self._b2) else self._b2).popitem(last=False)
+        return key
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
