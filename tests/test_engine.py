@@ -133,6 +133,7 @@ def test_preemption_preserves_outputs(mode, inline):
         stats = engine.stats()["connector"]
         if mode == "swap":
             assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0
+            assert not engine.connector.scheduler._swapped          # every swap copy was dropped once spent
         else:
             assert stats["swap_outs"] == 0
         assert_back_to_baseline(engine)

@@ -129,6 +129,10 @@ class OffloadScheduler(SchedulerConnector):
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
         self.manager.apply(output.results)
+        for rid in output.finished_recving:   # every load of the request ended: its swap copy is spent
+            swapped = self._swapped.pop(rid, None)
+            if swapped is not None:
+                self._drop_swap(swapped)
         for result in output.results:
             rid = self._owners.pop(result.job_id, None)
             if rid is None:
@@ -138,9 +142,6 @@ class OffloadScheduler(SchedulerConnector):
                     self.counters.loaded_tokens += sum(len(c.block_ids) for c in result.plan.chunks) * self.block_size
                 else:
                     self.counters.failed_loads += 1
-                swapped = self._swapped.pop(rid, None)
-                if swapped is not None:  # swapped-in (or failed): the swap copy is no longer needed
-                    self._drop_swap(swapped)
             else:
                 self._store_jobs[rid].discard(result.job_id)
                 if not self._store_jobs[rid]:
