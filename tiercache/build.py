@@ -69,6 +69,20 @@ def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
                           f"cannot use directory: {err.strerror}") from None
 
 
+def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+    from tiercache.tiers.redis import RedisTier
+
+    r = config.redis
+    fmt = ChunkFormat(config.format.codec, config.format.checksum)
+    try:
+        return RedisTier(r.url, namespace.digest(), fmt, ttl_s=r.ttl, timeout_s=r.timeout,
+                         retry_interval_s=r.retry_interval)
+    except ImportError:
+        raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
+    except ValueError as err:
+        raise ConfigError("redis.url", r.url, str(err)) from None
+
+
 def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
@@ -89,6 +103,8 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Na
     cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
                   pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
     lower = [_disk_tier(config, namespace)] if config.disk.enabled else []
+    if config.redis.enabled:
+        lower.append(_redis_tier(config, namespace))
 
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
     DeviceCpuHandlers(kv, cpu, bpc).register(engine)

@@ -123,6 +123,22 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RedisTierConfig:
+    enabled: bool = _opt(False, "keep an L3 tier in Redis / Valkey, shared by every replica")
+    url: str = _opt("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix:// URL")
+    ttl: int = _opt(0, "seconds a chunk lives in Redis (0: until Redis evicts it)")
+    timeout: float = _opt(2.0, "seconds a Redis call may take before the tier counts as down")
+    retry_interval: float = _opt(1.0, "seconds a down tier answers misses before it tries the server again")
+
+    def __post_init__(self) -> None:
+        _check(self.url.split("://")[0] in ("redis", "rediss", "unix"), "url", self.url,
+               "expected a redis://, rediss:// or unix:// URL")
+        _check(self.ttl >= 0, "ttl", self.ttl, "must be >= 0")
+        _check(self.timeout > 0, "timeout", self.timeout, "must be positive")
+        _check(self.retry_interval >= 0, "retry_interval", self.retry_interval, "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class FormatConfig:
     codec: str = _opt("raw", "payload codec for L2/L3: raw | lz4 | lz4-shuffle")
     checksum: str = _opt("xxh3_64", "payload checksum: xxh3_64 | crc32")
@@ -170,6 +186,7 @@ class TierCacheConfig:
     device_pool: DevicePoolConfig = field(default_factory=DevicePoolConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    redis: RedisTierConfig = field(default_factory=RedisTierConfig)
     format: FormatConfig = field(default_factory=FormatConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 

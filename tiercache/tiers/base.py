@@ -108,3 +108,7 @@ class LowerTier(Tier):
 
     @abstractmethod
     def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None: ...
+
+    @abstractmethod
+    def has(self, key: BlockHash) -> bool:
+        """Whether ``key`` is stored and readable, without counting a lookup."""

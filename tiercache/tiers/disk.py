@@ -22,6 +22,7 @@ split: `prepare_*` / `complete_*` change the index; `write_chunk` /
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -34,6 +35,8 @@ from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
 from tiercache.tiers.index import Entry, IndexedTier
+
+log = logging.getLogger(__name__)
 
 SUFFIX = ".chunk"
 ALIGN = 4096
@@ -151,6 +154,28 @@ class DiskTier(IndexedTier, LowerTier):
         self.counters.loaded += len(good)
 
     # -- I/O (worker side) ---------------------------------------------------
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+        """Write each chunk; returns the keys that failed (a full disk fails them alone)."""
+        failed = []
+        for meta, raw in items:
+            try:
+                self.write_chunk(meta, raw)
+            except OSError as err:
+                log.warning("writing chunk %s… to %s failed: %s", meta.key.hex()[:16], self.name, err)
+                failed.append(meta.key)
+        return failed
+
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """Read and verify each chunk into its buffer; None where it failed (corrupt, truncated, unreadable)."""
+        out: list[int | None] = []
+        for key, buf in items:
+            try:
+                out.append(self.read_chunk_into(key, buf))
+            except (ChunkFormatError, OSError) as err:
+                log.warning("reading chunk %s… from %s failed: %s", key.hex()[:16], self.name, err)
+                out.append(None)
+        return out
+
     def _probe_o_direct(self) -> None:
         probe = self.dir / ".o_direct_probe"
         try:

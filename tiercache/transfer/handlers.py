@@ -11,13 +11,14 @@ partly moved (a load skipping blocks L0 holds) moves on its own.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from tiercache.errors import ChunkFormatError
+from tiercache.chunk_format import ChunkMeta
 from tiercache.kernels.cuda import make_copier
+from tiercache.keys import BlockHash
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
@@ -25,7 +26,6 @@ from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import LayerProgress, TransferEngine
 from tiercache.transfer.plan import ChunkCopy, TransferPlan
 
-log = logging.getLogger(__name__)
 
 
 def group_adjacent(chunks: Sequence[ChunkCopy], full_blocks: int) -> list[list[ChunkCopy]]:
@@ -93,18 +93,28 @@ class DeviceCpuHandlers:
             progress.mark(layer)
 
 
-class CpuLowerHandlers:
-    """L1 ↔ a lower tier (disk): spills and copies down encode an L1 slot into the tier's chunk format;
-    promotions read, verify and decode a chunk straight into its reserved L1 slot.
+class ChunkIO(Protocol):
+    """What a lower tier offers the transfer threads (disk, Redis): batched, verified chunk I/O."""
+    name: str
+    medium: Medium
 
-    A chunk that fails (a full disk, a corrupt file) fails alone: its key is
-    returned, the plan's other chunks still move.
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, memoryview]]) -> list[BlockHash]: ...
+
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]: ...
+
+
+class CpuLowerHandlers:
+    """L1 ↔ a lower tier: spills and copies down hand L1 slots to the tier's batched writer; promotions
+    read, verify and decode chunks straight into their reserved L1 slots.
+
+    A chunk that fails (a full disk, a corrupt value, an unreachable server)
+    fails alone: its key is returned, the plan's other chunks still move.
     """
 
-    def __init__(self, cpu: CpuTier, lower, chunk_meta) -> None:
+    def __init__(self, cpu: CpuTier, lower: ChunkIO, chunk_meta: Callable[[BlockHash, int], ChunkMeta]) -> None:
         self.cpu = cpu
         self.lower = lower
-        self.chunk_meta = chunk_meta   # (key, chunk_blocks) -> ChunkMeta
+        self.chunk_meta = chunk_meta
 
     def register(self, engine: TransferEngine) -> None:
         engine.register(Medium.CPU, self.lower.medium, self.store)
@@ -113,26 +123,14 @@ class CpuLowerHandlers:
     def _slot(self, c: ChunkCopy) -> memoryview:
         return memoryview(self.cpu.slot_view(c.slot).numpy())  # type: ignore[arg-type]
 
-    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list:
-        failed = []
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list[BlockHash]:
+        items = []
         for c in plan.chunks:
             meta = self.chunk_meta(c.key, c.chunk_blocks)
-            try:
-                self.lower.write_chunk(meta, self._slot(c)[:meta.raw_len])
-            except OSError as err:
-                log.warning("writing chunk %s… to %s failed: %s", c.key.hex()[:16], self.lower.name, err)
-                failed.append(c.key)
-        return failed
+            items.append((meta, self._slot(c)[:meta.raw_len]))
+        return self.lower.write_chunks(items)
 
-    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list:
-        failed = []
-        for c in plan.chunks:
-            want = self.chunk_meta(c.key, c.chunk_blocks).raw_len
-            try:
-                got = self.lower.read_chunk_into(c.key, self._slot(c))
-                if got != want:
-                    raise ChunkFormatError(f"chunk holds {got} bytes, expected {want}")
-            except (ChunkFormatError, OSError) as err:
-                log.warning("reading chunk %s… from %s failed: %s", c.key.hex()[:16], self.lower.name, err)
-                failed.append(c.key)
-        return failed
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list[BlockHash]:
+        got = self.lower.read_chunks_into([(c.key, self._slot(c)) for c in plan.chunks])
+        return [c.key for c, n in zip(plan.chunks, got)
+                if n != self.chunk_meta(c.key, c.chunk_blocks).raw_len]

@@ -1,0 +1,120 @@
+"""L3 on a real redis-server: shared chunks, verification, namespaces, and outages that become misses."""
+import time
+
+import redis
+import torch
+
+from tests.conftest import BLOCK, CHUNK, Stack
+from tests.test_hierarchy import load, put
+from tiercache.keys import BlockHash
+from tiercache.tiers.redis import RedisTier
+
+BPC = CHUNK // BLOCK
+
+
+def make(server, **redis_cfg) -> Stack:
+    return Stack(num_blocks=64, cpu_chunks=2,
+                 redis={"enabled": True, "url": server.url, "retry_interval": 0.2, "timeout": 0.5, **redis_cfg},
+                 disk={"write_mode": "write-through"})
+
+
+def test_chunks_go_down_to_redis_and_come_back_bit_exact(redis_server):
+    s = make(redis_server)
+    try:
+        a, a_kv = put(s, "a", seed=1)                 # write-through: L1 and Redis
+        s.manager.drain()
+        remote = s.offload.tiers[1]
+        keys = s.manager.lookup(a).runs[0].keys
+        assert remote.contains(keys) == 2 and remote.counters.stored == 2
+        s.cpu.delete(list(keys))                      # only Redis has them now
+        assert [r.tier for r in s.manager.lookup(a).runs] == ["redis"]
+        assert torch.equal(load(s, a), a_kv)          # promoted into L1, then loaded
+        assert remote.counters.loaded == 2
+    finally:
+        s.close()
+
+
+def test_a_second_replica_shares_the_prefix(redis_server):
+    first, second = make(redis_server), make(redis_server)
+    try:
+        a, a_kv = put(first, "a", seed=1)
+        first.manager.drain()
+        assert torch.equal(load(second, a), a_kv)     # computed by the first, served to the second
+    finally:
+        first.close()
+        second.close()
+
+
+def test_corrupt_or_foreign_values_are_misses_and_are_deleted(redis_server):
+    s = make(redis_server)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        a, _ = put(s, "a", seed=1)
+        s.manager.drain()
+        remote = s.offload.tiers[1]
+        keys = s.manager.lookup(a).runs[0].keys
+        rkey = remote._rkey(keys[0])
+        value = bytearray(client.get(rkey))
+        value[-1] ^= 0xFF
+        client.set(rkey, bytes(value))
+        s.cpu.delete(list(keys))
+        assert load(s, a) is None                     # never served
+        assert remote.counters.integrity_failures >= 1 and not client.exists(rkey)
+        other = RedisTier(redis_server.url, b"x" * 16)   # another namespace sees nothing
+        assert other.contains(list(keys)) == 0
+    finally:
+        s.close()
+
+
+def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
+    s = make(redis_server)
+    try:
+        a, a_kv = put(s, "a", seed=1)
+        s.manager.drain()
+        keys = s.manager.lookup(a).runs[0].keys
+        redis_server.stop()
+        s.cpu.delete(list(keys))
+        assert s.manager.lookup(a).num_hit_blocks == 0          # down: a miss, not an exception
+        b, _ = put(s, "b", seed=2)                               # stores still work (L1), Redis copies fail
+        s.manager.drain()
+        remote = s.offload.tiers[1]
+        assert remote.counters.errors >= 1 and not remote.available
+        redis_server.start()                                     # an empty server on the same port
+        time.sleep(0.25)                                         # past retry_interval
+        assert remote.available
+        c, c_kv = put(s, "c", seed=3)
+        s.manager.drain()
+        assert remote.contains(s.manager.lookup(c).runs[0].keys) == 2   # recovered without a restart
+    finally:
+        s.close()
+
+
+def test_redis_config_errors_name_the_field():
+    import pytest
+
+    from tiercache.config import load_config
+    from tiercache.errors import ConfigError
+    with pytest.raises(ConfigError, match="redis.url"):
+        load_config(env={}, overrides=["redis.url=http://example"])
+    with pytest.raises(ConfigError, match="redis.ttl"):
+        load_config(env={}, overrides=["redis.ttl=-1"])
+
+
+def test_two_engines_share_prefixes_through_redis_and_survive_its_death(redis_server):
+    from tests.test_engine import offload, run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+
+    prompts = shared_prompts(n=4)
+    cfg = offload(redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 0.5},
+                  disk={"write_mode": "write-through"})
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
+        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as one:
+        assert [s.output_token_ids for s in run_sequential(one, prompts[:1])] == expect[:1]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as two:
+        seqs = run_sequential(two, prompts[1:2])
+        assert seqs[0].output_token_ids == expect[1]
+        assert seqs[0].metrics.external_hit_tokens == 192           # the first engine's prefix, via Redis
+        redis_server.stop()                                          # the server dies mid-run
+        seqs = run_sequential(two, prompts[2:])
+        assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from Redis, no errors

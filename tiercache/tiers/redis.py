@@ -1,0 +1,187 @@
+"""L3 on Redis (or Valkey): one value per chunk in the stored chunk format, shared by every replica.
+
+Redis owns the data, so this tier keeps no index: `contains` asks Redis (one
+pipelined ``EXISTS`` batch), stores and loads are pipelined ``SET`` / ``GET``
+batches on transfer threads. Values are keyed ``tiercache:<namespace>:<key>``,
+so models, layouts and tenants never meet; an optional TTL bounds their life,
+and Redis's own ``maxmemory`` policy bounds their size.
+
+A Redis that does not answer turns into misses, never into errors in the
+engine: the first failure marks the tier down for ``retry_interval`` seconds,
+during which every call answers "absent" without touching the network; then
+the next call tries again (redis-py reconnects), and the tier recovers on its
+own when the server is back.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
+from tiercache.codecs import Buffer
+from tiercache.errors import ChunkFormatError
+from tiercache.keys import BlockHash
+from tiercache.tiers.base import LowerTier, Medium
+
+log = logging.getLogger(__name__)
+
+
+class RedisTier(LowerTier):
+    medium = Medium.REMOTE
+
+    def __init__(self, url: str, namespace: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
+                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, name: str = "redis",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        import redis
+
+        super().__init__()
+        self.name = name
+        self.namespace = namespace
+        self.fmt = fmt or ChunkFormat()
+        self.ttl_s = ttl_s
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._prefix = f"tiercache:{namespace.hex()}:".encode()
+        self._down_until = 0.0
+
+    # -- availability --------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def _failed(self, what: str, err: Exception) -> None:
+        if self.available:
+            log.warning("redis tier %s: %s failed (%r); answering misses for %.1fs", self.name, what, err,
+                        self.retry_interval_s)
+        self._down_until = self._clock() + self.retry_interval_s
+        self.counters.errors += 1
+
+    def _rkey(self, key: BlockHash) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    # -- Tier ----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return 0   # bounded by the server's maxmemory, not by this client
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_chunks(self) -> int:
+        return 0
+
+    def contains(self, keys: Sequence[BlockHash]) -> int:
+        if not keys or not self.available:
+            return self._count_lookup(len(keys), 0)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._rkey(key))
+            present = pipe.execute()
+        except self._errors as err:
+            self._failed("lookup", err)
+            return self._count_lookup(len(keys), 0)
+        n = 0
+        for hit in present:
+            if not hit:
+                break
+            n += 1
+        return self._count_lookup(len(keys), n)
+
+    def has(self, key: BlockHash) -> bool:
+        if not self.available:
+            return False
+        try:
+            return bool(self._client.exists(self._rkey(key)))
+        except self._errors as err:
+            self._failed("lookup", err)
+            return False
+
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        if not keys or not self.available:
+            return 0
+        try:
+            removed = int(self._client.delete(*[self._rkey(k) for k in keys]))
+        except self._errors as err:
+            self._failed("delete", err)
+            return 0
+        self.counters.deleted += removed
+        return removed
+
+    def reserve_bytes(self, raw_len: int) -> int:
+        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
+
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        ok = self.available
+        if not ok:
+            self.counters.store_rejected += len(keys)
+        return [ok] * len(keys)
+
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        self.counters.stored += len(keys) - len(failed)
+        self.counters.errors += len(failed)
+
+    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
+        return None   # Redis cannot pin: a value evicted meanwhile is a failed read, hence a miss
+
+    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
+        self.counters.loaded += len(keys) - len(corrupt)
+        if corrupt:
+            self.counters.integrity_failures += len(corrupt)
+            self.delete(list(corrupt))
+
+    # -- I/O (worker side) ---------------------------------------------------
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+        """One pipeline of ``SET`` for the batch; returns the keys that failed."""
+        if not self.available:
+            return [meta.key for meta, _ in items]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for meta, raw in items:
+                header, payload = self.fmt.encode_parts(meta, raw)
+                pipe.set(self._rkey(meta.key), header + bytes(payload), ex=self.ttl_s or None)
+            results = pipe.execute(raise_on_error=False)
+        except self._errors as err:
+            self._failed("store", err)
+            return [meta.key for meta, _ in items]
+        return [meta.key for (meta, _), r in zip(items, results) if r is not True]
+
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """One pipeline of ``GET``; each value is verified and decoded into its buffer.
+
+        Returns the raw length placed per item, or None for a miss, a corrupt
+        or foreign value, or an unreachable server.
+        """
+        if not self.available:
+            return [None] * len(items)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, _ in items:
+                pipe.get(self._rkey(key))
+            values = pipe.execute()
+        except self._errors as err:
+            self._failed("load", err)
+            return [None] * len(items)
+        out: list[int | None] = []
+        for (key, buf), value in zip(items, values):
+            if value is None:
+                out.append(None)
+                continue
+            try:
+                view = memoryview(value)
+                parsed = check_header(view[:HEADER_BYTES], self.namespace, key)
+                meta = parsed[0]
+                if meta.raw_len > len(buf):
+                    raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
+                data = verify_payload(parsed, view[HEADER_BYTES:])
+                buf[:meta.raw_len] = memoryview(data).cast("B")
+                out.append(meta.raw_len)
+            except ChunkFormatError as err:
+                log.warning("redis tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+                out.append(None)
+        return out
