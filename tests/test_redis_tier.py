@@ -118,3 +118,17 @@ def test_two_engines_share_prefixes_through_redis_and_survive_its_death(redis_se
         redis_server.stop()                                          # the server dies mid-run
         seqs = run_sequential(two, prompts[2:])
         assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from Redis, no errors
+
+
+def test_bench_tiers_redis_reports_ratios_against_raw_pipelines(redis_server, tmp_path):
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "redis", "--redis-url",
+                           redis_server.url, "--shape", "small", "--total-mib", "8", "--reps", "2", "--quiet",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())["tiers"]["redis"]
+    assert r["put_gbps"] > 0 and r["raw_set_gbps"] > 0 and r["get_ratio"] > 0
+    assert r["put_ratio"] == round(r["put_ratio"], 3)

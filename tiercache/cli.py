@@ -40,7 +40,7 @@ def _tier_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["none"]:
         return []
-    known = {"cpu", "disk"}
+    known = {"cpu", "disk", "redis"}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown tier(s) {unknown or text!r}; known: {', '.join(sorted(known))}")
@@ -90,7 +90,10 @@ def _offload_config(args: argparse.Namespace):
     disk = {"enabled": "disk" in args.tiers}
     if "disk" in args.tiers:
         disk["path"] = args.disk_path or cfg.disk.path or str(Path(tempfile.gettempdir()) / "tiercache-l2")
-    return cfg.replace(disk=disk, keys={"block_size": args.block_size})
+    redis = {"enabled": "redis" in args.tiers}
+    if "redis" in args.tiers and getattr(args, "redis_url", None):
+        redis["url"] = args.redis_url
+    return cfg.replace(disk=disk, redis=redis, keys={"block_size": args.block_size})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -149,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers: cpu, disk")
     tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
     tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
+    tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url)")
     tiers.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                        help="KV geometry: llama-8b (32 layers, 8 KV heads, dim 128, bf16) or small (4, 2, 64, fp32)")
     tiers.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per chunk (multiple of 16)")
@@ -190,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc", "no-reuse"], default="shared-prefix")
     d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, cpu,disk, or none")
     d.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
+    d.add_argument("--redis-url", help="L3 Redis server for --tiers cpu,redis (default: redis.url)")
     d.add_argument("--requests", type=_positive, default=16)
     d.add_argument("--prefix-tokens", type=_positive, default=2048, help="shared prefix / history / document length")
     d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")

@@ -15,6 +15,7 @@ own when the server is back.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,30 @@ from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
 
 log = logging.getLogger(__name__)
+
+PIPELINE_BYTES = 256 << 20   # values staged per pipelined batch (each batch reuses the thread's buffers)
+
+
+def fast_client(url: str, **kwargs):
+    """A redis-py client whose connections pack commands with redis-py's Python serializer.
+
+    With hiredis installed redis-py packs commands through hiredis, which
+    copies every value: a 2 MiB SET ran at 0.69 GB/s that way and 2.74 GB/s
+    with the Python packer on these machines (MACHINE_NOTES). Replies are
+    still parsed by hiredis.
+    """
+    import redis
+    from redis.connection import PythonRespSerializer
+
+    pool = redis.ConnectionPool.from_url(url, **kwargs)
+    base = pool.connection_class
+
+    class PythonPackedConnection(base):  # type: ignore[valid-type, misc]
+        def _construct_command_packer(self, packer):
+            return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+    pool.connection_class = PythonPackedConnection
+    return redis.Redis(connection_pool=pool)
 
 
 class RedisTier(LowerTier):
@@ -43,9 +68,10 @@ class RedisTier(LowerTier):
         self.retry_interval_s = retry_interval_s
         self._clock = clock
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._client = fast_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._down_until = 0.0
+        self._local = threading.local()
 
     # -- availability --------------------------------------------------------
     @property
@@ -136,15 +162,43 @@ class RedisTier(LowerTier):
             self.delete(list(corrupt))
 
     # -- I/O (worker side) ---------------------------------------------------
+    def _staging(self, index: int, nbytes: int) -> memoryview:
+        """Reusable per-thread buffer ``index`` of at least ``nbytes``: a value is header + payload in one
+        piece, and joining them into fresh memory each time (first-touch page faults) halved SET throughput."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = []
+        while len(bufs) <= index:
+            bufs.append(bytearray())
+        if len(bufs[index]) < nbytes:
+            bufs[index] = bytearray(nbytes)
+        return memoryview(bufs[index])[:nbytes]
+
     def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
-        """One pipeline of ``SET`` for the batch; returns the keys that failed."""
+        """Pipelined ``SET`` batches of at most ``PIPELINE_BYTES``; returns the keys that failed."""
+        failed: list[BlockHash] = []
+        start = 0
+        while start < len(items):
+            end, size = start, 0
+            while end < len(items) and (end == start or size + len(memoryview(items[end][1])) <= PIPELINE_BYTES):
+                size += len(memoryview(items[end][1]))
+                end += 1
+            failed += self._write_batch(items[start:end])
+            start = end
+        return failed
+
+    def _write_batch(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
         if not self.available:
             return [meta.key for meta, _ in items]
         try:
             pipe = self._client.pipeline(transaction=False)
-            for meta, raw in items:
+            for i, (meta, raw) in enumerate(items):
                 header, payload = self.fmt.encode_parts(meta, raw)
-                pipe.set(self._rkey(meta.key), header + bytes(payload), ex=self.ttl_s or None)
+                body = memoryview(payload).cast("B")
+                value = self._staging(i, len(header) + len(body))
+                value[:len(header)] = header
+                value[len(header):] = body
+                pipe.set(self._rkey(meta.key), value, ex=self.ttl_s or None)
             results = pipe.execute(raise_on_error=False)
         except self._errors as err:
             self._failed("store", err)
