@@ -99,3 +99,50 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three redis-server nodes with cluster mode on, joined by redis-cli --cluster create."""
+    import shutil
+    import subprocess
+    import time
+
+    import redis
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server / redis-cli are not installed (.ci/run installs them)")
+    nodes = []
+    for i in range(3):
+        node_dir = tmp_path / f"node{i}"
+        node_dir.mkdir()
+        server = RedisServer.__new__(RedisServer)
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            server.port = s.getsockname()[1]
+        server.dir = node_dir
+        server.proc = subprocess.Popen(
+            ["redis-server", "--port", str(server.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", str(node_dir / "nodes.conf"), "--save", "", "--appendonly", "no",
+             "--dir", str(node_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        nodes.append(server)
+    try:
+        for n in nodes:
+            client = redis.Redis(port=n.port, socket_connect_timeout=0.2)
+            for _ in range(100):
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    time.sleep(0.05)
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        probe = redis.Redis(port=nodes[0].port)
+        for _ in range(100):
+            if probe.cluster("info").get("cluster_state") == "ok":
+                break
+            time.sleep(0.1)
+        yield nodes
+    finally:
+        for n in nodes:
+            n.stop()

@@ -132,3 +132,23 @@ def test_bench_tiers_redis_reports_ratios_against_raw_pipelines(redis_server, tm
     r = json.loads(out.read_text())["tiers"]["redis"]
     assert r["put_gbps"] > 0 and r["raw_set_gbps"] > 0 and r["get_ratio"] > 0
     assert r["put_ratio"] == round(r["put_ratio"], 3)
+
+
+def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
+    url = f"redis://127.0.0.1:{redis_cluster[0].port}/0"
+    s = Stack(num_blocks=64, cpu_chunks=4,
+              redis={"enabled": True, "url": url, "cluster": True, "timeout": 2.0},
+              disk={"write_mode": "write-through"})
+    try:
+        a, a_kv = put(s, "a", seed=1, chunks=3)
+        s.manager.drain()
+        remote = s.offload.tiers[1]
+        keys = s.manager.lookup(a).runs[0].keys
+        assert remote.contains(keys) == 3
+        per_node = [len(redis.Redis(port=n.port).keys(b"tiercache:*")) for n in redis_cluster]
+        assert sum(per_node) == 3          # each chunk lives on exactly the node that owns its slot
+        s.cpu.delete(list(keys))
+        assert torch.equal(load(s, a), a_kv)
+        assert remote.counters.loaded == 3
+    finally:
+        s.close()

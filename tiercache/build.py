@@ -76,11 +76,13 @@ def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     try:
         return RedisTier(r.url, namespace.digest(), fmt, ttl_s=r.ttl, timeout_s=r.timeout,
-                         retry_interval_s=r.retry_interval)
+                         retry_interval_s=r.retry_interval, cluster=r.cluster)
     except ImportError:
         raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
-    except ValueError as err:
-        raise ConfigError("redis.url", r.url, str(err)) from None
+    except Exception as err:  # redis-py raises several types for a bad URL or an unreachable cluster
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError("redis.url", r.url, f"cannot connect: {err}") from None
 
 
 def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:

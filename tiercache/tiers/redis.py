@@ -30,8 +30,18 @@ log = logging.getLogger(__name__)
 PIPELINE_BYTES = 256 << 20   # values staged per pipelined batch (each batch reuses the thread's buffers)
 
 
-def fast_client(url: str, **kwargs):
-    """A redis-py client whose connections pack commands with redis-py's Python serializer.
+def _python_packed(base):
+    from redis.connection import PythonRespSerializer
+
+    class PythonPackedConnection(base):  # type: ignore[valid-type, misc]
+        def _construct_command_packer(self, packer):
+            return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+    return PythonPackedConnection
+
+
+def fast_client(url: str, cluster: bool = False, **kwargs):
+    """A redis-py client (a cluster client with ``cluster``) packing commands with redis-py's Python serializer.
 
     With hiredis installed redis-py packs commands through hiredis, which
     copies every value: a 2 MiB SET ran at 0.69 GB/s that way and 2.74 GB/s
@@ -39,16 +49,12 @@ def fast_client(url: str, **kwargs):
     still parsed by hiredis.
     """
     import redis
-    from redis.connection import PythonRespSerializer
+    from redis.connection import Connection
 
+    if cluster:
+        return redis.RedisCluster.from_url(url, connection_class=_python_packed(Connection), **kwargs)
     pool = redis.ConnectionPool.from_url(url, **kwargs)
-    base = pool.connection_class
-
-    class PythonPackedConnection(base):  # type: ignore[valid-type, misc]
-        def _construct_command_packer(self, packer):
-            return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-    pool.connection_class = PythonPackedConnection
+    pool.connection_class = _python_packed(pool.connection_class)
     return redis.Redis(connection_pool=pool)
 
 
@@ -56,7 +62,7 @@ class RedisTier(LowerTier):
     medium = Medium.REMOTE
 
     def __init__(self, url: str, namespace: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
-                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, name: str = "redis",
+                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
                  clock: Callable[[], float] = time.monotonic) -> None:
         import redis
 
@@ -67,8 +73,9 @@ class RedisTier(LowerTier):
         self.ttl_s = ttl_s
         self.retry_interval_s = retry_interval_s
         self._clock = clock
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-        self._client = fast_client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.ClusterError, OSError)
+        self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._down_until = 0.0
         self._local = threading.local()
@@ -132,7 +139,7 @@ class RedisTier(LowerTier):
         if not keys or not self.available:
             return 0
         try:
-            removed = int(self._client.delete(*[self._rkey(k) for k in keys]))
+            removed = sum(int(self._client.delete(self._rkey(k))) for k in keys)   # keys may live on other nodes
         except self._errors as err:
             self._failed("delete", err)
             return 0
