@@ -51,15 +51,53 @@ def stack():
     s.close()
 
 
+def wait_for_redis(port: int, proc, log_path, seconds: float = 10.0) -> None:
+    """Ping until the server answers; fail fast (with its log) if it exits, or after ``seconds``."""
+    import time
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server on port {port} exited: {log_path.read_text()[-500:]}")
+        try:
+            if client.ping():
+                return
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer within {seconds}s")
+
+
+def free_port(cluster_bus: bool = False) -> int:
+    """A free loopback port; with ``cluster_bus`` also port + 10000 is free and the port is at most 55535."""
+    import random
+    import socket
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55000) if cluster_bus else 0
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+                port = s.getsockname()[1]
+                if cluster_bus:
+                    with socket.socket() as bus:
+                        bus.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free loopback port")
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, stoppable and restartable on that same port."""
 
-    def __init__(self, tmp) -> None:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    def __init__(self, tmp, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.port = port or free_port()
         self.dir = tmp
+        self.extra = extra
         self.proc = None
         self.start()
 
@@ -69,20 +107,12 @@ class RedisServer:
 
     def start(self) -> None:
         import subprocess
-        import time
-
-        import redis
+        log = self.dir / f"redis-{self.port}.log"
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(100):
-            try:
-                if client.ping():
-                    return
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+             "--dir", str(self.dir), "--logfile", str(log), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_redis(self.port, self.proc, log)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -112,35 +142,20 @@ def redis_cluster(tmp_path):
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server / redis-cli are not installed (.ci/run installs them)")
     nodes = []
-    for i in range(3):
-        node_dir = tmp_path / f"node{i}"
-        node_dir.mkdir()
-        server = RedisServer.__new__(RedisServer)
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            server.port = s.getsockname()[1]
-        server.dir = node_dir
-        server.proc = subprocess.Popen(
-            ["redis-server", "--port", str(server.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", str(node_dir / "nodes.conf"), "--save", "", "--appendonly", "no",
-             "--dir", str(node_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        nodes.append(server)
     try:
-        for n in nodes:
-            client = redis.Redis(port=n.port, socket_connect_timeout=0.2)
-            for _ in range(100):
-                try:
-                    client.ping()
-                    break
-                except redis.exceptions.ConnectionError:
-                    time.sleep(0.05)
+        for i in range(3):
+            node_dir = tmp_path / f"node{i}"
+            node_dir.mkdir()
+            nodes.append(RedisServer(node_dir, port=free_port(cluster_bus=True),
+                                     extra=("--cluster-enabled", "yes", "--cluster-config-file",
+                                            str(node_dir / "nodes.conf"))))
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
-        probe = redis.Redis(port=nodes[0].port)
-        for _ in range(100):
-            if probe.cluster("info").get("cluster_state") == "ok":
-                break
+        probes = [redis.Redis(port=n.port, socket_timeout=1.0) for n in nodes]
+        deadline = time.monotonic() + 20
+        while not all(p.cluster("info").get("cluster_state") == "ok" for p in probes):   # every node agrees
+            if time.monotonic() > deadline:
+                raise RuntimeError("the three-node cluster did not reach cluster_state:ok on every node")
             time.sleep(0.1)
         yield nodes
     finally:
