@@ -20,11 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
-from tiercache.build import build_offload_stack
-from tiercache.config import TierCacheConfig
-from tiercache.keys import BlockHasher, Namespace
-from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.bench.filled import filled_stack
 from tiercache.tiers.disk import WRITE_PIECE
 
 
@@ -62,28 +58,16 @@ def _raw_read(paths: list[Path], out: memoryview) -> float:
 
 def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, directory: str | None,
                fsync: bool = False, codec: str = "raw", o_direct: bool = False, progress=None) -> dict[str, object]:
-    geo = SHAPES[shape]
     root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=directory))
     try:
-        cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": chunk_tokens})
-        bpc = cfg.keys.blocks_per_chunk
-        chunk_bytes = bpc * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
-        num_chunks = max(2, total_bytes // chunk_bytes)
-        num_blocks = num_chunks * bpc
-        nbytes = num_chunks * chunk_bytes
-        kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
-        kv.kv.normal_()
-        blocks = BlockManager(BlockPool(num_blocks), BLOCK_SIZE)
-        blocks.allocate("bench", num_blocks * BLOCK_SIZE)
-        namespace = Namespace("bench-disk", geo, BLOCK_SIZE)
-        hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
-        cfg = cfg.replace(cpu={"capacity": nbytes}, format={"codec": codec},
-                          disk={"enabled": True, "path": str(root / "l2"), "capacity": 4 * nbytes, "fsync": fsync,
-                                "o_direct": o_direct})
-        stack = build_offload_stack(cfg, kv, namespace)
+        filled = filled_stack(shape, chunk_tokens, total_bytes, "bench-disk", {
+            "format": {"codec": codec},
+            "disk": {"enabled": True, "path": str(root / "l2"), "capacity": 1 << 40,   # the disk, not the tier, is the bound
+                     "fsync": fsync, "o_direct": o_direct},
+        })
+        stack, hashes, keys = filled.stack, filled.hashes, filled.keys
+        chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
         manager, cpu, disk = stack.manager, stack.tiers[0], stack.tiers[1]
-        manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
-        keys = list(cpu.entries)
         raw_dir = root / "raw"
         raw_dir.mkdir()
         raw_paths = [raw_dir / f"{i}.bin" for i in range(num_chunks)]

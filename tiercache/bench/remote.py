@@ -12,37 +12,20 @@ from __future__ import annotations
 import statistics
 import time
 
-from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
-from tiercache.build import build_offload_stack
-from tiercache.config import TierCacheConfig
-from tiercache.keys import BlockHasher, Namespace
-from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.bench.filled import filled_stack
 from tiercache.tiers.redis import fast_client
 
 
 def bench_redis(shape: str, chunk_tokens: int, total_bytes: int, reps: int, url: str, progress=None) -> dict:
-    geo = SHAPES[shape]
-    cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": chunk_tokens})
-    bpc = cfg.keys.blocks_per_chunk
-    chunk_bytes = bpc * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
-    num_chunks = max(2, total_bytes // chunk_bytes)
-    num_blocks = num_chunks * bpc
-    nbytes = num_chunks * chunk_bytes
-    kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
-    kv.kv.normal_()
-    blocks = BlockManager(BlockPool(num_blocks), BLOCK_SIZE)
-    blocks.allocate("bench", num_blocks * BLOCK_SIZE)
-    namespace = Namespace(f"bench-redis-{time.time_ns()}", geo, BLOCK_SIZE)
-    hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
-    cfg = cfg.replace(cpu={"capacity": nbytes}, redis={"enabled": True, "url": url, "timeout": 30.0})
-    stack = build_offload_stack(cfg, kv, namespace)
+    filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-redis-{time.time_ns()}",
+                          {"redis": {"enabled": True, "url": url, "timeout": 30.0}})
+    stack, hashes, keys = filled.stack, filled.hashes, filled.keys
+    chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
     manager, cpu, remote = stack.manager, stack.tiers[0], stack.tiers[1]
     raw_client = fast_client(url, socket_timeout=30.0)
     raw_keys = [f"tiercache-bench-raw:{i}".encode() for i in range(num_chunks)]
     times: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
     try:
-        manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
-        keys = list(cpu.entries)
         src = [bytes(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
 
         def raw_set() -> None:

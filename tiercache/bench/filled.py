@@ -1,0 +1,45 @@
+"""A lower-tier benchmark's starting point: an offload stack whose L1 holds a known set of chunks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
+from tiercache.build import OffloadStack, build_offload_stack
+from tiercache.config import TierCacheConfig
+from tiercache.keys import BlockHash, BlockHasher, Namespace
+from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+
+
+@dataclass
+class FilledStack:
+    stack: OffloadStack
+    hashes: list[BlockHash]      # block hashes of the one request whose chunks fill L1
+    keys: list[BlockHash]        # its chunk keys, all resident in L1
+    chunk_bytes: int
+    nbytes: int                  # bytes of all chunks
+
+
+def filled_stack(shape: str, chunk_tokens: int, total_bytes: int, model: str,
+                 sections: dict[str, dict[str, Any]]) -> FilledStack:
+    """Random KV for ``total_bytes`` of whole chunks, stored into an L1 sized to hold exactly them.
+
+    ``sections`` adds config (the lower tier under test) on top of that L1.
+    """
+    geo = SHAPES[shape]
+    cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": chunk_tokens})
+    bpc = cfg.keys.blocks_per_chunk
+    chunk_bytes = bpc * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
+    num_chunks = max(2, total_bytes // chunk_bytes)
+    num_blocks = num_chunks * bpc
+    nbytes = num_chunks * chunk_bytes
+    kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
+    kv.kv.normal_()
+    blocks = BlockManager(BlockPool(num_blocks), BLOCK_SIZE)
+    blocks.allocate("bench", num_blocks * BLOCK_SIZE)
+    namespace = Namespace(model, geo, BLOCK_SIZE)
+    hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
+    stack = build_offload_stack(cfg.replace(cpu={"capacity": nbytes}, **sections), kv, namespace)
+    manager = stack.manager
+    manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
+    return FilledStack(stack, hashes, list(stack.tiers[0].entries), chunk_bytes, nbytes)
