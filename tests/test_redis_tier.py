@@ -152,3 +152,28 @@ def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
         assert remote.counters.loaded == 3
     finally:
         s.close()
+
+
+def test_a_unix_socket_url(tmp_path):
+    import shutil
+
+    import pytest
+
+    from tests.conftest import RedisServer
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    sock = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path, extra=("--unixsocket", str(sock), "--unixsocketperm", "700"))
+    try:
+        s = Stack(num_blocks=64, cpu_chunks=2, redis={"enabled": True, "url": f"unix://{sock}"},
+                  disk={"write_mode": "write-through"})
+        try:
+            a, a_kv = put(s, "a", seed=4)
+            s.manager.drain()
+            keys = s.manager.lookup(a).runs[0].keys
+            s.cpu.delete(list(keys))
+            assert torch.equal(load(s, a), a_kv)
+        finally:
+            s.close()
+    finally:
+        server.stop()
