@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+ALL_LAYERS = slice(None)
 _WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
@@ -131,18 +132,13 @@ def gather_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], out: t
 
     ``layers`` restricts the copy to those layers (layerwise transfers)."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    if layers is not None:
-        run = _tensor_run(ids)
-        if run is None:
-            _per_chunk(pool, block_ids, out, layers, gather_blocks)
-            return
-        region, chunks = _run_pair(pool, run, out, ids.shape)
-        chunks[layers].copy_(region[layers])
-        return
     run = _tensor_run(ids)
     if run is not None:  # one ascending run: a strided bulk copy, no index at all
         region, chunks = _run_pair(pool, run, out, ids.shape)
-        chunks.copy_(region)
+        chunks[layers or ALL_LAYERS].copy_(region[layers or ALL_LAYERS])
+        return
+    if layers is not None:  # a layer range of adjacent chunks is strided: chunk by chunk
+        _per_chunk(pool, block_ids, out, layers, gather_blocks)
         return
     index = _chunk_row_index(pool, ids)
     src, dst = _flat_pair(pool, out, index.numel())
@@ -156,18 +152,13 @@ def scatter_chunks(pool: torch.Tensor, block_ids: Sequence[Sequence[int]], src: 
                    layers: slice | None = None) -> None:
     """Inverse of `gather_chunks`."""
     ids = torch.as_tensor(block_ids, dtype=torch.int64)
-    if layers is not None:
-        run = _tensor_run(ids)
-        if run is None:
-            _per_chunk(pool, block_ids, src, layers, scatter_blocks)
-            return
-        region, chunks = _run_pair(pool, run, src, ids.shape)
-        region[layers].copy_(chunks[layers].to(region.device, non_blocking=True))
-        return
     run = _tensor_run(ids)
     if run is not None:
         region, chunks = _run_pair(pool, run, src, ids.shape)
-        region.copy_(chunks.to(region.device, non_blocking=True))
+        region[layers or ALL_LAYERS].copy_(chunks[layers or ALL_LAYERS].to(region.device, non_blocking=True))
+        return
+    if layers is not None:
+        _per_chunk(pool, block_ids, src, layers, scatter_blocks)
         return
     index = _chunk_row_index(pool, ids)
     dst, source = _flat_pair(pool, src, index.numel())

@@ -17,13 +17,8 @@ from tiercache.errors import ConfigError, TierCacheError
 
 
 def _size_mib(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of MiB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value << 20
+    """A positive whole number of MiB, in bytes."""
+    return _positive(text) << 20
 
 
 def _positive(text: str) -> int:

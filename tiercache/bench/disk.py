@@ -65,9 +65,9 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
             "disk": {"enabled": True, "path": str(root / "l2"), "capacity": 1 << 40,   # the disk, not the tier, is the bound
                      "fsync": fsync, "o_direct": o_direct},
         })
-        stack, hashes, keys = filled.stack, filled.hashes, filled.keys
+        stack, keys = filled.stack, filled.keys
         chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
-        manager, cpu, disk = stack.manager, stack.tiers[0], stack.tiers[1]
+        cpu, disk = stack.tiers[0], stack.tiers[1]
         raw_dir = root / "raw"
         raw_dir.mkdir()
         raw_paths = [raw_dir / f"{i}.bin" for i in range(num_chunks)]
@@ -81,25 +81,13 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
                 # Raw and tier passes swap order every repetition, so background writeback and
                 # discards from one pass weigh on both alike.
                 def put() -> None:
-                    t = time.perf_counter()
-                    manager.submit(manager.flush_down())
-                    manager.drain()
-                    times["put"].append(time.perf_counter() - t)
-                    if disk.num_chunks != num_chunks:
-                        raise RuntimeError(f"L2 holds {disk.num_chunks} of {num_chunks} chunks after the put")
+                    times["put"].append(filled.write_down())
 
                 def raw_write() -> None:
                     times["raw_write"].append(_raw_write(raw_paths, src, fsync))
 
                 def get() -> None:
-                    cpu.delete(keys)
-                    drop_page_cache()
-                    t = time.perf_counter()
-                    manager.promote(manager.lookup(hashes))
-                    manager.drain()
-                    times["get"].append(time.perf_counter() - t)
-                    if cpu.contains(keys) != num_chunks:
-                        raise RuntimeError("promotion did not bring every chunk back to L1")
+                    times["get"].append(filled.promote_back(before=drop_page_cache))
 
                 def raw_read() -> None:
                     drop_page_cache()

@@ -1,6 +1,8 @@
 """A lower-tier benchmark's starting point: an offload stack whose L1 holds a known set of chunks."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,31 @@ class FilledStack:
     keys: list[BlockHash]        # its chunk keys, all resident in L1
     chunk_bytes: int
     nbytes: int                  # bytes of all chunks
+
+    def write_down(self) -> float:
+        """Seconds to copy every L1 chunk into the lower tier (flush, then wait)."""
+        manager, lower = self.stack.manager, self.stack.tiers[1]
+        t = time.perf_counter()
+        manager.submit(manager.flush_down())
+        manager.drain()
+        elapsed = time.perf_counter() - t
+        if lower.contains(self.keys) != len(self.keys):
+            raise RuntimeError(f"{lower.name} does not hold every chunk after the put")
+        return elapsed
+
+    def promote_back(self, before: Callable[[], object] | None = None) -> float:
+        """Seconds to bring every chunk back from the lower tier into L1 (``before`` runs untimed first)."""
+        manager, cpu = self.stack.manager, self.stack.tiers[0]
+        cpu.delete(self.keys)
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        manager.promote(manager.lookup(self.hashes))
+        manager.drain()
+        elapsed = time.perf_counter() - t
+        if cpu.contains(self.keys) != len(self.keys):
+            raise RuntimeError("promotion did not bring every chunk back to L1")
+        return elapsed
 
 
 def filled_stack(shape: str, chunk_tokens: int, total_bytes: int, model: str,

@@ -19,9 +19,9 @@ from tiercache.tiers.redis import fast_client
 def bench_redis(shape: str, chunk_tokens: int, total_bytes: int, reps: int, url: str, progress=None) -> dict:
     filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-redis-{time.time_ns()}",
                           {"redis": {"enabled": True, "url": url, "timeout": 30.0}})
-    stack, hashes, keys = filled.stack, filled.hashes, filled.keys
+    stack, keys = filled.stack, filled.keys
     chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
-    manager, cpu, remote = stack.manager, stack.tiers[0], stack.tiers[1]
+    cpu, remote = stack.tiers[0], stack.tiers[1]
     raw_client = fast_client(url, socket_timeout=30.0)
     raw_keys = [f"tiercache-bench-raw:{i}".encode() for i in range(num_chunks)]
     times: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
@@ -47,21 +47,10 @@ def bench_redis(shape: str, chunk_tokens: int, total_bytes: int, reps: int, url:
                 raise RuntimeError("raw GET returned the wrong bytes")
 
         def put() -> None:
-            t = time.perf_counter()
-            manager.submit(manager.flush_down())
-            manager.drain()
-            times["put"].append(time.perf_counter() - t)
-            if remote.contains(keys) != num_chunks:
-                raise RuntimeError("Redis does not hold every chunk after the put")
+            times["put"].append(filled.write_down())
 
         def get() -> None:
-            cpu.delete(keys)
-            t = time.perf_counter()
-            manager.promote(manager.lookup(hashes))
-            manager.drain()
-            times["get"].append(time.perf_counter() - t)
-            if cpu.contains(keys) != num_chunks:
-                raise RuntimeError("promotion did not bring every chunk back to L1")
+            times["get"].append(filled.promote_back())
 
         for rep in range(-1, reps):
             for step in ((raw_set, put, raw_get, get) if rep % 2 == 0 else (put, raw_set, get, raw_get)):
