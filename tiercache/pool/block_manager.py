@@ -32,9 +32,6 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int, num_cached_blocks: int = 0) -> bool:
-        return self.blocks_needed(num_tokens) - num_cached_blocks <= self.pool.num_free
-
     def block_ids(self, req: RequestId) -> list[int]:
         return [b.block_id for b in self.tables[req]]
 

@@ -84,9 +84,6 @@ class TransferEngine:
             raise ValueError(f"a handler for {src.value}→{dst.value} is registered already")
         self._handlers[(src, dst)] = handler
 
-    def has_handler(self, src: Medium, dst: Medium) -> bool:
-        return (src, dst) in self._handlers
-
     def next_job_id(self) -> JobId:
         return JobId(next(self._job_ids))
 
