@@ -161,3 +161,61 @@ def redis_cluster(tmp_path):
     finally:
         for n in nodes:
             n.stop()
+
+
+class CacheServerProcess:
+    """A real `tiercache serve` in a subprocess on a free loopback port, stoppable and restartable there."""
+
+    def __init__(self, tmp, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.dir = tmp
+        self.flags = flags
+        self.proc = None
+        self.log_path = tmp / f"serve-{self.port}.log"
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import subprocess
+        import sys
+        import time
+
+        import grpc
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tiercache.cli", "serve", "--port", str(self.port), "--grace", "1", *self.flags],
+            stdout=subprocess.DEVNULL, stderr=open(self.log_path, "a"))
+        channel = grpc.insecure_channel(self.address)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=20)
+        except grpc.FutureTimeoutError:
+            self.proc.kill()
+            raise RuntimeError(f"tiercache serve did not start:\n{self.log_path.read_text()}") from None
+        finally:
+            channel.close()
+        time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, graceful: bool = False) -> int:
+        """SIGTERM and wait (graceful) or SIGKILL; returns the exit status."""
+        if self.proc is None:
+            return 0
+        if graceful:
+            self.proc.terminate()
+        else:
+            self.proc.kill()
+        code = self.proc.wait(timeout=30)
+        self.proc = None
+        return code
+
+
+@pytest.fixture
+def cache_server(tmp_path):
+    pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
+    yield server
+    server.stop()

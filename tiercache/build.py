@@ -6,7 +6,9 @@ cannot be built fails loudly with the config field that chose it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,7 @@ from tiercache.keys import BlockHash, Namespace
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
+from tiercache.registry import Registry
 from tiercache.tiers.base import LowerTier, Tier
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
@@ -53,8 +56,17 @@ class OffloadStack:
             log.warning("offload stack closed with %d transfers still running", m.num_in_flight)
         finally:
             self.engine.close()
+            for tier in self.tiers:
+                tier.close()
 
 
+# Lower tiers in hierarchy order (fastest first); each is built when its config section says ``enabled``.
+LowerTierBuilder = Callable[[TierCacheConfig, Namespace], LowerTier]
+LOWER_TIER_ORDER = ("disk", "redis", "grpc")
+lower_tiers: Registry[LowerTierBuilder] = Registry("lower tier")
+
+
+@lower_tiers.register("disk")
 def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     from tiercache.tiers.disk import DiskTier
 
@@ -69,6 +81,7 @@ def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
                           f"cannot use directory: {err.strerror}") from None
 
 
+@lower_tiers.register("redis")
 def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     from tiercache.tiers.redis import RedisTier
 
@@ -83,6 +96,30 @@ def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
         if isinstance(err, ConfigError):
             raise
         raise ConfigError("redis.url", r.url, f"cannot connect: {err}") from None
+
+
+@lower_tiers.register("grpc")
+def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+    from tiercache.tiers.grpc_client import GrpcTier
+
+    g = config.grpc
+    token = None
+    if g.auth_token_file:
+        try:
+            token = Path(g.auth_token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError("grpc.auth_token_file", g.auth_token_file, f"cannot read: {err.strerror}") from None
+    fmt = ChunkFormat(config.format.codec, config.format.checksum)
+    tier = GrpcTier(g.address, namespace.digest(), fmt, auth_token=token, timeout_s=g.timeout,
+                    retry_interval_s=g.retry_interval, max_message_bytes=g.max_message)
+    try:
+        health = tier.health()
+    except Exception as err:  # noqa: BLE001 - a server that is down at start is an outage, not a config error
+        log.warning("tiercache server %s is not answering (%s); starting with it down", g.address, err)
+    else:
+        if health.max_message_bytes and health.max_message_bytes < g.max_message:
+            tier.max_message_bytes = health.max_message_bytes
+    return tier
 
 
 def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:
@@ -104,9 +141,8 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Na
         raise ConfigError("cpu.capacity", config.cpu.capacity, f"holds no chunk of {slot_bytes} bytes")
     cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
                   pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
-    lower = [_disk_tier(config, namespace)] if config.disk.enabled else []
-    if config.redis.enabled:
-        lower.append(_redis_tier(config, namespace))
+    enabled = [name for name in LOWER_TIER_ORDER if getattr(config, name).enabled]
+    lower = [lower_tiers.get(name)(config, namespace) for name in enabled]
 
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
     DeviceCpuHandlers(kv, cpu, bpc).register(engine)
@@ -121,7 +157,7 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Na
         CpuLowerHandlers(cpu, tier, chunk_meta).register(engine)
     manager = CacheManager(
         cpu, engine, config.keys.block_size, bpc, kv.block_bytes, lower=lower,
-        store_partial_chunks=config.keys.store_partial_chunks, write_mode=config.disk.write_mode,
+        store_partial_chunks=config.keys.store_partial_chunks, write_mode=[getattr(config, name).write_mode for name in enabled],
         admission=admission_cls(config.disk.min_hits),
     )
     return OffloadStack(manager, engine, [cpu, *lower])

@@ -35,7 +35,7 @@ def _tier_list(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["none"]:
         return []
-    known = {"cpu", "disk", "redis"}
+    known = {"cpu", "disk", "redis", "grpc"}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown tier(s) {unknown or text!r}; known: {', '.join(sorted(known))}")
@@ -88,7 +88,10 @@ def _offload_config(args: argparse.Namespace):
     redis = {"enabled": "redis" in args.tiers}
     if "redis" in args.tiers and getattr(args, "redis_url", None):
         redis["url"] = args.redis_url
-    return cfg.replace(disk=disk, redis=redis, keys={"block_size": args.block_size})
+    grpc = {"enabled": "grpc" in args.tiers}
+    if "grpc" in args.tiers and getattr(args, "grpc_address", None):
+        grpc["address"] = args.grpc_address
+    return cfg.replace(disk=disk, redis=redis, grpc=grpc, keys={"block_size": args.block_size})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -144,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
     tiers = bench.add_parser("tiers", help="tier put/get throughput beside the raw machine limit")
-    tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers: cpu, disk")
+    tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers: cpu, disk, redis, grpc")
     tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
     tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
     tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url)")
+    tiers.add_argument("--grpc-address", help="grpc: a `tiercache serve` to measure (default: start one for the run)")
     tiers.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                        help="KV geometry: llama-8b (32 layers, 8 KV heads, dim 128, bf16) or small (4, 2, 64, fp32)")
     tiers.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per chunk (multiple of 16)")
@@ -187,9 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
     d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc", "no-reuse"], default="shared-prefix")
-    d.add_argument("--tiers", type=_tier_list, default=["cpu"], help="tiers below L0: cpu, cpu,disk, or none")
+    d.add_argument("--tiers", type=_tier_list, default=["cpu"],
+                   help="tiers below L0: cpu, cpu,disk, cpu,redis, cpu,grpc, cpu,disk,grpc ... or none")
     d.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
     d.add_argument("--redis-url", help="L3 Redis server for --tiers cpu,redis (default: redis.url)")
+    d.add_argument("--grpc-address", help="L3 `tiercache serve` host:port for --tiers cpu,grpc (default: grpc.address)")
     d.add_argument("--requests", type=_positive, default=16)
     d.add_argument("--prefix-tokens", type=_positive, default=2048, help="shared prefix / history / document length")
     d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")
@@ -209,12 +215,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
     g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
-    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu or cpu,disk (default none)")
+    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu, cpu,disk, cpu,grpc ... (default none)")
     g.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
+    g.add_argument("--redis-url", help="L3 Redis server (default: redis.url)")
+    g.add_argument("--grpc-address", help="L3 `tiercache serve` host:port (default: grpc.address)")
     g.add_argument("--block-size", type=_positive, default=16)
     _add_config_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
+    v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
+    v.add_argument("--eviction", default="lru", help="eviction policy of memory and disk")
+    v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
+    v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
+    v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
+    v.add_argument("--max-message", type=_size, default=128 << 20, help="largest chunk message accepted, e.g. 128MiB")
+    v.add_argument("--workers", type=_positive, default=8, help="RPC handler threads")
+    v.add_argument("--grace", type=float, default=5.0, help="seconds running calls get at shutdown")
+    v.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    v.add_argument("--log-format", choices=["json", "text"], default="json")
+    v.set_defaults(func=cmd_serve)
     return parser
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(err.reason) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tiercache.server.app import ServeConfig, run
+
+    config = ServeConfig(host=args.host, port=args.port, capacity=args.capacity, eviction=args.eviction,
+                         disk=args.disk, disk_capacity=args.disk_capacity, auth_token_file=args.auth_token_file,
+                         max_message=args.max_message, workers=args.workers, grace=args.grace,
+                         metrics_port=args.metrics_port)
+    return run(config, args.log_format)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -130,13 +130,38 @@ class RedisTierConfig:
     ttl: int = _opt(0, "seconds a chunk lives in Redis (0: until Redis evicts it)")
     timeout: float = _opt(2.0, "seconds a Redis call may take before the tier counts as down")
     retry_interval: float = _opt(1.0, "seconds a down tier answers misses before it tries the server again")
+    write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
 
     def __post_init__(self) -> None:
         _check(self.url.split("://")[0] in ("redis", "rediss", "unix"), "url", self.url,
                "expected a redis://, rediss:// or unix:// URL")
         _check(self.ttl >= 0, "ttl", self.ttl, "must be >= 0")
-        _check(self.timeout > 0, "timeout", self.timeout, "must be positive")
-        _check(self.retry_interval >= 0, "retry_interval", self.retry_interval, "must be >= 0")
+        _remote_checks(self)
+
+
+def _remote_checks(cfg: Any) -> None:
+    _check(cfg.timeout > 0, "timeout", cfg.timeout, "must be positive")
+    _check(cfg.retry_interval >= 0, "retry_interval", cfg.retry_interval, "must be >= 0")
+    _check(cfg.write_mode in ("write-back", "write-through"), "write_mode", cfg.write_mode,
+           "expected write-back or write-through")
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTierConfig:
+    enabled: bool = _opt(False, "keep an L3 tier on a `tiercache serve` server, shared by every replica")
+    address: str = _opt("127.0.0.1:7070", "host:port of the server")
+    auth_token_file: str = _opt("", "file holding the server's auth token (empty: no token)")
+    timeout: float = _opt(2.0, "seconds a call may take (plus transfer time) before the tier counts as down")
+    retry_interval: float = _opt(1.0, "seconds a down tier answers misses before it tries the server again")
+    max_message: int = _size(128 << 20, "largest chunk message; match the server's --max-message")
+    write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.address.rpartition(":")
+        _check(bool(sep and host and port.isdigit() and 0 < int(port) < 65536), "address", self.address,
+               "expected host:port")
+        _check(self.max_message >= 1 << 16, "max_message", self.max_message, "must be at least 64 KiB")
+        _remote_checks(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +213,7 @@ class TierCacheConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     redis: RedisTierConfig = field(default_factory=RedisTierConfig)
+    grpc: GrpcTierConfig = field(default_factory=GrpcTierConfig)
     format: FormatConfig = field(default_factory=FormatConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
 

@@ -9,9 +9,11 @@ over lower tiers (`LowerTier`: disk, remote):
 
 - a lookup spans every tier; chunks found only below L1 are *promoted*
   (copied up into L1 slots, at prefetch priority) before they are loaded;
-- stores go to L1; below it, ``write-through`` copies every stored chunk down
-  at once, ``write-back`` copies a chunk down only when L1 evicts it (a
-  *spill*), each gated by an admission policy.
+- stores go to L1; below it, each lower tier has a write mode:
+  ``write-through`` tiers get a copy of every stored chunk at once (the
+  default for shared remote tiers, so peers see it), and the first
+  ``write-back`` tier gets a chunk only when L1 evicts it (a *spill*) and
+  the admission policy accepts it.
 
 Plans other than the ones a caller asked for (promotions, spills, copies
 down) collect in a background list that the caller drains (`take_background`)
@@ -65,11 +67,12 @@ class CacheManager:
         block_bytes: int,
         lower: Sequence[LowerTier] = (),
         store_partial_chunks: bool = False,
-        write_mode: str = "write-back",
+        write_mode: str | Sequence[str] = "write-back",
         admission: AdmissionPolicy | None = None,
     ) -> None:
-        if write_mode not in ("write-back", "write-through"):
-            raise ValueError(f"write_mode must be write-back or write-through, got {write_mode!r}")
+        modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
+        if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
+            raise ValueError(f"one write mode (write-back or write-through) per lower tier, got {write_mode!r}")
         self.l1 = l1
         self.lower = list(lower)
         self.tiers: list[Tier] = [l1, *self.lower]
@@ -82,16 +85,23 @@ class CacheManager:
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
         self.store_partial_chunks = store_partial_chunks
-        self.write_mode = write_mode
+        self.write_modes = dict(zip(names[1:], modes))
+        self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
+        self._through = [t for t, m in zip(self.lower, modes) if m == "write-through"]
         self.admission = admission
         self._in_flight: dict[JobId, _InFlight] = {}
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
-        if self.lower and write_mode == "write-back":
-            l1.spill_filter = self._worth_writing_down
+        if self._spill_to is not None:
+            l1.spill_filter = self._worth_spilling
 
-    def _worth_writing_down(self, key: BlockHash, hits: int) -> bool:
-        return not self.lower[0].has(key) and (self.admission is None or self.admission.admit(key, hits))
+    def _admit(self, key: BlockHash, hits: int) -> bool:
+        return self.admission is None or self.admission.admit(key, hits)
+
+    def _worth_spilling(self, key: BlockHash, hits: int) -> bool:
+        """Spill an L1 victim unless the write-back tier has it (asked only of a tier with a local index)."""
+        target = self._spill_to
+        return target is not None and not (target.indexed and target.has(key)) and self._admit(key, hits)
 
     # -- lookup --------------------------------------------------------------
     def _chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
@@ -234,9 +244,8 @@ class CacheManager:
         ]
         return self._plan(JobKind.STORE, Medium.DEVICE, Medium.CPU, Priority.STORE, chunks) if chunks else None
 
-    def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy]) -> list[ChunkCopy]:
-        """Reserve the first lower tier for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
-        lower = self.lower[0]
+    def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerTier) -> list[ChunkCopy]:
+        """Reserve ``lower`` for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
         sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
@@ -252,9 +261,9 @@ class CacheManager:
     def take_background(self) -> list[TransferPlan]:
         """Promotions, spills and write-through copies planned since the last call, to be submitted."""
         spills = self.l1.take_spills()
-        if spills:
+        if spills and self._spill_to is not None:
             chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes) for s in spills]
-            refused = self._plan_down(JobKind.SPILL, chunks)
+            refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
         plans, self._background = self._background, []
         return plans
@@ -272,8 +281,11 @@ class CacheManager:
                 self.l1.complete_load(keys)
             elif job.kind is JobKind.STORE:
                 self.l1.complete_store(keys, failed)
-                if self.lower and self.write_mode == "write-through":
-                    self._copy_down([c for c in job.plan.chunks if c.key not in set(failed)])
+                if self._through:
+                    bad = set(failed)
+                    stored = [c for c in job.plan.chunks if c.key not in bad]
+                    for lower in self._through:
+                        self._copy_down(stored, lower)
             elif job.kind is JobKind.PROMOTE:
                 self.l1.complete_store(keys, failed)
                 job.lower.complete_load(keys, corrupt=failed)
@@ -286,24 +298,24 @@ class CacheManager:
                 job.lower.complete_store(keys, failed)
                 self.l1.unpin(keys)
 
-    def _copy_down(self, chunks: list[ChunkCopy]) -> None:
+    def _copy_down(self, chunks: list[ChunkCopy], lower: LowerTier) -> None:
         if not chunks:
             return
         slots = [entry.slot for entry in self.l1.pin([c.key for c in chunks])]
         pinned = [replace(c, slot=slot, block_ids=()) for c, slot in zip(chunks, slots)]
-        refused = self._plan_down(JobKind.COPY_DOWN, pinned)
+        refused = self._plan_down(JobKind.COPY_DOWN, pinned, lower)
         self.l1.unpin([c.key for c in refused])
 
     def flush_down(self) -> list[TransferPlan]:
-        """Plan copying every resident chunk that only L1 holds (and admission accepts) to the next tier.
+        """Plan copying every resident chunk that only L1 holds (and admission accepts) to the write-back tier.
 
-        Called at shutdown in write-back mode, so what L1 held survives a restart.
+        Called at shutdown, so what L1 held survives a restart.
         """
-        if not self.lower:
+        if self._spill_to is None:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
-                 if e.ready and e.pins == 0 and self._worth_writing_down(key, e.hits)]
-        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty])
+                 if e.ready and e.pins == 0 and self._worth_spilling(key, e.hits)]
+        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty], self._spill_to)
         return self.take_background()
 
     def cancel(self, plan: TransferPlan) -> TransferResult:

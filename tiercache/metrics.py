@@ -14,7 +14,10 @@ Families (labels in braces):
 - ``tiercache_blocks{state}``: L0 blocks by state (used, pinned, evictable,
   empty, held for transfers);
 - ``tiercache_connector_*``: lookups, hit and loaded tokens (prefill tokens
-  saved), failed loads, planned and cancelled stores, swaps, token hit ratio.
+  saved), failed loads, planned and cancelled stores, swaps, token hit ratio;
+- ``tiercache_server_*`` (`tiercache serve`): calls per RPC, chunks stored,
+  present and rejected, get hits and misses, bytes in and out, rejected calls
+  per status code; ``tiercache_server_namespaces``.
 """
 from __future__ import annotations
 
@@ -67,6 +70,13 @@ class StatsCollector(Collector):
             for state in ("total", "used", "pinned", "evictable", "empty", "held_for_transfers"):
                 g.add_metric([state], float(blocks.get(state, 0)))
             yield g
+        server = stats.get("server")
+        if server is not None:
+            for name, value in sorted(server.items()):
+                yield CounterMetricFamily(f"tiercache_server_{name}", f"server {name.replace('_', ' ')}",
+                                          value=float(value))
+            yield GaugeMetricFamily("tiercache_server_namespaces", "namespaces with chunks on this server",
+                                    value=float(stats.get("namespaces", 0)))
         if "lookups" in connector:
             for name in CONNECTOR_COUNTERS:
                 yield CounterMetricFamily(f"tiercache_connector_{name}", f"connector {name.replace('_', ' ')}",

@@ -20,6 +20,9 @@ def _write_json(path: str | None, data: dict) -> None:
         write_json(path, data)
 
 
+REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "streamed"}
+
+
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -30,8 +33,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, overrides=args.set)
     layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
-    total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0) \
-        + (1 if "redis" in args.tiers else 0)
+    remotes = [t for t in ("redis", "grpc") if t in args.tiers]
+    total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0) + len(remotes)
     report: dict = {"tiers": {}, "runs": []}
     with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
         if "cpu" in args.tiers:
@@ -52,11 +55,12 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
                            progress=lambda: bar.update(1))
             report["tiers"]["disk"] = r
             report["runs"].append(r)
-        if "redis" in args.tiers:
-            from tiercache.bench.remote import bench_redis
-            r = bench_redis(args.shape, args.chunk_tokens, args.total_mib, args.reps, args.redis_url or cfg.redis.url,
-                            progress=lambda: bar.update(1))
-            report["tiers"]["redis"] = r
+        for kind in remotes:
+            from tiercache.bench.remote import bench_remote
+            target = args.redis_url or cfg.redis.url if kind == "redis" else args.grpc_address
+            r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, target,
+                             progress=lambda: bar.update(1))
+            report["tiers"][kind] = r
             report["runs"].append(r)
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
     report["command"] = "tiercache " + " ".join(sys.argv[1:])
@@ -71,10 +75,10 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             table.add_row("cpu", f"{r['block_layout']} blocks", f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
                           f"{r['get_gbps']:.2f}", f"{r['raw_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
                           f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
-    if "redis" in report["tiers"]:
-        r = report["tiers"]["redis"]
-        table.add_row("redis", "pipelined", f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
-                      f"{r['get_gbps']:.2f}", f"{r['raw_set_gbps']:.2f}", f"{r['raw_get_gbps']:.2f}",
+    for kind in remotes:
+        r = report["tiers"][kind]
+        table.add_row(kind, REMOTE_VARIANTS[kind], f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
+                      f"{r['get_gbps']:.2f}", f"{r['raw_put_gbps']:.2f}", f"{r['raw_get_gbps']:.2f}",
                       f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
     if "disk" in report["tiers"]:
         r = report["tiers"]["disk"]
@@ -208,10 +212,10 @@ def _tier_reports(out: Path, report: dict) -> None:
     rows = []
     for r in report["runs"]:
         tier = "cpu" if "block_layout" in r else r.get("tier", "disk")
-        variant = r.get("block_layout") or ("pipelined" if tier == "redis" else "fsync" if r.get("fsync") else "buffered")
+        variant = r.get("block_layout") or REMOTE_VARIANTS.get(tier) or ("fsync" if r.get("fsync") else "buffered")
         raw_put, raw_get = {"cpu": (r.get("raw_gbps"), r.get("raw_gbps")),
-                            "disk": (r.get("raw_write_gbps"), r.get("raw_read_gbps")),
-                            "redis": (r.get("raw_set_gbps"), r.get("raw_get_gbps"))}[tier]
+                            "disk": (r.get("raw_write_gbps"), r.get("raw_read_gbps"))}.get(
+                                tier, (r.get("raw_put_gbps"), r.get("raw_get_gbps")))
         rows.append((tier, variant, r["put_gbps"], r["get_gbps"], raw_put, raw_get, r["put_ratio"], r["get_ratio"]))
     headers = ("tier", "variant", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw")
     (out / "tiers.md").write_text(f"# Tier throughput\n\n`{report['command']}`\n\n" + markdown_table(headers, rows))

@@ -1,62 +1,152 @@
-"""`tiercache bench tiers --tiers redis`: L3 put/get beside raw pipelined redis-py SET/GET, in one run.
+"""`tiercache bench tiers --tiers redis,grpc`: L3 put/get beside the raw transport, in one run.
 
 *put* writes L1's chunks down through the tier (encode with checksum, one
-pipelined ``SET`` batch per transfer job); *get* promotes them back into L1
-slots (one pipelined ``GET`` batch, verify, place). The raw baseline sends the
-same chunk bytes as one pipelined ``SET`` batch and reads them back with one
-pipelined ``GET`` batch through the same kind of client. Raw and tier swap
-order every repetition; medians are reported.
+pipelined ``SET`` batch or one streamed ``Put`` per transfer job); *get*
+promotes them back into L1 slots (pipelined ``GET`` or a streamed ``Get``,
+verify, place). The raw baselines move the same chunk bytes with no protocol
+of ours: redis-py pipelined ``SET``/``GET`` through the same kind of client,
+and a bare gRPC bytes store (`tiercache.bench.grpc_echo`, in its own process
+like `tiercache serve`). Raw and tier swap order every repetition; medians
+are reported.
 """
 from __future__ import annotations
 
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from typing import Protocol
 
 from tiercache.bench.filled import filled_stack
-from tiercache.tiers.redis import fast_client
 
 
-def bench_redis(shape: str, chunk_tokens: int, total_bytes: int, reps: int, url: str, progress=None) -> dict:
-    filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-redis-{time.time_ns()}",
-                          {"redis": {"enabled": True, "url": url, "timeout": 30.0}})
+class RawBaseline(Protocol):
+    def put(self, values: list[bytes]) -> None: ...
+    def get(self) -> int: ...
+    def clear(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class RedisRaw:
+    def __init__(self, url: str, count: int) -> None:
+        from tiercache.tiers.redis import fast_client
+        self._client = fast_client(url, socket_timeout=30.0)
+        self._keys = [f"tiercache-bench-raw:{i}".encode() for i in range(count)]
+
+    def put(self, values: list[bytes]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for k, v in zip(self._keys, values):
+            pipe.set(k, v)
+        pipe.execute()
+
+    def get(self) -> int:
+        pipe = self._client.pipeline(transaction=False)
+        for k in self._keys:
+            pipe.get(k)
+        return sum(len(v) for v in pipe.execute())
+
+    def clear(self) -> None:
+        self._client.delete(*self._keys)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Subprocess:
+    """A helper server (`tiercache serve`, the echo baseline) on a free port for the length of a benchmark."""
+
+    def __init__(self, *argv: str) -> None:
+        import grpc
+        self.port = _free_port()
+        port_args = ["--port", str(self.port)] if argv[0] == "tiercache.cli" else [str(self.port)]
+        self.proc = subprocess.Popen([sys.executable, "-m", *argv, *port_args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        channel = grpc.insecure_channel(self.address)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        finally:
+            channel.close()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class GrpcRaw:
+    def __init__(self) -> None:
+        from tiercache.bench.grpc_echo import EchoClient
+        self._server = Subprocess("tiercache.bench.grpc_echo")
+        self._client = EchoClient(self._server.address)
+
+    def put(self, values: list[bytes]) -> None:
+        self._client.put(values)
+
+    def get(self) -> int:
+        return self._client.get()
+
+    def clear(self) -> None:
+        self._client.clear()
+
+    def close(self) -> None:
+        self._client.close()
+        self._server.close()
+
+
+def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: str | None,
+                 progress=None) -> dict:
+    """``kind`` is ``redis`` (``target``: its URL) or ``grpc`` (``target``: a server's host:port, or None to
+    start a `tiercache serve` for the run)."""
+    server = None
+    if kind == "grpc" and target is None:
+        server = Subprocess("tiercache.cli", "serve", "--capacity", str(2 * total_bytes + (256 << 20)),
+                            "--max-message", str(max(128 << 20, 2 * total_bytes)), "--log-format", "text")
+        target = server.address
+    section = {"enabled": True, "timeout": 30.0, "write_mode": "write-back",
+               **({"url": target} if kind == "redis" else {"address": target})}
+    filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}", {kind: section})
     stack, keys = filled.stack, filled.keys
-    chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
+    nbytes = filled.nbytes
     cpu, remote = stack.tiers[0], stack.tiers[1]
-    raw_client = fast_client(url, socket_timeout=30.0)
-    raw_keys = [f"tiercache-bench-raw:{i}".encode() for i in range(num_chunks)]
-    times: dict[str, list[float]] = {"raw_set": [], "put": [], "raw_get": [], "get": []}
+    raw: RawBaseline = RedisRaw(target, len(keys)) if kind == "redis" else GrpcRaw()
+    times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
     try:
         src = [bytes(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
 
-        def raw_set() -> None:
+        def timed(name: str, fn) -> None:
             t = time.perf_counter()
-            pipe = raw_client.pipeline(transaction=False)
-            for k, v in zip(raw_keys, src):
-                pipe.set(k, v)
-            pipe.execute()
-            times["raw_set"].append(time.perf_counter() - t)
+            fn()
+            times[name].append(time.perf_counter() - t)
 
         def raw_get() -> None:
-            t = time.perf_counter()
-            pipe = raw_client.pipeline(transaction=False)
-            for k in raw_keys:
-                pipe.get(k)
-            got = pipe.execute()
-            times["raw_get"].append(time.perf_counter() - t)
-            if sum(len(v) for v in got) != nbytes:
-                raise RuntimeError("raw GET returned the wrong bytes")
+            if raw.get() != nbytes:
+                raise RuntimeError(f"raw {kind} get returned the wrong bytes")
 
-        def put() -> None:
-            times["put"].append(filled.write_down())
-
-        def get() -> None:
-            times["get"].append(filled.promote_back())
-
+        steps = {
+            "raw_put": lambda: raw.put(src),
+            "raw_get": raw_get,
+            "put": lambda: times["put"].append(filled.write_down()),
+            "get": lambda: times["get"].append(filled.promote_back()),
+        }
         for rep in range(-1, reps):
-            for step in ((raw_set, put, raw_get, get) if rep % 2 == 0 else (put, raw_set, get, raw_get)):
-                step()
+            order = ("raw_put", "put", "raw_get", "get") if rep % 2 == 0 else ("put", "raw_put", "get", "raw_get")
+            for name in order:
+                if name.startswith("raw"):
+                    timed(name, steps[name])
+                else:
+                    steps[name]()
             remote.delete(keys)
-            raw_client.delete(*raw_keys)
+            raw.clear()
             if rep < 0:
                 for samples in times.values():
                     samples.clear()
@@ -64,16 +154,20 @@ def bench_redis(shape: str, chunk_tokens: int, total_bytes: int, reps: int, url:
                 progress()
     finally:
         stack.close()
+        raw.close()
+        if server is not None:
+            server.close()
 
     def gbps(name: str) -> float:
         return nbytes / statistics.median(times[name]) / 1e9
 
-    put_g, get_g, rs, rg = gbps("put"), gbps("get"), gbps("raw_set"), gbps("raw_get")
+    put_g, get_g, rp, rg = gbps("put"), gbps("get"), gbps("raw_put"), gbps("raw_get")
+    raw_name = "pipelined redis-py SET/GET" if kind == "redis" else "bare gRPC bytes stream (own process)"
     return {
-        "tier": "redis", "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": chunk_bytes,
-        "chunks": num_chunks, "bytes": nbytes, "reps": reps,
+        "tier": kind, "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": filled.chunk_bytes,
+        "chunks": len(keys), "bytes": nbytes, "reps": reps, "raw_baseline": raw_name,
         "put_gbps": round(put_g, 3), "get_gbps": round(get_g, 3),
-        "raw_set_gbps": round(rs, 3), "raw_get_gbps": round(rg, 3),
-        "put_ratio": round(put_g / rs, 3), "get_ratio": round(get_g / rg, 3),
+        "raw_put_gbps": round(rp, 3), "raw_get_gbps": round(rg, 3),
+        "put_ratio": round(put_g / rp, 3), "get_ratio": round(get_g / rg, 3),
         "samples_s": {k: [round(x, 5) for x in v] for k, v in times.items()},
     }

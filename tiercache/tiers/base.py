@@ -65,6 +65,9 @@ class Tier(ABC):
     @abstractmethod
     def num_chunks(self) -> int: ...
 
+    def close(self) -> None:
+        """Release connections or handles (the tier is not used afterwards)."""
+
     def stats(self) -> dict[str, object]:
         c = self.counters
         return {
@@ -90,6 +93,7 @@ class LowerTier(Tier):
     Its index follows the same two-phase lifecycle as L1; the bytes move
     between an L1 slot and the tier in transfer handlers.
     """
+    indexed = True   # `has` reads a local index; False for a remote tier, where it is a network round trip
 
     @abstractmethod
     def reserve_bytes(self, raw_len: int) -> int:

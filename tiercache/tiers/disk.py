@@ -68,6 +68,67 @@ def _write_all(fd: int, header: memoryview, payload: memoryview) -> None:
         offset += os.write(fd, payload[offset:offset + WRITE_PIECE])
 
 
+def chunk_path(directory: Path, key: bytes) -> Path:
+    h = key.hex()
+    return directory / h[:2] / f"{h}{SUFFIX}"
+
+
+def write_chunk_file(final: Path, header: memoryview, payload: memoryview, fsync: bool,
+                     staging: memoryview | None = None) -> None:
+    """Write header + payload to ``final`` crash-safely (a temp file renamed into place).
+
+    With ``staging`` (a page-aligned buffer at least as large as the file)
+    the file is written with O_DIRECT. Raises OSError on failure, leaving no
+    temp file behind.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if staging is not None else 0)
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        if staging is not None:
+            _write_direct(fd, staging, header, payload)
+        else:
+            _write_all(fd, header, payload)
+        if fsync:
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.rename(tmp, final)
+
+
+def scan_chunk_files(directory: Path, namespace: bytes) -> tuple[list[tuple[int, BlockHash, int]], int]:
+    """The chunk files of one namespace directory whose header and size check out, oldest first.
+
+    Returns ``[(mtime_ns, key, file size)]`` and how many bad files were
+    deleted (leftover temp files, foreign or damaged headers, wrong sizes).
+    """
+    found, bad = [], 0
+    for path in directory.glob("*/*"):
+        if path.name.endswith(".tmp"):          # a writer died mid-chunk
+            path.unlink(missing_ok=True)
+            continue
+        if not path.name.endswith(SUFFIX):
+            continue
+        try:
+            key = BlockHash(bytes.fromhex(path.name[:-len(SUFFIX)]))
+            st = path.stat()
+            with open(path, "rb") as f:
+                parsed = check_header(f.read(HEADER_BYTES), namespace, key)
+            if st.st_size != HEADER_BYTES + parsed[3]:
+                raise ChunkFormatError(f"{path.name} is {st.st_size} bytes, header says {HEADER_BYTES + parsed[3]}")
+        except (ValueError, ChunkFormatError, OSError):
+            bad += 1
+            path.unlink(missing_ok=True)
+            continue
+        found.append((st.st_mtime_ns, key, st.st_size))
+    found.sort(key=lambda f: f[0])
+    return found, bad
+
+
 class DiskTier(IndexedTier, LowerTier):
     medium = Medium.DISK
 
@@ -92,26 +153,9 @@ class DiskTier(IndexedTier, LowerTier):
 
     # -- restart -------------------------------------------------------------
     def _rebuild(self) -> None:
-        found = []
-        for path in self.dir.glob("*/*"):
-            if path.name.endswith(".tmp"):          # a writer died mid-chunk
-                path.unlink(missing_ok=True)
-                continue
-            if not path.name.endswith(SUFFIX):
-                continue
-            try:
-                key = BlockHash(bytes.fromhex(path.name[:-len(SUFFIX)]))
-                st = path.stat()
-                with open(path, "rb") as f:
-                    parsed = check_header(f.read(HEADER_BYTES), self.namespace, key)
-                if st.st_size != HEADER_BYTES + parsed[3]:
-                    raise ChunkFormatError(f"{path.name} is {st.st_size} bytes, header says {HEADER_BYTES + parsed[3]}")
-            except (ValueError, ChunkFormatError, OSError):
-                self.counters.integrity_failures += 1
-                path.unlink(missing_ok=True)
-                continue
-            found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found, key=lambda f: f[0]):
+        found, bad = scan_chunk_files(self.dir, self.namespace)
+        self.counters.integrity_failures += bad
+        for _, key, size in found:
             self._reserve(key, Entry(size, ready=True))
             self.policy.insert(key)
         self._trim_to(self._capacity)
@@ -125,8 +169,7 @@ class DiskTier(IndexedTier, LowerTier):
         return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
 
     def path(self, key: BlockHash) -> Path:
-        h = key.hex()
-        return self.dir / h[:2] / f"{h}{SUFFIX}"
+        return chunk_path(self.dir, key)
 
     # -- index: stores -------------------------------------------------------
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
@@ -197,25 +240,9 @@ class DiskTier(IndexedTier, LowerTier):
     def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
         """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure."""
         header, payload = self.fmt.encode_parts(meta, raw)
-        final = self.path(meta.key)
-        final.parent.mkdir(exist_ok=True)
-        tmp = final.with_name(final.name + ".tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.o_direct else 0)
-        fd = os.open(tmp, flags, 0o644)
-        try:
-            if self.o_direct:
-                _write_direct(fd, self._aligned(len(header) + len(memoryview(payload).cast("B"))),
-                              memoryview(header), memoryview(payload).cast("B"))
-            else:
-                _write_all(fd, memoryview(header), memoryview(payload).cast("B"))
-            if self.fsync:
-                os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.rename(tmp, final)
+        body = memoryview(payload).cast("B")
+        staging = self._aligned(len(header) + len(body)) if self.o_direct else None
+        write_chunk_file(self.path(meta.key), memoryview(header), body, self.fsync, staging)
 
     def read_chunk_into(self, key: BlockHash, out: memoryview) -> int:
         """Read and verify one chunk, leaving its raw bytes at the start of ``out``; returns their length.

@@ -7,10 +7,10 @@ so models, layouts and tenants never meet; an optional TTL bounds their life,
 and Redis's own ``maxmemory`` policy bounds their size.
 
 A Redis that does not answer turns into misses, never into errors in the
-engine: the first failure marks the tier down for ``retry_interval`` seconds,
-during which every call answers "absent" without touching the network; then
-the next call tries again (redis-py reconnects), and the tier recovers on its
-own when the server is back.
+engine: a failure marks the tier down (`Outage`: ``retry_interval`` seconds,
+doubling while failures go on), during which every call answers "absent"
+without touching the network; then the next call tries again (redis-py
+reconnects), and the tier recovers on its own when the server is back.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
+from tiercache.tiers.outage import Outage
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def fast_client(url: str, cluster: bool = False, **kwargs):
 
 class RedisTier(LowerTier):
     medium = Medium.REMOTE
+    indexed = False
 
     def __init__(self, url: str, namespace: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
@@ -71,25 +73,23 @@ class RedisTier(LowerTier):
         self.namespace = namespace
         self.fmt = fmt or ChunkFormat()
         self.ttl_s = ttl_s
-        self.retry_interval_s = retry_interval_s
-        self._clock = clock
+        self._outage = Outage(name, retry_interval_s, clock=clock)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, OSError)
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
-        self._down_until = 0.0
         self._local = threading.local()
+
+    def close(self) -> None:
+        self._client.close()
 
     # -- availability --------------------------------------------------------
     @property
     def available(self) -> bool:
-        return self._clock() >= self._down_until
+        return self._outage.available
 
     def _failed(self, what: str, err: Exception) -> None:
-        if self.available:
-            log.warning("redis tier %s: %s failed (%r); answering misses for %.1fs", self.name, what, err,
-                        self.retry_interval_s)
-        self._down_until = self._clock() + self.retry_interval_s
+        self._outage.failed(what, err)
         self.counters.errors += 1
 
     def _rkey(self, key: BlockHash) -> bytes:
@@ -119,6 +119,7 @@ class RedisTier(LowerTier):
         except self._errors as err:
             self._failed("lookup", err)
             return self._count_lookup(len(keys), 0)
+        self._outage.succeeded()
         n = 0
         for hit in present:
             if not hit:
@@ -210,6 +211,7 @@ class RedisTier(LowerTier):
         except self._errors as err:
             self._failed("store", err)
             return [meta.key for meta, _ in items]
+        self._outage.succeeded()
         return [meta.key for (meta, _), r in zip(items, results) if r is not True]
 
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
@@ -228,6 +230,7 @@ class RedisTier(LowerTier):
         except self._errors as err:
             self._failed("load", err)
             return [None] * len(items)
+        self._outage.succeeded()
         out: list[int | None] = []
         for (key, buf), value in zip(items, values):
             if value is None:

@@ -1,0 +1,363 @@
+"""`tiercache serve` in a real subprocess and the gRPC client tier: sharing, isolation, limits, auth, faults."""
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+
+from tests.conftest import CacheServerProcess, Stack, free_port  # noqa: E402
+from tests.test_hierarchy import load, put  # noqa: E402
+from tiercache.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
+from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
+from tiercache.server import tiercache_pb2 as pb  # noqa: E402
+from tiercache.server.wire import encode_chunk, method, parse_chunk  # noqa: E402
+from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
+
+NS = bytes(range(16))
+
+
+def make(server, **grpc_cfg) -> Stack:
+    return Stack(num_blocks=64, cpu_chunks=2,
+                 grpc={"enabled": True, "address": server.address, "retry_interval": 0.2, "timeout": 1.0, **grpc_cfg})
+
+
+def chunks(n: int, nbytes: int = 1 << 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        key = BlockHash(bytes([seed, i]) * 16)
+        raw = torch.randn(nbytes // 4, generator=g).numpy().tobytes()
+        out.append((ChunkMeta(NS, key, 16, "float32", (nbytes // 4,)), raw))
+    return out
+
+
+def raw_call(server, name: str, request: bytes | list[bytes], metadata=()):
+    """One call with raw bytes, as a foreign or broken client would make it."""
+    channel = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)])
+    try:
+        ident = (lambda b: b)
+        if name == "Put":
+            return channel.stream_unary(method(name), ident, ident)(iter(request), timeout=5, metadata=metadata)
+        if name == "Get":
+            return list(channel.unary_stream(method(name), ident, ident)(request, timeout=5, metadata=metadata))
+        return channel.unary_unary(method(name), ident, ident)(request, timeout=5, metadata=metadata)
+    finally:
+        channel.close()
+
+
+def healthy(server) -> bool:
+    reply = pb.HealthReply.FromString(raw_call(server, "Health", b""))
+    return reply.status == pb.HealthReply.SERVING
+
+
+# -- protocol ----------------------------------------------------------------
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    grpc_tools = pytest.importorskip("grpc_tools", reason="grpcio-tools is not installed (pip install -e '.[dev]')")
+    from grpc_tools import protoc
+    root = Path(__file__).resolve().parents[1]
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    rc = protoc.main(["protoc", f"-I{root / 'proto'}", f"-I{include}", f"--python_out={tmp_path}",
+                      f"--pyi_out={tmp_path}", str(root / "proto" / "tiercache.proto")])
+    assert rc == 0
+    for name in ("tiercache_pb2.py", "tiercache_pb2.pyi"):
+        assert (tmp_path / name).read_text() == (root / "tiercache" / "server" / name).read_text(), \
+            f"{name} is stale: regenerate it (see proto/README.md)"
+
+
+def test_the_hand_built_chunk_is_protobufs_chunk_both_ways():
+    header, payload = b"h" * 124, bytes(range(256)) * 1000
+    wire = encode_chunk(NS, b"k" * 32, header, payload)
+    msg = pb.Chunk.FromString(wire)
+    assert (msg.namespace, msg.key, msg.value) == (NS, b"k" * 32, header + payload)
+    assert wire == msg.SerializeToString()
+    theirs = pb.Chunk(namespace=NS, key=b"q" * 16, value=b"v" * 300).SerializeToString() + b"\x20\x07"  # + field 4
+    view = parse_chunk(theirs)
+    assert (view.namespace, view.key, bytes(view.value)) == (NS, b"q" * 16, b"v" * 300)
+    assert parse_chunk(encode_chunk(NS, b"k")).value.nbytes == 0
+
+
+# -- the client tier over a real server ---------------------------------------
+
+def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server):
+    tier = GrpcTier(cache_server.address, NS)
+    items = chunks(3)
+    assert tier.write_chunks(items) == []
+    keys = [m.key for m, _ in items]
+    assert tier.contains(keys) == 3
+    assert tier.contains([keys[0], BlockHash(b"z" * 32), keys[2]]) == 1    # a leading run, like every tier
+    bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
+    assert tier.read_chunks_into(list(zip(keys, bufs))) == [len(raw) for _, raw in items]
+    assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
+    other = GrpcTier(cache_server.address, b"\xff" * 16)
+    assert other.contains(keys) == 0
+    assert other.read_chunks_into([(keys[0], bufs[0])]) == [None]
+    assert tier.delete(keys[:1]) == 1 and tier.contains(keys) == 0
+    stats = pb.StatsReply.FromString(raw_call(cache_server, "Stats", b""))
+    assert stats.namespaces == 1 and stats.tiers[0].chunks == 2
+
+
+def test_chunks_go_to_the_server_and_come_back_bit_exact(cache_server):
+    s = make(cache_server)
+    try:
+        a, a_kv = put(s, "a", seed=1)                  # write-through: L1 and the server
+        s.manager.drain()
+        remote = s.offload.tiers[1]
+        keys = s.manager.lookup(a).runs[0].keys
+        assert remote.contains(keys) == 2 and remote.counters.stored == 2
+        s.cpu.delete(list(keys))
+        assert [r.tier for r in s.manager.lookup(a).runs] == ["grpc"]
+        assert torch.equal(load(s, a), a_kv)
+        assert remote.counters.loaded == 2
+    finally:
+        s.close()
+
+
+def test_the_server_bounds_memory_and_spills_to_disk_across_a_restart(tmp_path):
+    disk = tmp_path / "server-l2"
+    server = CacheServerProcess(tmp_path, "--capacity", "300KiB", "--disk", str(disk), "--disk-capacity", "10MiB")
+    try:
+        tier = GrpcTier(server.address, NS)
+        items = chunks(8)                               # 8 x 64 KiB: 4 fit in memory, the rest spill
+        assert tier.write_chunks(items) == []
+        stats = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
+        memory, on_disk = stats.tiers
+        assert memory.used_bytes <= 300 << 10 and on_disk.chunks >= 4
+        keys = [m.key for m, _ in items]
+        assert tier.contains(keys) == 8
+        assert server.stop(graceful=True) == 0          # SIGTERM: memory is flushed to disk
+        assert '"event": "stopped"' in server.log()
+        server.start()
+        bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
+        assert tier.contains(keys) in (0, 8)            # the first call may find the channel reconnecting
+        time.sleep(0.3)
+        assert tier.contains(keys) == 8
+        assert tier.read_chunks_into(list(zip(keys, bufs))) == [len(raw) for _, raw in items]
+        assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
+    finally:
+        server.stop()
+
+
+def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path):
+    disk = tmp_path / "server-l2"
+    server = CacheServerProcess(tmp_path, "--capacity", "100KiB", "--disk", str(disk))
+    try:
+        tier = GrpcTier(server.address, NS)
+        items = chunks(3)
+        assert tier.write_chunks(items) == []
+        server.stop(graceful=True)
+        files = sorted(disk.rglob("*.chunk"))
+        assert len(files) == 3
+        target = next(f for f in files if f.stem == items[0][0].key.hex())
+        data = bytearray(target.read_bytes())
+        data[-10] ^= 0xFF                                # payload damage: only the client's checksum sees it
+        target.write_bytes(bytes(data))
+        server.start()
+        buf = memoryview(bytearray(1 << 16))
+        for _ in range(20):
+            got = tier.read_chunks_into([(items[0][0].key, buf)])
+            if tier.available:
+                break
+            time.sleep(0.1)
+        assert got == [None]
+        assert tier.read_chunks_into([(items[1][0].key, buf)]) == [1 << 16]
+    finally:
+        server.stop()
+
+
+# -- faults ------------------------------------------------------------------
+
+def test_malformed_and_oversized_rpcs_get_clean_statuses_and_the_server_stays_up(tmp_path):
+    server = CacheServerProcess(tmp_path, "--capacity", "8MiB", "--max-message", "1MiB")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(server, "Contains", b"\xff\xff\xff")                      # not a ContainsRequest
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(server, "Contains", pb.ContainsRequest(namespace=b"short", keys=[b"k"]).SerializeToString())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(server, "Put", [encode_chunk(NS, b"k" * 32, b"not a chunk header")])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        meta, raw = chunks(1)[0]
+        header, payload = ChunkFormat().encode_parts(meta, raw)
+        with pytest.raises(grpc.RpcError) as err:                              # a header naming another namespace
+            raw_call(server, "Put", [encode_chunk(b"\x01" * 16, meta.key, header, payload)])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Namespace" in err.value.details()
+        big_meta = ChunkMeta(NS, meta.key, 16, "float32", ((3 << 20) // 8,))  # 1.5 MiB > --max-message 1MiB
+        header, payload = ChunkFormat().encode_parts(big_meta, bytes(big_meta.raw_len))
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(server, "Put", [encode_chunk(NS, meta.key, header, payload)])
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert healthy(server)
+        log = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        codes = [r["code"] for r in log if r.get("event") == "rpc_rejected"]
+        assert codes.count("INVALID_ARGUMENT") == 4 and codes.count("RESOURCE_EXHAUSTED") == 1
+        tier = GrpcTier(server.address, NS, max_message_bytes=8 << 20)
+        assert tier.health().max_message_bytes == 1 << 20
+    finally:
+        server.stop()
+
+
+def test_a_client_learns_the_servers_message_limit_and_does_not_send_larger_chunks(tmp_path):
+    server = CacheServerProcess(tmp_path, "--max-message", "64KiB")
+    try:
+        s = Stack(num_blocks=64, cpu_chunks=2, geometry=KVGeometry(4, 8, 64, "float32"),   # 256 KiB chunks
+                  grpc={"enabled": True, "address": server.address})
+        try:
+            remote = s.offload.tiers[1]
+            assert remote.max_message_bytes == 64 << 10
+            a, _ = put(s, "a", seed=1)
+            s.manager.drain()
+            assert remote.counters.store_rejected == 2 and remote.counters.errors == 0
+        finally:
+            s.close()
+    finally:
+        server.stop()
+
+
+def test_a_wrong_or_missing_auth_token_is_refused_and_logged(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    server = CacheServerProcess(tmp_path, "--auth-token-file", str(token))
+    try:
+        items = chunks(1)
+        good = GrpcTier(server.address, NS, auth_token="s3cret")
+        bad = GrpcTier(server.address, NS, auth_token="guess", retry_interval_s=0.1)
+        assert good.write_chunks(items) == []
+        assert bad.contains([items[0][0].key]) == 0 and bad.counters.errors == 1     # a miss, not an exception
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString())
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert good.contains([items[0][0].key]) == 1
+        assert server.log().count("UNAUTHENTICATED") >= 2
+        s = make(server, auth_token_file=str(token))
+        try:
+            remote = s.offload.tiers[1]            # the config's token file: calls go through (another namespace: a miss)
+            assert remote.contains([items[0][0].key]) == 0 and remote.counters.errors == 0
+        finally:
+            s.close()
+    finally:
+        server.stop()
+
+
+def test_a_killed_server_is_a_run_of_misses_and_the_tier_recovers_when_it_returns(tmp_path):
+    server = CacheServerProcess(tmp_path)
+    s = make(server)
+    try:
+        a, a_kv = put(s, "a", seed=1)
+        s.manager.drain()
+        keys = s.manager.lookup(a).runs[0].keys
+        server.stop()                                              # SIGKILL mid-run
+        s.cpu.delete(list(keys))
+        t0 = time.monotonic()
+        assert s.manager.lookup(a).num_hit_blocks == 0             # a miss, not an exception
+        b, _ = put(s, "b", seed=2)
+        s.manager.drain()
+        assert time.monotonic() - t0 < 3.0                         # no stall on a dead server
+        remote = s.offload.tiers[1]
+        assert remote.counters.errors >= 1
+        server.start()                                             # an empty server on the same port
+        deadline = time.monotonic() + 10
+        while True:
+            c, _ = put(s, "c" + str(time.monotonic()), seed=3 + int(time.monotonic() * 1000) % 1000)
+            s.manager.drain()
+            if remote.contains(s.manager.lookup(c).runs[0].keys) == 2:
+                break                                              # recovered without restarting the client
+            assert time.monotonic() < deadline, "the tier did not recover within 10 s"
+            time.sleep(0.2)
+    finally:
+        s.close()
+        server.stop()
+
+
+def test_serve_flags_are_checked():
+    def serve(*flags):
+        return subprocess.run([sys.executable, "-m", "tiercache.cli", "serve", *flags],
+                              capture_output=True, text=True, timeout=60)
+    proc = serve("--capacity", "lots")
+    assert proc.returncode == 2 and "--capacity" in proc.stderr
+    proc = serve("--eviction", "nope", "--port", "0")
+    assert proc.returncode == 2 and "--eviction" in proc.stderr and "Traceback" not in proc.stderr
+    proc = serve("--auth-token-file", "/nonexistent/token", "--port", "0")
+    assert proc.returncode == 2 and "--auth-token-file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_grpc_config_errors_name_the_field():
+    from tiercache.config import load_config
+    from tiercache.errors import ConfigError
+    with pytest.raises(ConfigError, match="grpc.address"):
+        load_config(env={}, overrides=["grpc.address=nohost"])
+    with pytest.raises(ConfigError, match="grpc.write_mode"):
+        load_config(env={}, overrides=["grpc.write_mode=sometimes"])
+
+
+def test_the_metrics_endpoint_exports_the_servers_tiers(tmp_path):
+    port = free_port()
+    server = CacheServerProcess(tmp_path, "--metrics-port", str(port))
+    try:
+        GrpcTier(server.address, NS).write_chunks(chunks(2))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'tiercache_tier_chunks{tier="memory"} 2.0' in body
+        assert "tiercache_server_put_stored_total 2.0" in body
+    finally:
+        server.stop()
+
+
+def test_two_engine_processes_share_prefixes_through_one_server(cache_server, tmp_path):
+    """Replica 1 computes and writes through to the server; replica 2, a fresh process, loads the prefix from it."""
+    args = [sys.executable, "-m", "tiercache.cli", "demo", "--tiers", "cpu,grpc", "--grpc-address",
+            cache_server.address, "--requests", "3", "--prefix-tokens", "256", "--output-tokens", "3", "--quiet"]
+    first = subprocess.run([*args, "--json", str(tmp_path / "1.json")], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert json.loads((tmp_path / "1.json").read_text())["chunks_loaded_by_tier"]["grpc"] == 0
+    second = subprocess.run([*args, "--json", str(tmp_path / "2.json")], capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    report = json.loads((tmp_path / "2.json").read_text())
+    assert report["outputs_match"] is True
+    assert report["chunks_loaded_by_tier"]["grpc"] > 0
+    assert report["hit_tokens_by_tier"]["tiers"] >= 256
+
+
+def test_an_engine_keeps_generating_identical_tokens_when_the_server_dies(cache_server):
+    from tests.test_engine import offload, run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+
+    prompts = shared_prompts(n=4)
+    cfg = offload(grpc={"enabled": True, "address": cache_server.address, "retry_interval": 0.2, "timeout": 0.5})
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
+        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as one:
+        assert [s.output_token_ids for s in run_sequential(one, prompts[:1])] == expect[:1]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as two:
+        seqs = run_sequential(two, prompts[1:2])
+        assert seqs[0].output_token_ids == expect[1]
+        assert seqs[0].metrics.external_hit_tokens == 192           # the first engine's prefix, via the server
+        cache_server.stop()                                          # the server dies mid-run
+        seqs = run_sequential(two, prompts[2:])
+        assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from the server
+        cache_server.start()                                         # back: the tier recovers in the same engine
+        remote = two.stats()["connector"]["tiers"]["grpc"]
+        deadline, seed = time.monotonic() + 10, 1
+        while two.stats()["connector"]["tiers"]["grpc"]["stored"] == remote["stored"]:
+            assert time.monotonic() < deadline, "stores to the restarted server did not resume within 10 s"
+            run_sequential(two, shared_prompts(n=1, seed=seed))      # a new prefix: new chunks to write through
+            seed += 1
+            time.sleep(0.2)
+
+
+def test_bench_tiers_grpc_reports_ratios_against_a_bare_grpc_stream(tmp_path):
+    out = tmp_path / "g.json"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "grpc", "--shape",
+                           "small", "--total-mib", "8", "--reps", "2", "--quiet", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())["tiers"]["grpc"]
+    assert r["put_gbps"] > 0 and r["raw_put_gbps"] > 0 and r["get_ratio"] > 0
+    assert r["raw_baseline"].startswith("bare gRPC")

@@ -1,0 +1,159 @@
+"""Run `tiercache serve`: build the store and the gRPC server, log as JSON lines, stop cleanly on SIGTERM.
+
+Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, the server stops
+taking calls and gives running ones ``grace`` seconds, then chunks held only
+in memory are written to the disk tier (when there is one), so a restarted
+server starts warm.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tiercache.errors import ConfigError, RegistryError
+from tiercache.policies import eviction_policies
+from tiercache.server.service import CacheService
+from tiercache.server.store import ChunkStore, StoreConfig
+
+log = logging.getLogger("tiercache.server")
+
+HARD_LIMIT_FACTOR = 2   # gRPC refuses messages above this many times max_message_bytes before any handler runs
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 7070
+    capacity: int = 8 << 30
+    eviction: str = "lru"
+    disk: str = ""
+    disk_capacity: int = 100 << 30
+    auth_token_file: str = ""
+    max_message: int = 128 << 20
+    workers: int = 8
+    grace: float = 5.0
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("--port", self.port, "must be 0..65535 (0: any free port)")
+        if self.capacity <= 0:
+            raise ConfigError("--capacity", self.capacity, "must be positive")
+        if self.disk and self.disk_capacity <= 0:
+            raise ConfigError("--disk-capacity", self.disk_capacity, "must be positive")
+        if self.max_message < 1 << 16:
+            raise ConfigError("--max-message", self.max_message, "must be at least 64 KiB")
+        if self.workers < 1:
+            raise ConfigError("--workers", self.workers, "must be at least 1")
+        try:
+            eviction_policies.get(self.eviction)
+        except RegistryError as err:
+            raise ConfigError("--eviction", self.eviction, str(err)) from None
+
+    def auth_token(self) -> str | None:
+        if not self.auth_token_file:
+            return None
+        try:
+            token = Path(self.auth_token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError("--auth-token-file", self.auth_token_file, f"cannot read: {err.strerror}") from None
+        if not token:
+            raise ConfigError("--auth-token-file", self.auth_token_file, "is empty")
+        return token
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any ``extra`` fields."""
+    _standard = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "msg": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in self._standard})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonLogFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+class CacheServer:
+    """A running server: `start`, then `wait` until `stop` (from a signal or another thread)."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        try:
+            self.store = ChunkStore(StoreConfig(config.capacity, config.eviction, config.disk, config.disk_capacity))
+        except OSError as err:
+            raise ConfigError("--disk", config.disk, f"cannot use directory: {err.strerror}") from None
+        self.service = CacheService(self.store, config.max_message, config.auth_token())
+        hard = config.max_message * HARD_LIMIT_FACTOR
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc"),
+            handlers=[self.service.handler()],
+            options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=config.workers * 16,
+        )
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port}")
+        self._stopped = threading.Event()
+        self._metrics = None
+
+    def start(self) -> None:
+        self._server.start()
+        if self.config.metrics_port:
+            from tiercache.metrics import serve_metrics
+            self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
+        log.info("serving on %s:%d", self.config.host, self.port,
+                 extra={"event": "started", "port": self.port, "capacity": self.config.capacity,
+                        "disk": self.config.disk or None, "auth": self.config.auth_token_file != "",
+                        "chunks_on_disk": self.store.disk.num_chunks if self.store.disk else 0})
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self.service.serving = False
+        self._server.stop(self.config.grace).wait()
+        started = time.monotonic()
+        flushed = self.store.flush()
+        if self._metrics is not None:
+            self._metrics[0].shutdown()
+        log.info("stopped", extra={"event": "stopped", "flushed_to_disk": flushed,
+                                   "flush_s": round(time.monotonic() - started, 3)})
+        self._stopped.set()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def run(config: ServeConfig, log_format: str = "json") -> int:
+    setup_logging(log_format)
+    server = CacheServer(config)
+
+    def on_signal(signum, _frame) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name, extra={"event": "signal"})
+        threading.Thread(target=server.stop, name="tiercache-shutdown").start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(json.dumps({"event": "listening", "host": config.host, "port": server.port}), flush=True)
+    server.wait()
+    return 0

@@ -1,0 +1,204 @@
+"""The gRPC service of `tiercache serve`: request checks, auth, and the six RPCs over a `ChunkStore`.
+
+Handlers are registered as generic handlers that receive raw bytes, so a
+malformed request is parsed here and answered with ``INVALID_ARGUMENT`` and a
+log line (protobuf deserialisers failing inside gRPC would give ``INTERNAL``
+and no context), and a `Chunk` is parsed without copying its value.
+
+Error statuses, each with one log line naming the peer:
+- ``UNAUTHENTICATED``: a token is configured and the call lacks it;
+- ``INVALID_ARGUMENT``: a malformed message, a namespace or key of the wrong
+  size, a value whose header is damaged or names another namespace or key;
+- ``RESOURCE_EXHAUSTED``: a message larger than ``max_message_bytes`` (gRPC
+  itself refuses anything above twice that before it reaches a handler).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from tiercache import __version__
+from tiercache.errors import ChunkFormatError
+from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.server import tiercache_pb2 as pb
+from tiercache.server.store import ChunkStore, PutOutcome, check_value
+from tiercache.server.wire import AUTH_HEADER, SERVICE, WireError, encode_chunk, parse_chunk
+
+log = logging.getLogger("tiercache.server")
+
+MAX_KEY_BYTES = 64
+MAX_KEYS_PER_CALL = 1 << 16
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class CacheService:
+    def __init__(self, store: ChunkStore, max_message_bytes: int, auth_token: str | None = None) -> None:
+        self.store = store
+        self.max_message_bytes = max_message_bytes
+        self._auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self.serving = True
+        self.counters: Counter[str] = Counter()
+
+    # -- registration --------------------------------------------------------
+    def handler(self) -> grpc.GenericRpcHandler:
+        rpc = {
+            "Contains": grpc.unary_unary_rpc_method_handler(self._guard(self.contains), _identity, _identity),
+            "Get": grpc.unary_stream_rpc_method_handler(self._guard_stream(self.get), _identity, _identity),
+            "Put": grpc.stream_unary_rpc_method_handler(self._guard(self.put), _identity, _identity),
+            "Delete": grpc.unary_unary_rpc_method_handler(self._guard(self.delete), _identity, _identity),
+            "Stats": grpc.unary_unary_rpc_method_handler(self._guard(self.stats), _identity, _identity),
+            "Health": grpc.unary_unary_rpc_method_handler(self._guard(self.health, auth=False), _identity, _identity),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, rpc)
+
+    def _guard(self, fn, auth: bool = True):
+        name = fn.__name__
+
+        def run(request: Any, context: grpc.ServicerContext) -> bytes:
+            self.counters[f"rpc_{name}"] += 1
+            try:
+                if auth:
+                    self._authorize(context)
+                return fn(request, context)
+            except _Rejected as err:
+                self._reject(name, context, err)
+                raise AssertionError("unreachable: context.abort raises")
+        return run
+
+    def _guard_stream(self, fn):
+        name = fn.__name__
+
+        def run(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            self.counters[f"rpc_{name}"] += 1
+            try:
+                self._authorize(context)
+                yield from fn(request, context)
+            except _Rejected as err:
+                self._reject(name, context, err)
+        return run
+
+    def _reject(self, name: str, context: grpc.ServicerContext, err: _Rejected) -> None:
+        self.counters[f"rejected_{err.code.name.lower()}"] += 1
+        log.warning("rejected %s from %s: %s: %s", name, context.peer(), err.code.name, err.details,
+                    extra={"event": "rpc_rejected", "rpc": name, "peer": context.peer(), "code": err.code.name})
+        context.abort(err.code, err.details)
+
+    # -- checks --------------------------------------------------------------
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self._auth is None:
+            return
+        given = next((v for k, v in context.invocation_metadata() if k == AUTH_HEADER), "")
+        if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._auth):
+            raise _Rejected(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+
+    def _sized(self, data: bytes) -> bytes:
+        if len(data) > self.max_message_bytes:
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"message of {len(data)} bytes exceeds the server's limit of {self.max_message_bytes}")
+        return data
+
+    def _parse(self, cls: type[Message], data: bytes) -> Any:
+        msg = cls()
+        try:
+            msg.ParseFromString(self._sized(data))
+        except DecodeError as err:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {err}") from None
+        return msg
+
+    @staticmethod
+    def _names(namespace: bytes, keys) -> None:
+        if len(namespace) != NAMESPACE_DIGEST_BYTES:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"namespace must be {NAMESPACE_DIGEST_BYTES} bytes, got {len(namespace)}")
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call, limit {MAX_KEYS_PER_CALL}")
+        for key in keys:
+            if not 0 < len(key) <= MAX_KEY_BYTES:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"key of {len(key)} bytes (1..{MAX_KEY_BYTES})")
+
+    # -- RPCs ----------------------------------------------------------------
+    def contains(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        req = self._parse(pb.ContainsRequest, request)
+        self._names(req.namespace, req.keys)
+        return pb.ContainsReply(present=self.store.contains(req.namespace, list(req.keys))).SerializeToString()
+
+    def get(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        req = self._parse(pb.GetRequest, request)
+        self._names(req.namespace, req.keys)
+        for key in req.keys:
+            message = self.store.get(req.namespace, key)
+            if message is None:
+                yield encode_chunk(req.namespace, key)
+                continue
+            self.counters["bytes_out"] += len(message)
+            yield message
+
+    def put(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        reply = pb.PutReply()
+        for message in requests:
+            chunk = self._chunk(self._sized(message))
+            self.counters["bytes_in"] += len(chunk.value)
+            outcome = self.store.put(chunk.namespace, chunk.key, message)
+            if outcome is PutOutcome.STORED:
+                reply.stored += 1
+            elif outcome is PutOutcome.PRESENT:
+                reply.present += 1
+            else:
+                reply.rejected.append(chunk.key)
+        return reply.SerializeToString()
+
+    def _chunk(self, message: bytes):
+        try:
+            chunk = parse_chunk(message)
+        except WireError as err:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Chunk: {err}") from None
+        self._names(chunk.namespace, [chunk.key])
+        try:
+            check_value(chunk.namespace, chunk.key, chunk.value)
+        except ChunkFormatError as err:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"chunk {chunk.key.hex()[:16]}… rejected: {type(err).__name__}: {err}") from None
+        return chunk
+
+    def delete(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        req = self._parse(pb.DeleteRequest, request)
+        self._names(req.namespace, req.keys)
+        return pb.DeleteReply(deleted=self.store.delete(req.namespace, list(req.keys))).SerializeToString()
+
+    def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._parse(pb.StatsRequest, request)
+        s = self.stats_dict()
+        reply = pb.StatsReply(namespaces=s["namespaces"])
+        for name, t in s["tiers"].items():
+            counters = {k: int(v) for k, v in t.items() if isinstance(v, int) and not isinstance(v, bool)}
+            reply.tiers.add(name=name, capacity_bytes=t["capacity_bytes"], used_bytes=t["used_bytes"],
+                            chunks=t["chunks"], counters=counters)
+        reply.counters.update({k: int(v) for k, v in s["server"].items()})
+        return reply.SerializeToString()
+
+    def health(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._parse(pb.HealthRequest, request)
+        status = pb.HealthReply.SERVING if self.serving else pb.HealthReply.NOT_SERVING
+        return pb.HealthReply(status=status, version=__version__,
+                              max_message_bytes=self.max_message_bytes).SerializeToString()
+
+    def stats_dict(self) -> dict[str, Any]:
+        s = self.store.stats()
+        s["server"] = {**s["server"], **self.counters}
+        return s

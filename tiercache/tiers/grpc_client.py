@@ -1,0 +1,231 @@
+"""L3 on a shared `tiercache serve`: the gRPC client tier.
+
+Like the Redis tier, the server owns the data and this tier keeps no index:
+`contains` is one ``Contains`` call, stores are one client-streamed ``Put``
+per transfer job, loads one server-streamed ``Get``. Chunks travel in the
+stored chunk format (encoded here, header checked by the server, payload
+checksum verified here on every read), built and parsed by hand on the wire
+(`tiercache.server.wire`) so a value is copied once on the way out and read
+in place on the way in.
+
+Faults: every call has a deadline; a server that is gone, slow or refusing
+(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, ...) turns into
+misses and failed stores, and the tier goes quiet for a backoff (`Outage`),
+while the gRPC channel reconnects in the background (its own reconnect
+backoff is capped at ``retry_interval`` too, so a restarted server is seen
+within seconds).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+
+from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
+from tiercache.codecs import Buffer
+from tiercache.errors import ChunkFormatError
+from tiercache.keys import BlockHash
+from tiercache.server import tiercache_pb2 as pb
+from tiercache.server.wire import AUTH_HEADER, WireError, encode_chunk, method, parse_chunk
+from tiercache.tiers.base import LowerTier, Medium
+from tiercache.tiers.outage import Outage
+
+log = logging.getLogger(__name__)
+
+MIN_TRANSFER_RATE = 100e6   # bytes/s assumed when sizing a streaming call's deadline
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class GrpcTier(LowerTier):
+    medium = Medium.REMOTE
+    indexed = False
+
+    def __init__(self, address: str, namespace: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
+                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
+                 name: str = "grpc", clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.name = name
+        self.address = address
+        self.namespace = namespace
+        self.fmt = fmt or ChunkFormat()
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._outage = Outage(name, retry_interval_s, clock=clock)
+        self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
+        backoff_ms = max(100, int(retry_interval_s * 1000))
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes * 2),
+            ("grpc.max_receive_message_length", max_message_bytes * 2),
+            ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms * 4),
+            ("grpc.enable_retries", 0),
+        ])
+        unary = {n: self._channel.unary_unary(method(n), _identity, _identity) for n in ("Contains", "Delete", "Health")}
+        self._contains, self._delete, self._health = unary["Contains"], unary["Delete"], unary["Health"]
+        self._get = self._channel.unary_stream(method("Get"), _identity, _identity)
+        self._put = self._channel.stream_unary(method("Put"), _identity, _identity)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # -- availability --------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._outage.available
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self._outage.failed(what, err)
+        self.counters.errors += 1
+
+    def health(self) -> pb.HealthReply:
+        """The server's health (raises grpc.RpcError when it cannot be reached)."""
+        reply = pb.HealthReply()
+        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=self.timeout_s,
+                                           metadata=self._metadata))
+        return reply
+
+    # -- Tier ----------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return 0   # bounded by the server's --capacity, not by this client
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    @property
+    def num_chunks(self) -> int:
+        return 0
+
+    def _present(self, keys: Sequence[BlockHash]) -> int:
+        request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
+        reply = pb.ContainsReply()
+        reply.ParseFromString(self._contains(request, timeout=self.timeout_s, metadata=self._metadata))
+        return min(reply.present, len(keys))
+
+    def contains(self, keys: Sequence[BlockHash]) -> int:
+        if not keys or not self.available:
+            return self._count_lookup(len(keys), 0)
+        try:
+            n = self._present(keys)
+        except grpc.RpcError as err:
+            self._failed("lookup", err)
+            return self._count_lookup(len(keys), 0)
+        self._outage.succeeded()
+        return self._count_lookup(len(keys), n)
+
+    def has(self, key: BlockHash) -> bool:
+        if not self.available:
+            return False
+        try:
+            return self._present([key]) == 1
+        except grpc.RpcError as err:
+            self._failed("lookup", err)
+            return False
+
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        if not keys or not self.available:
+            return 0
+        try:
+            reply = pb.DeleteReply()
+            reply.ParseFromString(self._delete(pb.DeleteRequest(namespace=self.namespace, keys=keys).SerializeToString(),
+                                               timeout=self.timeout_s, metadata=self._metadata))
+        except grpc.RpcError as err:
+            self._failed("delete", err)
+            return 0
+        self.counters.deleted += reply.deleted
+        return reply.deleted
+
+    def reserve_bytes(self, raw_len: int) -> int:
+        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
+
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        """Accept a store while the server is reachable and the chunk fits in one message."""
+        ok = [self.available and size + 256 <= self.max_message_bytes for size in nbytes]
+        self.counters.store_rejected += ok.count(False)
+        return ok
+
+    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        self.counters.stored += len(keys) - len(failed)
+        self.counters.errors += len(failed)
+
+    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
+        return None   # the server cannot be asked to pin: a chunk evicted meanwhile is a failed read, hence a miss
+
+    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
+        self.counters.loaded += len(keys) - len(corrupt)
+        if corrupt:
+            self.counters.integrity_failures += len(corrupt)
+            self.delete(list(corrupt))
+
+    # -- I/O (worker side) ---------------------------------------------------
+    def _deadline(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / MIN_TRANSFER_RATE
+
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+        """One streamed ``Put`` of every chunk; returns the keys that were not stored."""
+        if not items:
+            return []
+        if not self.available:
+            return [meta.key for meta, _ in items]
+
+        def messages() -> Iterator[bytes]:
+            for meta, raw in items:
+                header, payload = self.fmt.encode_parts(meta, raw)
+                yield encode_chunk(self.namespace, meta.key, header, payload)
+
+        nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
+        try:
+            reply = pb.PutReply()
+            reply.ParseFromString(self._put(messages(), timeout=self._deadline(nbytes), metadata=self._metadata))
+        except grpc.RpcError as err:
+            self._failed("store", err)
+            return [meta.key for meta, _ in items]
+        self._outage.succeeded()
+        return [BlockHash(k) for k in reply.rejected]
+
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """One streamed ``Get``; each chunk is verified and decoded into its buffer.
+
+        Returns the raw length placed per item, or None for a miss, a corrupt
+        or foreign chunk, or an unreachable server.
+        """
+        out: list[int | None] = [None] * len(items)
+        if not items or not self.available:
+            return out
+        request = pb.GetRequest(namespace=self.namespace, keys=[k for k, _ in items]).SerializeToString()
+        nbytes = sum(len(buf) for _, buf in items)
+        try:
+            for i, message in enumerate(self._get(request, timeout=self._deadline(nbytes), metadata=self._metadata)):
+                if i < len(items):
+                    out[i] = self._place(items[i], message)
+        except grpc.RpcError as err:
+            self._failed("load", err)
+            return [None] * len(items)
+        self._outage.succeeded()
+        return out
+
+    def _place(self, item: tuple[BlockHash, memoryview], message: bytes) -> int | None:
+        key, buf = item
+        try:
+            chunk = parse_chunk(message)
+            if not chunk.value:
+                return None
+            if chunk.namespace != self.namespace or chunk.key != key:
+                raise ChunkFormatError("the server answered for another namespace or key")
+            parsed = check_header(chunk.value[:HEADER_BYTES], self.namespace, key)
+            meta = parsed[0]
+            if meta.raw_len > len(buf):
+                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
+            data = verify_payload(parsed, chunk.value[HEADER_BYTES:])
+            buf[:meta.raw_len] = memoryview(data).cast("B")
+            return meta.raw_len
+        except (WireError, ChunkFormatError) as err:
+            log.warning("grpc tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+            return None
