@@ -19,11 +19,12 @@ from tiercache.keys import BlockHash, Namespace
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
+from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
 from tiercache.tiers.base import LowerTier, Tier
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers
+from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,8 @@ def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     return tier
 
 
-def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Namespace) -> OffloadStack:
+def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV, namespace: Namespace) -> OffloadStack:
+    """The stack over L0 ``kv``: tiercache's own paged pool, or an engine's per-layer tensors (vLLM)."""
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
     if not config.cpu.enabled:
@@ -145,13 +147,12 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache, namespace: Na
     lower = [lower_tiers.get(name)(config, namespace) for name in enabled]
 
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
-    DeviceCpuHandlers(kv, cpu, bpc).register(engine)
-    g = kv.geometry
+    handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
+    handlers(kv, cpu, bpc).register(engine)
     digest = namespace.digest()
 
     def chunk_meta(key: BlockHash, chunk_blocks: int) -> ChunkMeta:
-        shape = (g.num_layers, 2, chunk_blocks, kv.block_size, g.num_kv_heads, g.head_dim)
-        return ChunkMeta(digest, key, chunk_blocks * kv.block_size, g.dtype, shape)
+        return ChunkMeta(digest, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks))
 
     for tier in lower:
         CpuLowerHandlers(cpu, tier, chunk_meta).register(engine)

@@ -160,7 +160,7 @@ class GrpcTierConfig:
         host, sep, port = self.address.rpartition(":")
         _check(bool(sep and host and port.isdigit() and 0 < int(port) < 65536), "address", self.address,
                "expected host:port")
-        _check(self.max_message >= 1 << 16, "max_message", self.max_message, "must be at least 64 KiB")
+        _check(1 << 16 <= self.max_message <= 1 << 30, "max_message", self.max_message, "must be between 64 KiB and 1 GiB")
         _remote_checks(self)
 
 

@@ -110,7 +110,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
     server = None
     if kind == "grpc" and target is None:
         server = Subprocess("tiercache.cli", "serve", "--capacity", str(2 * total_bytes + (256 << 20)),
-                            "--max-message", str(max(128 << 20, 2 * total_bytes)), "--log-format", "text")
+                            "--log-format", "text")
         target = server.address
     section = {"enabled": True, "timeout": 30.0, "write_mode": "write-back",
                **({"url": target} if kind == "redis" else {"address": target})}

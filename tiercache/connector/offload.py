@@ -283,6 +283,17 @@ class OffloadWorker(WorkerConnector):
             self._stores_in_flight[owner].add(plan.job_id)
         self._meta = ConnectorMetadata()
 
+    def wait_for_stores(self) -> None:
+        """Block until every store handed over so far has read its L0 blocks (results stay for `get_finished`).
+
+        For engines that reuse a step's blocks as soon as the step ends (vLLM
+        frees a preempted request's blocks at once).
+        """
+        running = [job for jobs in self._stores_in_flight.values() for job in jobs
+                   if job not in {r.job_id for r in self._results}]
+        if running:
+            self._results += self.engine.wait(running)
+
     def get_finished(self) -> ConnectorOutput:
         results = self._results + self.engine.poll()
         self._results = []

@@ -46,6 +46,11 @@ class PagedKVCache:
         """Bytes one block holds across all layers, K and V."""
         return self.kv[:, :, 0].numel() * self.kv.element_size()
 
+    def chunk_shape(self, chunk_blocks: int) -> tuple[int, ...]:
+        """Shape of a chunk of ``chunk_blocks`` blocks as stored (the layout of `kernels.torch_ops.chunk_view`)."""
+        g = self.geometry
+        return (g.num_layers, 2, chunk_blocks, self.block_size, g.num_kv_heads, g.head_dim)
+
     def layer(self, layer: int) -> torch.Tensor:
         """``[2, num_blocks, block_size, heads, head_dim]`` view of one layer."""
         return self.kv[layer]

@@ -27,6 +27,7 @@ from tiercache.server.store import ChunkStore, StoreConfig
 log = logging.getLogger("tiercache.server")
 
 HARD_LIMIT_FACTOR = 2   # gRPC refuses messages above this many times max_message_bytes before any handler runs
+MAX_MESSAGE_LIMIT = 1 << 30   # gRPC's message limits are 32-bit: twice this still fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +51,8 @@ class ServeConfig:
             raise ConfigError("--capacity", self.capacity, "must be positive")
         if self.disk and self.disk_capacity <= 0:
             raise ConfigError("--disk-capacity", self.disk_capacity, "must be positive")
-        if self.max_message < 1 << 16:
-            raise ConfigError("--max-message", self.max_message, "must be at least 64 KiB")
+        if not 1 << 16 <= self.max_message <= MAX_MESSAGE_LIMIT:
+            raise ConfigError("--max-message", self.max_message, "must be between 64 KiB and 1 GiB")
         if self.workers < 1:
             raise ConfigError("--workers", self.workers, "must be at least 1")
         try:

@@ -21,6 +21,7 @@ from tiercache.kernels.cuda import make_copier
 from tiercache.keys import BlockHash
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
+from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.tiers.base import Medium
 from tiercache.tiers.cpu import CpuTier
 from tiercache.transfer.engine import LayerProgress, TransferEngine
@@ -90,6 +91,47 @@ class DeviceCpuHandlers:
             return
         for layer in range(self.kv.kv.shape[0]):
             self._move(plan, store=False, layers=slice(layer, layer + 1))
+            progress.mark(layer)
+
+
+class LayerTensorsHandlers:
+    """L0 ↔ L1 for an engine's per-layer KV tensors (`LayerTensorsKV`): one gather or scatter per layer
+    per chunk, each moving all of the chunk's blocks in that layer as opaque rows."""
+
+    def __init__(self, kv: LayerTensorsKV, cpu: CpuTier, blocks_per_chunk: int) -> None:
+        self.kv = kv
+        self.cpu = cpu
+        self.blocks_per_chunk = blocks_per_chunk
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(Medium.DEVICE, Medium.CPU, self.store)
+        engine.register(Medium.CPU, Medium.DEVICE, self.load)
+
+    def _move(self, plan: TransferPlan, store: bool, layers: range) -> None:
+        kv = self.kv
+        per_layer = kv.layer_block_bytes
+        for c in plan.chunks:
+            if not c.block_ids:
+                continue
+            slot = self.cpu.slot_view(c.slot).view(torch.uint8)  # type: ignore[arg-type]
+            span = slice(c.first_block, c.first_block + len(c.block_ids))
+            for layer in layers:
+                piece = slot[layer * c.chunk_blocks * per_layer:(layer + 1) * c.chunk_blocks * per_layer]
+                pool = kv.pool(layer)
+                part = chunk_view(pool, piece, c.chunk_blocks)[:, :, span]
+                (gather_blocks if store else scatter_blocks)(pool, c.block_ids, part)
+        if kv.device.type == "cuda":
+            torch.cuda.current_stream(kv.device).synchronize()
+
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
+        self._move(plan, store=True, layers=range(self.kv.num_layers))
+
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
+        if progress is None:
+            self._move(plan, store=False, layers=range(self.kv.num_layers))
+            return
+        for layer in range(self.kv.num_layers):
+            self._move(plan, store=False, layers=range(layer, layer + 1))
             progress.mark(layer)
 
 

