@@ -6,7 +6,6 @@ import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
 from tests.test_hierarchy import load, put
-from tiercache.keys import BlockHash
 from tiercache.tiers.redis import RedisTier
 
 BPC = CHUNK // BLOCK
