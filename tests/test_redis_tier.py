@@ -172,3 +172,37 @@ def test_a_unix_socket_url(tmp_path):
             s.close()
     finally:
         server.stop()
+
+
+def test_a_tls_server_through_a_rediss_url(tmp_path):
+    """rediss:// with the server's CA in the URL; a client that does not trust the certificate sees misses."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from tests.conftest import RedisServer, free_port
+    if shutil.which("redis-server") is None or shutil.which("openssl") is None:
+        pytest.skip("redis-server or openssl is not installed (.ci/run installs redis-server)")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "2", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    port = free_port()
+    server = RedisServer(tmp_path, extra=("--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file",
+                                          str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"))
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
+        s = Stack(num_blocks=64, cpu_chunks=2, redis={"enabled": True, "url": url})
+        try:
+            a, a_kv = put(s, "a", seed=5)
+            s.manager.drain()
+            keys = s.manager.lookup(a).runs[0].keys
+            s.cpu.delete(list(keys))
+            assert torch.equal(load(s, a), a_kv)                     # over TLS and back, bit-exact
+        finally:
+            s.close()
+        untrusting = RedisTier(f"rediss://127.0.0.1:{port}/0", b"x" * 16, timeout_s=1.0)
+        assert untrusting.contains(list(keys)) == 0 and untrusting.counters.errors == 1
+    finally:
+        server.stop()
