@@ -107,5 +107,5 @@ def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_pa
     assert rows[("no-reuse", "cpu")]["token_hit_ratio"] == 0
     assert set(report["store_overhead_ttft_ratio_no_reuse"]) == {"none", "cpu", "cpu+disk"}
     assert (out / "engine.png").read_bytes()[:4] == b"\x89PNG" and "TTFT p50" in (out / "engine.md").read_text()
-    proc = tiercache("bench", "engine", "--setups", "cpu+redis")
-    assert proc.returncode == 2 and "cpu+redis" in proc.stderr
+    proc = tiercache("bench", "engine", "--setups", "cpu+tape")
+    assert proc.returncode == 2 and "cpu+tape" in proc.stderr

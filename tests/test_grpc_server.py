@@ -361,3 +361,16 @@ def test_bench_tiers_grpc_reports_ratios_against_a_bare_grpc_stream(tmp_path):
     r = json.loads(out.read_text())["tiers"]["grpc"]
     assert r["put_gbps"] > 0 and r["raw_put_gbps"] > 0 and r["get_ratio"] > 0
     assert r["raw_baseline"].startswith("bare gRPC")
+
+
+def test_bench_engine_with_remote_tiers_matches_the_baseline(redis_server, tmp_path):
+    out = tmp_path / "eng"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "engine", "--workloads", "shared-prefix",
+                           "--setups", "cpu+redis,cpu+disk+grpc", "--requests", "3", "--prefix-tokens", "256",
+                           "--output-tokens", "2", "--quiet", "--out", str(out), "--set",
+                           f"redis.url={redis_server.url}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["setup"]: r for r in json.loads((out / "engine.json").read_text())["results"]}
+    assert set(rows) == {"baseline (no cache)", "cpu+redis", "cpu+disk+grpc"}
+    assert all(r["outputs_match_baseline"] for r in rows.values())
+    assert set(rows["cpu+disk+grpc"]["chunks_loaded_by_tier"]) == {"cpu", "disk", "grpc"}

@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = bench.add_parser("engine", help="reference-engine workloads across tier setups")
     e.add_argument("--workloads", default="shared-prefix,multi-turn,long-doc,no-reuse",
                    help="comma-separated: shared-prefix, multi-turn, long-doc, no-reuse")
-    e.add_argument("--setups", default="none,cpu,cpu+disk", help="comma-separated: none, cpu, cpu+disk")
+    e.add_argument("--setups", default="none,cpu,cpu+disk",
+                   help="comma-separated: none, cpu, cpu+disk, cpu+redis, cpu+disk+redis (against redis.url), "
+                        "cpu+grpc, cpu+disk+grpc (a tiercache serve started for the run)")
     e.add_argument("--requests", type=_positive, default=8)
     e.add_argument("--prefix-tokens", type=_positive, default=1024)
     e.add_argument("--suffix-tokens", type=_positive, default=64)
