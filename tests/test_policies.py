@@ -91,3 +91,42 @@ def test_arc_ghost_hits_shift_the_target():
     assert first == "a" and p._p == 0
     p.insert("a")                         # a ghost hit in B1: recency deserved more room
     assert p._p > 0 and "a" in p._t2
+
+
+def test_prefix_lru_evicts_orphans_first_then_leaves_before_their_parents():
+    from tiercache.policies import eviction_policies
+    p = eviction_policies.get("prefix-lru")()
+    for k in ("a", "b", "c", "x"):          # a → b → c is one chain, x stands alone (newest)
+        p.insert(k)
+    p.link("b", "a")
+    p.link("c", "b")
+    assert p.pop_victim() == "c"            # the oldest, a, still has a child: the chain's tail goes first
+    p.insert("c")
+    p.link("c", "b")
+    p.remove("a")                           # the head leaves: b can never be hit now
+    assert p.pop_victim() == "b"
+    assert p.pop_victim() == "c"            # and with b gone, c is an orphan too
+    assert p.pop_victim() == "x" and p.pop_victim() is None
+
+
+def test_prefix_lru_a_returning_parent_rescues_its_children():
+    from tiercache.policies import eviction_policies
+    p = eviction_policies.get("prefix-lru")()
+    for k in ("a", "b", "y"):
+        p.insert(k)
+    p.link("b", "a")
+    p.remove("a")
+    p.insert("a")                           # recomputed and stored again: b is useful again
+    assert p.pop_victim() == "b"            # not as an orphan: as the oldest leaf (a, newer, is b's parent)
+    assert [p.pop_victim(), p.pop_victim()] == ["y", "a"]
+    assert len(p) == 0
+
+
+def test_prefix_lru_in_the_trace_replay_is_never_worse_than_lru():
+    from tests.test_trace import SHARED_TRACE
+    from tiercache.bench.trace import load_trace, replay
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    trace = load_trace(SHARED_TRACE)[:1500]
+    lru, prefix = replay(trace, 300_000, "lru"), replay(trace, 300_000, "prefix-lru")
+    assert prefix.token_hit_ratio >= lru.token_hit_ratio - 1e-9

@@ -156,6 +156,8 @@ class CacheManager:
         for True to turn False never waits forever.
         """
         pending = False
+        chain = [k for run in lookup.runs for k in run.keys]   # runs are consecutive: one chain
+        parent_of = dict(zip(chain[1:], chain))
         for run in lookup.runs:
             if run.tier == self.l1.name:
                 continue
@@ -170,7 +172,8 @@ class CacheManager:
                     start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
                     sizes.append((key, end - start))
             slots = self.l1.prepare_store([k for k, _ in sizes], [n * self.block_bytes for _, n in sizes])
-            chunks = [ChunkCopy(k, slot, (), n) for (k, n), slot in zip(sizes, slots) if slot is not None]
+            chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k))
+                      for (k, n), slot in zip(sizes, slots) if slot is not None]
             if not chunks:
                 continue
             lower.prepare_load([c.key for c in chunks])
@@ -237,9 +240,10 @@ class CacheManager:
             return None
         bounds = [self._chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
         slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds])
+        parents = [keys[i - 1] if i else None for i in range(first_chunk, len(keys))]
         chunks = [
-            ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start)
-            for key, slot, (start, end) in zip(keys[first_chunk:], slots, bounds)
+            ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start, parent=parent)
+            for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
             if slot is not None
         ]
         return self._plan(JobKind.STORE, Medium.DEVICE, Medium.CPU, Priority.STORE, chunks) if chunks else None
@@ -281,6 +285,7 @@ class CacheManager:
                 self.l1.complete_load(keys)
             elif job.kind is JobKind.STORE:
                 self.l1.complete_store(keys, failed)
+                self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
                 if self._through:
                     bad = set(failed)
                     stored = [c for c in job.plan.chunks if c.key not in bad]
@@ -288,6 +293,7 @@ class CacheManager:
                         self._copy_down(stored, lower)
             elif job.kind is JobKind.PROMOTE:
                 self.l1.complete_store(keys, failed)
+                self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
                 job.lower.complete_load(keys, corrupt=failed)
                 for key in keys:
                     self._promoting.pop(key, None)
@@ -296,6 +302,7 @@ class CacheManager:
                 self.l1.finish_spills(keys)
             else:  # COPY_DOWN
                 job.lower.complete_store(keys, failed)
+                job.lower.link([(c.key, c.parent) for c in job.plan.chunks])
                 self.l1.unpin(keys)
 
     def _copy_down(self, chunks: list[ChunkCopy], lower: LowerTier) -> None:

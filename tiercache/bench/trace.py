@@ -96,6 +96,7 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
         missing = list(keys[hit:])
         reserved = [k for k, ok in zip(missing, tier.prepare_store(missing, [1] * len(missing))) if ok]
         tier.complete_store(reserved)
+        tier.link([(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= hit])
     return result
 
 

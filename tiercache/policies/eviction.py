@@ -192,3 +192,80 @@ class ARCPolicy:
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
+
+
+@eviction_policies.register("prefix-lru")
+class PrefixLRUPolicy(LRUPolicy):
+    """LRU that knows chains: a chunk whose parent has left goes first, and otherwise the least recently
+    used chunk that no resident chunk extends (a chain's tail before its head).
+
+    A hit is a leading run of chunks, so a child whose parent is gone can
+    never be part of one until the parent comes back; holding it only takes
+    room. Callers that know a chunk's parent say so with `link` (the tiers
+    forward it from `IndexedTier.link`); chunks never linked behave as under
+    LRU. At most ``SCAN`` of the oldest chunks are looked at for a leaf, so a
+    victim is found in bounded time.
+    """
+
+    SCAN = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._parent: dict[Key, Key] = {}
+        self._children: dict[Key, set[Key]] = {}
+        self._orphans: OrderedDict[Key, None] = OrderedDict()
+
+    def link(self, child: Key, parent: Key) -> None:
+        if child not in self._order or self._parent.get(child) == parent:
+            return
+        self._unlink(child)
+        self._parent[child] = parent
+        self._children.setdefault(parent, set()).add(child)
+        if parent not in self._order:
+            self._orphans[child] = None
+
+    def insert(self, key: Key) -> None:
+        super().insert(key)
+        for child in self._children.get(key, ()):   # back: its children are useful again
+            self._orphans.pop(child, None)
+
+    def remove(self, key: Key) -> None:
+        if key in self._order:
+            super().remove(key)
+            self._forget(key)
+
+    def pop_victim(self) -> Key | None:
+        if self._orphans:
+            key, _ = self._orphans.popitem(last=False)
+        else:
+            key = None
+            for i, candidate in enumerate(self._order):
+                if i >= self.SCAN:
+                    break
+                if not self._children.get(candidate):
+                    key = candidate
+                    break
+            if key is None:
+                key = next(iter(self._order), None)
+                if key is None:
+                    return None
+        del self._order[key]
+        self._forget(key)
+        return key
+
+    def _forget(self, key: Key) -> None:
+        """``key`` left: it is nobody's child any more, and its children are orphans."""
+        self._unlink(key)
+        self._orphans.pop(key, None)
+        for child in self._children.get(key, ()):
+            if child in self._order:
+                self._orphans[child] = None
+
+    def _unlink(self, child: Key) -> None:
+        parent = self._parent.pop(child, None)
+        if parent is not None:
+            siblings = self._children.get(parent)
+            if siblings is not None:
+                siblings.discard(child)
+                if not siblings:
+                    del self._children[parent]

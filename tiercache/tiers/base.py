@@ -68,6 +68,9 @@ class Tier(ABC):
     def close(self) -> None:
         """Release connections or handles (the tier is not used afterwards)."""
 
+    def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
+        """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
+
     def stats(self) -> dict[str, object]:
         c = self.counters
         return {

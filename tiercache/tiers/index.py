@@ -98,6 +98,15 @@ class IndexedTier(Tier):
                 self.policy.insert(key)
                 self.counters.stored += 1
 
+    def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
+        """Tell a chain-aware eviction policy each resident chunk's parent (the chunk before it in its request)."""
+        link = getattr(self.policy, "link", None)
+        if link is None:
+            return
+        for child, parent in pairs:
+            if parent is not None and child in self.entries:
+                link(child, parent)
+
     def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
         """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
         pinned = []

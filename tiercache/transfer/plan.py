@@ -33,6 +33,7 @@ class ChunkCopy:
     block_ids: tuple[int, ...]
     chunk_blocks: int
     first_block: int = 0
+    parent: BlockHash | None = None   # the request's previous chunk, for chain-aware eviction
 
 
 @dataclass(frozen=True, slots=True)
