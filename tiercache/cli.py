@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
     t.add_argument("--capacity-tokens", type=_capacity_list, default=[1_000_000, 3_000_000],
                    help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
-    t.add_argument("--policy", type=_policy_list, default=["lru"], help="comma-separated eviction policies")
+    t.add_argument("--policy", type=_policy_list, default=["lru", "s3-fifo"],
+                   help="comma-separated eviction policies (default: lru,s3-fifo)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")
@@ -229,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
-    v.add_argument("--eviction", default="lru", help="eviction policy of memory and disk")
+    v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: s3-fifo)")
     v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
     v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
@@ -250,9 +251,11 @@ def _size(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tiercache.policies import DEFAULT_EVICTION
     from tiercache.server.app import ServeConfig, run
 
-    config = ServeConfig(host=args.host, port=args.port, capacity=args.capacity, eviction=args.eviction,
+    config = ServeConfig(host=args.host, port=args.port, capacity=args.capacity,
+                         eviction=args.eviction or DEFAULT_EVICTION,
                          disk=args.disk, disk_capacity=args.disk_capacity, auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          metrics_port=args.metrics_port)

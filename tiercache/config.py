@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiercache.policies.eviction import DEFAULT_EVICTION
+
 from tiercache.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -93,7 +95,7 @@ class DevicePoolConfig:
 class CpuTierConfig:
     enabled: bool = _opt(True, "keep an L1 tier in (pinned) host memory")
     capacity: int = _size(1 << 30, "bytes of host memory for L1 chunks")
-    eviction: str = _opt("lru", "eviction policy name")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: s3-fifo | lru | arc | fifo | prefix-lru")
     prefault: bool = _opt(True, "touch every page of the L1 buffer at start")
     pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
 
@@ -107,7 +109,7 @@ class DiskTierConfig:
     enabled: bool = _opt(False, "keep an L2 tier of chunk files on a local disk")
     path: str = _opt("", "directory for chunk files (created if missing); required when enabled")
     capacity: int = _size(10 << 30, "bytes of chunk files, headers included")
-    eviction: str = _opt("lru", "eviction policy name")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: s3-fifo | lru | arc | fifo | prefix-lru")
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")

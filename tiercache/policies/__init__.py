@@ -1,5 +1,5 @@
 """Pluggable cache policies, each chosen by name from a registry."""
 from tiercache.policies.admission import AdmissionPolicy, admission_policies
-from tiercache.policies.eviction import EvictionPolicy, eviction_policies
+from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
-__all__ = ["AdmissionPolicy", "EvictionPolicy", "admission_policies", "eviction_policies"]
+__all__ = ["DEFAULT_EVICTION", "AdmissionPolicy", "EvictionPolicy", "admission_policies", "eviction_policies"]

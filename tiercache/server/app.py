@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 
 from tiercache.errors import ConfigError, RegistryError
-from tiercache.policies import eviction_policies
+from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.service import CacheService
 from tiercache.server.store import ChunkStore, StoreConfig
 
@@ -35,7 +35,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 7070
     capacity: int = 8 << 30
-    eviction: str = "lru"
+    eviction: str = DEFAULT_EVICTION
     disk: str = ""
     disk_capacity: int = 100 << 30
     auth_token_file: str = ""

@@ -36,6 +36,7 @@ from tiercache.keys import NAMESPACE_DIGEST_BYTES, BlockHash
 from tiercache.server.wire import encode_chunk, parse_chunk
 from tiercache.tiers.base import Medium
 from tiercache.tiers.disk import chunk_path, scan_chunk_files, write_chunk_file
+from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.index import Entry, IndexedTier
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class MemoryChunks(IndexedTier):
     """The server's memory tier: one ``bytes`` message per key, bounded by ``capacity_bytes``."""
     medium = Medium.CPU
 
-    def __init__(self, capacity_bytes: int, eviction: str = "lru", name: str = "memory") -> None:
+    def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory") -> None:
         super().__init__(eviction)
         self.name = name
         self._capacity = capacity_bytes
@@ -100,7 +101,7 @@ class DiskChunks(IndexedTier):
     """The server's disk tier: one chunk file per key, the index rebuilt from the files at start."""
     medium = Medium.DISK
 
-    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = "lru", name: str = "disk") -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk") -> None:
         super().__init__(eviction)
         self.name = name
         self.root = Path(root)
@@ -141,7 +142,7 @@ class DiskChunks(IndexedTier):
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     capacity: int
-    eviction: str = "lru"
+    eviction: str = DEFAULT_EVICTION
     disk_path: str = ""
     disk_capacity: int = 0
 

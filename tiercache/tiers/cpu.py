@@ -25,6 +25,7 @@ import torch
 
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import Medium
+from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.tiers.slab import SlabAllocator
 
@@ -47,7 +48,7 @@ class CpuTier(IndexedTier):
         self,
         capacity_bytes: int,
         slot_bytes: int,
-        eviction: str = "lru",
+        eviction: str = DEFAULT_EVICTION,
         pin_memory: bool = False,
         prefault: bool = True,
         name: str = "cpu",

@@ -34,6 +34,7 @@ from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
+from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.index import Entry, IndexedTier
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class DiskTier(IndexedTier, LowerTier):
     medium = Medium.DISK
 
     def __init__(self, root: str | os.PathLike[str], capacity_bytes: int, namespace: bytes,
-                 fmt: ChunkFormat | None = None, eviction: str = "lru", fsync: bool = False,
+                 fmt: ChunkFormat | None = None, eviction: str = DEFAULT_EVICTION, fsync: bool = False,
                  o_direct: bool = False, name: str = "disk") -> None:
         super().__init__(eviction)
         self.fmt = fmt or ChunkFormat()

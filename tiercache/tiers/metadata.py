@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
+from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.index import Entry, IndexedTier
 
 
 class MetadataTier(IndexedTier, LowerTier):
-    def __init__(self, capacity_chunks: int, eviction: str = "lru", name: str = "meta",
+    def __init__(self, capacity_chunks: int, eviction: str = DEFAULT_EVICTION, name: str = "meta",
                  medium: Medium = Medium.DISK) -> None:
         super().__init__(eviction)
         if capacity_chunks < 1:
