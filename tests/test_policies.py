@@ -130,3 +130,30 @@ def test_prefix_lru_in_the_trace_replay_is_never_worse_than_lru():
     trace = load_trace(SHARED_TRACE)[:1500]
     lru, prefix = replay(trace, 300_000, "lru"), replay(trace, 300_000, "prefix-lru")
     assert prefix.token_hit_ratio >= lru.token_hit_ratio - 1e-9
+
+
+def test_frequency_admission_counts_requests_and_forgets_slowly():
+    import hashlib
+
+    from tiercache.policies import admission_policies
+    a = admission_policies.get("frequency")(1)            # asked for by at least 2 requests
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(200)]
+    a.record(keys[:100])
+    a.record(keys[:50] + keys[:50])                        # duplicates in one request count once
+    assert all(a.admit(k, 0) for k in keys[:50])
+    assert sum(a.admit(k, 0) for k in keys[50:]) <= 2      # a sketch may over-count a collision, never under-count
+    a._additions = 10 * a.WIDTH - 1                        # the next addition ages the sketch: every count halves
+    a.record([hashlib.sha256(b"other").digest()])
+    assert not a.admit(keys[0], 0)
+
+
+def test_frequency_admission_writes_less_to_l2_on_the_trace():
+    from tests.test_trace import SHARED_TRACE
+    from tiercache.bench.trace import load_trace, replay_hierarchy
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    trace = load_trace(SHARED_TRACE)[:1500]
+    always = replay_hierarchy(trace, 200_000, 800_000, "always")
+    frequency = replay_hierarchy(trace, 200_000, 800_000, "frequency", 1)
+    assert frequency.l2_written_chunks < 0.7 * always.l2_written_chunks
+    assert frequency.token_hit_ratio > 0

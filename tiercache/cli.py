@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
-    v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: s3-fifo)")
+    v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lru)")
     v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
     v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")

@@ -140,6 +140,12 @@ class CacheManager:
             hit = max(hit, self._chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
         return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks)
 
+    def record_request(self, keys: Sequence[BlockHash]) -> None:
+        """The engine admitted a request wanting chunks ``keys``: tell an admission policy that counts demand."""
+        record = getattr(self.admission, "record", None)
+        if record is not None:
+            record(keys)
+
     def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
         """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now."""
         runs = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tiercache.keys import BlockHash
 from tiercache.manager import CacheManager
-from tiercache.policies import admission_policies
+from tiercache.policies import DEFAULT_EVICTION, admission_policies
 from tiercache.tiers.cpu import CpuTier
 from tiercache.tiers.metadata import MetadataTier
 from tiercache.transfer.engine import TransferEngine
@@ -111,9 +111,10 @@ def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> No
 
 
 def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
-                     min_hits: int = 1, write_mode: str = "write-back") -> HierarchyResult:
-    l1 = CpuTier(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, prefault=False)
-    l2 = MetadataTier(max(1, l2_tokens // TRACE_BLOCK_TOKENS), name="l2")
+                     min_hits: int = 1, write_mode: str = "write-back",
+                     eviction: str = DEFAULT_EVICTION) -> HierarchyResult:
+    l1 = CpuTier(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction, prefault=False)
+    l2 = MetadataTier(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
     engine = TransferEngine(workers=1)   # hands out job ids; nothing is submitted
     manager = CacheManager(l1, engine, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
                            lower=[l2], write_mode=write_mode,
@@ -122,6 +123,7 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
     try:
         for request in trace:
             keys = request.keys
+            manager.record_request(keys)
             lookup = manager.lookup_chunks(keys, len(keys))
             if manager.promote(lookup):
                 result.l2_hit_chunks += sum(len(r.keys) for r in lookup.runs if r.tier == "l2")

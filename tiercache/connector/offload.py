@@ -21,7 +21,7 @@ from tiercache.build import OffloadStack
 from tiercache.connector.api import (
     ConnectorMetadata, ConnectorOutput, RequestView, SchedulerConnector, StepRequest, WorkerConnector,
 )
-from tiercache.keys import BlockHash
+from tiercache.keys import BlockHash, chunk_keys
 from tiercache.lookup import PrefixLookup
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.tiers.base import Medium
@@ -94,6 +94,7 @@ class OffloadScheduler(SchedulerConnector):
         rid = request.request_id
         found = self._lookups.pop(rid, None)
         self.counters.admitted_tokens += request.num_tokens
+        self.manager.record_request(chunk_keys(request.block_hashes, self.bpc, self.manager.store_partial_chunks))
         if not num_external_tokens or found is None:
             return
         lookup, swapped = found

@@ -32,10 +32,9 @@ class EvictionPolicy(Protocol):
 
 eviction_policies: Registry[type[EvictionPolicy]] = Registry("eviction policy")
 
-# Chosen by `tiercache bench trace` on the Mooncake trace and on three traces cut from it (halves, every
-# other request): S3-FIFO beat LRU in 14 of those 15 capacity points (+2% at 1M tokens, +3% at 3M on the
-# whole trace, up to +12% on the first half) and tied the last (-0.2%); ARC lost 12% on one (benchmarks/RESULTS.md).
-DEFAULT_EVICTION = "s3-fifo"
+# LRU: S3-FIFO and ARC beat it by 2-7% on a single tier over the Mooncake trace, but with L1 over L2
+# (write-back spills, the real CacheManager) LRU wins at every L1 size tried (benchmarks/RESULTS.md).
+DEFAULT_EVICTION = "lru"
 
 
 @eviction_policies.register("lru")
