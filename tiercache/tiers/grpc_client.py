@@ -29,8 +29,7 @@ from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.server import tiercache_pb2 as pb
 from tiercache.server.wire import AUTH_HEADER, WireError, encode_chunk, method, parse_chunk
-from tiercache.tiers.base import LowerTier, Medium
-from tiercache.tiers.outage import Outage
+from tiercache.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +40,15 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-class GrpcTier(LowerTier):
-    medium = Medium.REMOTE
-    indexed = False
-
+class GrpcTier(RemoteTier):
     def __init__(self, address: str, namespace: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
                  name: str = "grpc", clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__()
-        self.name = name
+        super().__init__(name, fmt, retry_interval_s, clock)
         self.address = address
         self.namespace = namespace
-        self.fmt = fmt or ChunkFormat()
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
-        self._outage = Outage(name, retry_interval_s, clock=clock)
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
         backoff_ms = max(100, int(retry_interval_s * 1000))
         self._channel = grpc.insecure_channel(address, options=[
@@ -74,34 +67,12 @@ class GrpcTier(LowerTier):
     def close(self) -> None:
         self._channel.close()
 
-    # -- availability --------------------------------------------------------
-    @property
-    def available(self) -> bool:
-        return self._outage.available
-
-    def _failed(self, what: str, err: Exception) -> None:
-        self._outage.failed(what, err)
-        self.counters.errors += 1
-
     def health(self) -> pb.HealthReply:
         """The server's health (raises grpc.RpcError when it cannot be reached)."""
         reply = pb.HealthReply()
         reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=self.timeout_s,
                                            metadata=self._metadata))
         return reply
-
-    # -- Tier ----------------------------------------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        return 0   # bounded by the server's --capacity, not by this client
-
-    @property
-    def used_bytes(self) -> int:
-        return 0
-
-    @property
-    def num_chunks(self) -> int:
-        return 0
 
     def _present(self, keys: Sequence[BlockHash]) -> int:
         request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
@@ -142,27 +113,11 @@ class GrpcTier(LowerTier):
         self.counters.deleted += reply.deleted
         return reply.deleted
 
-    def reserve_bytes(self, raw_len: int) -> int:
-        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
-
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         """Accept a store while the server is reachable and the chunk fits in one message."""
         ok = [self.available and size + 256 <= self.max_message_bytes for size in nbytes]
         self.counters.store_rejected += ok.count(False)
         return ok
-
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        self.counters.stored += len(keys) - len(failed)
-        self.counters.errors += len(failed)
-
-    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
-        return None   # the server cannot be asked to pin: a chunk evicted meanwhile is a failed read, hence a miss
-
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
-        self.counters.loaded += len(keys) - len(corrupt)
-        if corrupt:
-            self.counters.integrity_failures += len(corrupt)
-            self.delete(list(corrupt))
 
     # -- I/O (worker side) ---------------------------------------------------
     def _deadline(self, nbytes: int) -> float:

@@ -23,8 +23,7 @@ from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_h
 from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.tiers.base import LowerTier, Medium
-from tiercache.tiers.outage import Outage
+from tiercache.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +58,15 @@ def fast_client(url: str, cluster: bool = False, **kwargs):
     return redis.Redis(connection_pool=pool)
 
 
-class RedisTier(LowerTier):
-    medium = Medium.REMOTE
-    indexed = False
-
+class RedisTier(RemoteTier):
     def __init__(self, url: str, namespace: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
                  clock: Callable[[], float] = time.monotonic) -> None:
         import redis
 
-        super().__init__()
-        self.name = name
+        super().__init__(name, fmt, retry_interval_s, clock)
         self.namespace = namespace
-        self.fmt = fmt or ChunkFormat()
         self.ttl_s = ttl_s
-        self._outage = Outage(name, retry_interval_s, clock=clock)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, OSError)
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -83,30 +76,8 @@ class RedisTier(LowerTier):
     def close(self) -> None:
         self._client.close()
 
-    # -- availability --------------------------------------------------------
-    @property
-    def available(self) -> bool:
-        return self._outage.available
-
-    def _failed(self, what: str, err: Exception) -> None:
-        self._outage.failed(what, err)
-        self.counters.errors += 1
-
     def _rkey(self, key: BlockHash) -> bytes:
         return self._prefix + key.hex().encode()
-
-    # -- Tier ----------------------------------------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        return 0   # bounded by the server's maxmemory, not by this client
-
-    @property
-    def used_bytes(self) -> int:
-        return 0
-
-    @property
-    def num_chunks(self) -> int:
-        return 0
 
     def contains(self, keys: Sequence[BlockHash]) -> int:
         if not keys or not self.available:
@@ -147,27 +118,11 @@ class RedisTier(LowerTier):
         self.counters.deleted += removed
         return removed
 
-    def reserve_bytes(self, raw_len: int) -> int:
-        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
-
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         ok = self.available
         if not ok:
             self.counters.store_rejected += len(keys)
         return [ok] * len(keys)
-
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        self.counters.stored += len(keys) - len(failed)
-        self.counters.errors += len(failed)
-
-    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
-        return None   # Redis cannot pin: a value evicted meanwhile is a failed read, hence a miss
-
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
-        self.counters.loaded += len(keys) - len(corrupt)
-        if corrupt:
-            self.counters.integrity_failures += len(corrupt)
-            self.delete(list(corrupt))
 
     # -- I/O (worker side) ---------------------------------------------------
     def _staging(self, index: int, nbytes: int) -> memoryview:
