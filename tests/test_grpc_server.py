@@ -16,7 +16,9 @@ from tests.test_hierarchy import load, put  # noqa: E402
 from tiercache.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
 from tiercache.server import tiercache_pb2 as pb  # noqa: E402
-from tiercache.server.wire import encode_chunk, method, parse_chunk  # noqa: E402
+from tiercache.server.wire import (  # noqa: E402
+    WireError, encode_chunk, method, parse_chunk, read_chunk, split_chunk,
+)
 from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
 
 NS = bytes(range(16))
@@ -77,10 +79,19 @@ def test_the_hand_built_chunk_is_protobufs_chunk_both_ways():
     msg = pb.Chunk.FromString(wire)
     assert (msg.namespace, msg.key, msg.value) == (NS, b"k" * 32, header + payload)
     assert wire == msg.SerializeToString()
-    theirs = pb.Chunk(namespace=NS, key=b"q" * 16, value=b"v" * 300).SerializeToString() + b"\x20\x07"  # + field 4
+    theirs = pb.Chunk(namespace=NS, key=b"q" * 16, value=b"v" * 300).SerializeToString() + b"\x28\x07"  # + field 5
     view = parse_chunk(theirs)
     assert (view.namespace, view.key, bytes(view.value)) == (NS, b"q" * 16, b"v" * 300)
     assert parse_chunk(encode_chunk(NS, b"k")).value.nbytes == 0
+    parts = list(split_chunk(NS, b"k" * 32, header, payload, part_bytes=100_000))   # 256,124 bytes: three messages
+    msgs = [pb.Chunk.FromString(m) for m in parts]
+    assert len(parts) == 3 and msgs[0].value_len == len(header) + len(payload)
+    assert (msgs[1].namespace, msgs[1].key, msgs[1].value_len) == (b"", b"", 0)
+    assert b"".join(m.value for m in msgs) == header + payload
+    head, pieces, raw = read_chunk(iter(parts))
+    assert head.total == len(header) + len(payload) and raw == parts
+    with pytest.raises(WireError, match="ended"):
+        read_chunk(iter(parts[:2]))
 
 
 # -- the client tier over a real server ---------------------------------------
@@ -190,6 +201,11 @@ def test_malformed_and_oversized_rpcs_get_clean_statuses_and_the_server_stays_up
         with pytest.raises(grpc.RpcError) as err:                              # a header naming another namespace
             raw_call(server, "Put", [encode_chunk(b"\x01" * 16, meta.key, header, payload)])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Namespace" in err.value.details()
+        header, payload = ChunkFormat().encode_parts(meta, raw)
+        first = list(split_chunk(NS, meta.key, header, payload, part_bytes=1 << 14))[0]
+        with pytest.raises(grpc.RpcError) as err:                              # a split chunk cut short by another
+            raw_call(server, "Put", [first, first])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "before the previous" in err.value.details()
         big_meta = ChunkMeta(NS, meta.key, 16, "float32", ((3 << 20) // 8,))  # 1.5 MiB > --max-message 1MiB
         header, payload = ChunkFormat().encode_parts(big_meta, bytes(big_meta.raw_len))
         with pytest.raises(grpc.RpcError) as err:
@@ -198,24 +214,27 @@ def test_malformed_and_oversized_rpcs_get_clean_statuses_and_the_server_stays_up
         assert healthy(server)
         log = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
         codes = [r["code"] for r in log if r.get("event") == "rpc_rejected"]
-        assert codes.count("INVALID_ARGUMENT") == 4 and codes.count("RESOURCE_EXHAUSTED") == 1
+        assert codes.count("INVALID_ARGUMENT") == 5 and codes.count("RESOURCE_EXHAUSTED") == 1
         tier = GrpcTier(server.address, NS, max_message_bytes=8 << 20)
         assert tier.health().max_message_bytes == 1 << 20
     finally:
         server.stop()
 
 
-def test_a_client_learns_the_servers_message_limit_and_does_not_send_larger_chunks(tmp_path):
+def test_a_client_learns_the_servers_message_limit_and_splits_chunks_to_fit(tmp_path):
     server = CacheServerProcess(tmp_path, "--max-message", "64KiB")
     try:
         s = Stack(num_blocks=64, cpu_chunks=2, geometry=KVGeometry(4, 8, 64, "float32"),   # 256 KiB chunks
                   grpc={"enabled": True, "address": server.address})
         try:
             remote = s.offload.tiers[1]
-            assert remote.max_message_bytes == 64 << 10
-            a, _ = put(s, "a", seed=1)
+            assert remote.max_message_bytes == 64 << 10 and remote.part_bytes < 64 << 10
+            a, a_kv = put(s, "a", seed=1)
             s.manager.drain()
-            assert remote.counters.store_rejected == 2 and remote.counters.errors == 0
+            keys = s.manager.lookup(a).runs[0].keys
+            assert remote.counters.stored == 2 and remote.counters.errors == 0
+            s.cpu.delete(list(keys))
+            assert torch.equal(load(s, a), a_kv)             # five pieces a chunk, reassembled bit-exact
         finally:
             s.close()
     finally:

@@ -24,11 +24,12 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
+from tiercache.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server import tiercache_pb2 as pb
 from tiercache.server.store import ChunkStore, PutOutcome, check_value
-from tiercache.server.wire import AUTH_HEADER, SERVICE, WireError, encode_chunk, parse_chunk
+from tiercache.server.wire import AUTH_HEADER, SERVICE, WireError, encode_chunk, read_chunk
 
 log = logging.getLogger("tiercache.server")
 
@@ -142,39 +143,44 @@ class CacheService:
         req = self._parse(pb.GetRequest, request)
         self._names(req.namespace, req.keys)
         for key in req.keys:
-            message = self.store.get(req.namespace, key)
-            if message is None:
+            messages = self.store.get(req.namespace, key)
+            if messages is None:
                 yield encode_chunk(req.namespace, key)
                 continue
-            self.counters["bytes_out"] += len(message)
-            yield message
+            self.counters["bytes_out"] += sum(len(m) for m in messages)
+            yield from messages
 
     def put(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         reply = pb.PutReply()
-        for message in requests:
-            chunk = self._chunk(self._sized(message))
-            self.counters["bytes_in"] += len(chunk.value)
-            outcome = self.store.put(chunk.namespace, chunk.key, message)
+        messages = (self._sized(m) for m in requests)
+        while (chunk := self._chunk(messages)) is not None:
+            head, raw = chunk
+            self.counters["bytes_in"] += head.total
+            outcome = self.store.put(head.namespace, head.key, raw)
             if outcome is PutOutcome.STORED:
                 reply.stored += 1
             elif outcome is PutOutcome.PRESENT:
                 reply.present += 1
             else:
-                reply.rejected.append(chunk.key)
+                reply.rejected.append(head.key)
         return reply.SerializeToString()
 
-    def _chunk(self, message: bytes):
+    def _chunk(self, messages):
+        """The next chunk of a Put stream, checked: (first message parsed, its raw messages); None at the end."""
         try:
-            chunk = parse_chunk(message)
+            got = read_chunk(messages)
         except WireError as err:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Chunk: {err}") from None
-        self._names(chunk.namespace, [chunk.key])
+        if got is None:
+            return None
+        head, pieces, raw = got
+        self._names(head.namespace, [head.key])
         try:
-            check_value(chunk.namespace, chunk.key, chunk.value)
+            check_value(head.namespace, head.key, pieces[0][:HEADER_BYTES], head.total)
         except ChunkFormatError as err:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"chunk {chunk.key.hex()[:16]}… rejected: {type(err).__name__}: {err}") from None
-        return chunk
+                            f"chunk {head.key.hex()[:16]}… rejected: {type(err).__name__}: {err}") from None
+        return head, raw
 
     def delete(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         req = self._parse(pb.DeleteRequest, request)

@@ -1,10 +1,10 @@
 """The cache server's storage: chunks of every namespace in memory, spilling to disk when configured.
 
-The server keeps chunks as they arrive — the received `Chunk` messages,
-whose values (the stored chunk format) had their headers checked on the way
-in — keyed by namespace digest + chunk key, so one namespace never sees
-another's chunks. A memory hit is answered with the very bytes that were
-received: no copy, no re-encoding. Memory and disk
+The server keeps chunks as they arrive — the received `Chunk` messages (one,
+or a first piece and its continuations), whose values (the stored chunk
+format) had their headers checked on the way in — keyed by namespace digest
++ chunk key, so one namespace never sees another's chunks. A memory hit is
+answered with the very bytes that were received: no copy, no re-encoding. Memory and disk
 are two `IndexedTier`s (the same index, lifecycle and eviction policies as an
 engine's tiers); the disk side reuses the L2 file layout and its crash-safe
 writes, so chunk files survive a restart of the server.
@@ -33,7 +33,7 @@ from pathlib import Path
 from tiercache.chunk_format import HEADER_BYTES, check_header
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES, BlockHash
-from tiercache.server.wire import encode_chunk, parse_chunk
+from tiercache.server.wire import parse_chunk, split_chunk
 from tiercache.tiers.base import Medium
 from tiercache.tiers.disk import chunk_path, scan_chunk_files, write_chunk_file
 from tiercache.policies import DEFAULT_EVICTION
@@ -41,7 +41,8 @@ from tiercache.tiers.index import Entry, IndexedTier
 
 log = logging.getLogger(__name__)
 
-StoreKey = bytes   # namespace digest + chunk key
+StoreKey = bytes          # namespace digest + chunk key
+Messages = list[bytes]    # one chunk's `Chunk` messages, as received
 
 
 def store_key(namespace: bytes, key: bytes) -> StoreKey:
@@ -55,28 +56,28 @@ class PutOutcome(str, Enum):
 
 
 class MemoryChunks(IndexedTier):
-    """The server's memory tier: one ``bytes`` message per key, bounded by ``capacity_bytes``."""
+    """The server's memory tier: one chunk's messages per key, bounded by ``capacity_bytes``."""
     medium = Medium.CPU
 
     def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory") -> None:
         super().__init__(eviction)
         self.name = name
         self._capacity = capacity_bytes
-        self.values: dict[StoreKey, bytes] = {}
-        self.spill: list[tuple[StoreKey, bytes]] | None = None   # evicted values go here when a disk tier exists
+        self.values: dict[StoreKey, Messages] = {}
+        self.spill: list[tuple[StoreKey, Messages]] | None = None   # evicted chunks go here when a disk tier exists
 
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def add(self, key: StoreKey, value: bytes) -> bool:
-        if not self._reserve_bytes([key], [len(value)], self._capacity)[0]:
+    def add(self, key: StoreKey, messages: Messages) -> bool:
+        if not self._reserve_bytes([key], [sum(len(m) for m in messages)], self._capacity)[0]:
             return False
-        self.values[key] = value
+        self.values[key] = messages
         self.publish([key])
         return True
 
-    def get(self, key: StoreKey) -> bytes | None:
+    def get(self, key: StoreKey) -> Messages | None:
         if not self.has(key):
             return None
         self.touch([key])
@@ -174,8 +175,8 @@ class ChunkStore:
             self.counters["contains_hits"] += n
         return n
 
-    def get(self, namespace: bytes, key: bytes) -> bytes | None:
-        """The stored `Chunk` message, or None; a chunk on disk is read, checked and promoted into memory."""
+    def get(self, namespace: bytes, key: bytes) -> Messages | None:
+        """The stored chunk's messages, or None; a chunk on disk is read, checked and promoted into memory."""
         k = store_key(namespace, key)
         with self._lock:
             value = self.memory.get(k)
@@ -202,26 +203,26 @@ class ChunkStore:
         self._write_spills(spills)
         return value
 
-    def _read_file(self, k: StoreKey, namespace: bytes, key: bytes) -> bytes | None:
+    def _read_file(self, k: StoreKey, namespace: bytes, key: bytes) -> Messages | None:
         assert self.disk is not None
         try:
-            value = self.disk.path(k).read_bytes()
-            check_value(namespace, key, memoryview(value))
-            return encode_chunk(namespace, key, value)
+            value = memoryview(self.disk.path(k).read_bytes())
+            check_value(namespace, key, value[:HEADER_BYTES], len(value))
+            return list(split_chunk(namespace, key, value[:HEADER_BYTES], value[HEADER_BYTES:]))
         except (OSError, ChunkFormatError) as err:
             log.warning("chunk file for %s… failed: %s", key.hex()[:16], err)
             return None
 
     # -- updates -------------------------------------------------------------
-    def put(self, namespace: bytes, key: bytes, message: bytes) -> PutOutcome:
-        """Store one `Chunk` message whose value the caller has checked (`check_value`)."""
+    def put(self, namespace: bytes, key: bytes, messages: Messages) -> PutOutcome:
+        """Store one chunk's messages, whose value the caller has checked (`check_value`)."""
         k = store_key(namespace, key)
         with self._lock:
             self._namespaces.add(namespace)
             if self.memory.has(k) or (self.disk is not None and self.disk.has(k)):
                 self.counters["put_present"] += 1
                 return PutOutcome.PRESENT
-            if not self.memory.add(k, message):
+            if not self.memory.add(k, messages):
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
             self.counters["put_stored"] += 1
@@ -245,26 +246,28 @@ class ChunkStore:
         return len(spills)
 
     # -- spills (write-back to disk) ------------------------------------------
-    def _take_spills(self) -> list[tuple[StoreKey, bytes]]:
+    def _take_spills(self) -> list[tuple[StoreKey, Messages]]:
         """Under the lock: the values memory evicted since the last call, reserved on disk."""
         if self.memory.spill is None or not self.memory.spill:
             return []
         spills, self.memory.spill = self.memory.spill, []
         return self._reserve_on_disk(spills)
 
-    def _reserve_on_disk(self, spills: list[tuple[StoreKey, bytes]]) -> list[tuple[StoreKey, bytes]]:
+    def _reserve_on_disk(self, spills: list[tuple[StoreKey, Messages]]) -> list[tuple[StoreKey, Messages]]:
         assert self.disk is not None
-        return [(k, v) for k, v in spills if self.disk.reserve(k, len(v))]
+        return [(k, m) for k, m in spills if self.disk.reserve(k, sum(len(x) for x in m))]
 
-    def _write_spills(self, spills: list[tuple[StoreKey, bytes]]) -> None:
+    def _write_spills(self, spills: list[tuple[StoreKey, Messages]]) -> None:
         if not spills:
             return
         assert self.disk is not None
         failed = []
-        for k, message in spills:
-            view = parse_chunk(message).value
+        for k, messages in spills:
+            pieces = [parse_chunk(m).value for m in messages]
+            payload = pieces[0][HEADER_BYTES:] if len(pieces) == 1 else \
+                memoryview(b"".join([pieces[0][HEADER_BYTES:], *pieces[1:]]))
             try:
-                write_chunk_file(self.disk.path(k), view[:HEADER_BYTES], view[HEADER_BYTES:], fsync=False)
+                write_chunk_file(self.disk.path(k), pieces[0][:HEADER_BYTES], payload, fsync=False)
             except OSError as err:
                 log.warning("spilling a chunk to %s failed: %s", self.disk.root, err)
                 failed.append(k)
@@ -280,8 +283,9 @@ class ChunkStore:
             }
 
 
-def check_value(namespace: bytes, key: bytes, value: memoryview) -> None:
-    """The checks a value passes before the server stores it; raises `ChunkFormatError`."""
-    parsed = check_header(value[:HEADER_BYTES], namespace, BlockHash(key))
-    if len(value) != HEADER_BYTES + parsed[3]:
-        raise ChunkFormatError(f"value is {len(value)} bytes, its header says {HEADER_BYTES + parsed[3]}")
+def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int) -> None:
+    """The checks a value (its header and whole length) passes before the server stores it; raises
+    `ChunkFormatError`. The payload checksum is the readers' to verify, end to end."""
+    parsed = check_header(header, namespace, BlockHash(key))
+    if total_len != HEADER_BYTES + parsed[3]:
+        raise ChunkFormatError(f"value is {total_len} bytes, its header says {HEADER_BYTES + parsed[3]}")

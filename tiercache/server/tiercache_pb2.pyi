@@ -30,14 +30,16 @@ class GetRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("namespace", "key", "value")
+    __slots__ = ("namespace", "key", "value", "value_len")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_LEN_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     key: bytes
     value: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ...) -> None: ...
+    value_len: int
+    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., value_len: _Optional[int] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("stored", "present", "rejected")

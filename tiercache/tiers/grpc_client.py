@@ -4,9 +4,10 @@ Like the Redis tier, the server owns the data and this tier keeps no index:
 `contains` is one ``Contains`` call, stores are one client-streamed ``Put``
 per transfer job, loads one server-streamed ``Get``. Chunks travel in the
 stored chunk format (encoded here, header checked by the server, payload
-checksum verified here on every read), built and parsed by hand on the wire
-(`tiercache.server.wire`) so a value is copied once on the way out and read
-in place on the way in.
+checksum verified here on every read), split into pieces of a few MiB and
+built and parsed by hand on the wire (`tiercache.server.wire`): a piece is
+copied once on the way out, and on the way in a raw chunk's pieces are copied
+straight into their L1 slot and verified there.
 
 Faults: every call has a deadline; a server that is gone, slow or refusing
 (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, ...) turns into
@@ -28,7 +29,7 @@ from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.server import tiercache_pb2 as pb
-from tiercache.server.wire import AUTH_HEADER, WireError, encode_chunk, method, parse_chunk
+from tiercache.server.wire import AUTH_HEADER, PART_BYTES, ChunkView, WireError, method, read_chunk, split_chunk
 from tiercache.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
@@ -114,10 +115,15 @@ class GrpcTier(RemoteTier):
         return reply.deleted
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
-        """Accept a store while the server is reachable and the chunk fits in one message."""
-        ok = [self.available and size + 256 <= self.max_message_bytes for size in nbytes]
-        self.counters.store_rejected += ok.count(False)
-        return ok
+        ok = self.available
+        if not ok:
+            self.counters.store_rejected += len(keys)
+        return [ok] * len(keys)
+
+    @property
+    def part_bytes(self) -> int:
+        """Value bytes per message: `PART_BYTES`, or less when the server accepts only smaller messages."""
+        return min(PART_BYTES, self.max_message_bytes - 1024)
 
     # -- I/O (worker side) ---------------------------------------------------
     def _deadline(self, nbytes: int) -> float:
@@ -133,7 +139,7 @@ class GrpcTier(RemoteTier):
         def messages() -> Iterator[bytes]:
             for meta, raw in items:
                 header, payload = self.fmt.encode_parts(meta, raw)
-                yield encode_chunk(self.namespace, meta.key, header, payload)
+                yield from split_chunk(self.namespace, meta.key, header, payload, self.part_bytes)
 
         nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
         try:
@@ -157,30 +163,46 @@ class GrpcTier(RemoteTier):
         request = pb.GetRequest(namespace=self.namespace, keys=[k for k, _ in items]).SerializeToString()
         nbytes = sum(len(buf) for _, buf in items)
         try:
-            for i, message in enumerate(self._get(request, timeout=self._deadline(nbytes), metadata=self._metadata)):
-                if i < len(items):
-                    out[i] = self._place(items[i], message)
+            stream = iter(self._get(request, timeout=self._deadline(nbytes), metadata=self._metadata))
+            for i, item in enumerate(items):
+                got = read_chunk(stream)
+                if got is None:
+                    break
+                out[i] = self._place(item, got[0], got[1])
         except grpc.RpcError as err:
             self._failed("load", err)
             return [None] * len(items)
+        except WireError as err:   # a broken stream: what was placed stands, the rest are misses
+            log.warning("grpc tier %s: malformed Get stream: %s", self.name, err)
+            self.counters.errors += 1
         self._outage.succeeded()
         return out
 
-    def _place(self, item: tuple[BlockHash, memoryview], message: bytes) -> int | None:
+    def _place(self, item: tuple[BlockHash, memoryview], head: ChunkView, pieces: list[memoryview]) -> int | None:
+        """Verify one chunk and leave its raw bytes at the start of the item's buffer; None for a miss."""
         key, buf = item
+        if not head.value:
+            return None
         try:
-            chunk = parse_chunk(message)
-            if not chunk.value:
-                return None
-            if chunk.namespace != self.namespace or chunk.key != key:
+            if head.namespace != self.namespace or head.key != key:
                 raise ChunkFormatError("the server answered for another namespace or key")
-            parsed = check_header(chunk.value[:HEADER_BYTES], self.namespace, key)
-            meta = parsed[0]
+            parsed = check_header(pieces[0][:HEADER_BYTES], self.namespace, key)
+            meta, codec, _, payload_len, _ = parsed
+            if head.total != HEADER_BYTES + payload_len:
+                raise ChunkFormatError(f"value is {head.total} bytes, its header says {HEADER_BYTES + payload_len}")
             if meta.raw_len > len(buf):
                 raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-            data = verify_payload(parsed, chunk.value[HEADER_BYTES:])
+            body = [pieces[0][HEADER_BYTES:], *pieces[1:]]
+            if codec == 0 and payload_len == meta.raw_len:   # raw: pieces straight into place, verified there
+                offset = 0
+                for piece in body:
+                    buf[offset:offset + len(piece)] = piece
+                    offset += len(piece)
+                verify_payload(parsed, buf[:payload_len])
+                return payload_len
+            data = verify_payload(parsed, body[0] if len(body) == 1 else b"".join(body))
             buf[:meta.raw_len] = memoryview(data).cast("B")
             return meta.raw_len
-        except (WireError, ChunkFormatError) as err:
+        except ChunkFormatError as err:
             log.warning("grpc tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
             return None
