@@ -183,7 +183,7 @@ class CacheManager:
             if not chunks:
                 continue
             lower.prepare_load([c.key for c in chunks])
-            for part in self._split(chunks):
+            for part in self._split(chunks, lower):
                 plan = self._plan(JobKind.PROMOTE, lower.medium, Medium.CPU, Priority.PREFETCH, part, lower)
                 self._background.append(plan)
                 for c in part:
@@ -259,13 +259,14 @@ class CacheManager:
         sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
-        for part in self._split(taken):
+        for part in self._split(taken, lower):
             self._background.append(self._plan(kind, Medium.CPU, lower.medium, Priority.STORE, part, lower))
         return [c for c, good in zip(chunks, ok) if not good]
 
-    def _split(self, chunks: list[ChunkCopy]) -> list[list[ChunkCopy]]:
-        """One job per transfer worker, so file I/O of one chunk overlaps checksums and syncs of another."""
-        n = min(self.engine.num_workers, len(chunks))
+    def _split(self, chunks: list[ChunkCopy], lower: LowerTier) -> list[list[ChunkCopy]]:
+        """One job per transfer worker, so file I/O of one chunk overlaps checksums and syncs of another
+        (one job for a tier that says it moves a batch best as one, like one gRPC stream)."""
+        n = min(self.engine.num_workers if lower.parallel_jobs else 1, len(chunks))
         return [chunks[i::n] for i in range(n)] if n else []
 
     def take_background(self) -> list[TransferPlan]:

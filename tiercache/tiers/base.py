@@ -96,7 +96,8 @@ class LowerTier(Tier):
     Its index follows the same two-phase lifecycle as L1; the bytes move
     between an L1 slot and the tier in transfer handlers.
     """
-    indexed = True   # `has` reads a local index; False for a remote tier, where it is a network round trip
+    indexed = True       # `has` reads a local index; False for a remote tier, where it is a network round trip
+    parallel_jobs = True  # split a batch across transfer workers (False: one job, e.g. one gRPC stream)
 
     @abstractmethod
     def reserve_bytes(self, raw_len: int) -> int:
