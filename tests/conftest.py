@@ -1,6 +1,8 @@
 """Shared fixtures: small KV geometries and a ready offload stack on CPU."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -219,3 +221,25 @@ def cache_server(tmp_path):
     server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
     yield server
     server.stop()
+
+
+@contextmanager
+def engine_after_remote_outage(offload_cfg, stop_server):
+    """Engine 1 computes a shared prefix; engine 2 hits it through the remote tier; then the server dies
+    (``stop_server``) and engine 2 must keep producing the tokens a cache-less engine produces. Yields engine 2."""
+    from tests.test_engine import run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+
+    prompts = shared_prompts(n=4)
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
+        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload_cfg) as one:
+        assert [s.output_token_ids for s in run_sequential(one, prompts[:1])] == expect[:1]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload_cfg) as two:
+        seqs = run_sequential(two, prompts[1:2])
+        assert seqs[0].output_token_ids == expect[1]
+        assert seqs[0].metrics.external_hit_tokens == 192           # the first engine's prefix, via the remote tier
+        stop_server()                                                # the server dies mid-run
+        seqs = run_sequential(two, prompts[2:])
+        assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from the server
+        yield two

@@ -345,22 +345,11 @@ def test_two_engine_processes_share_prefixes_through_one_server(cache_server, tm
 
 
 def test_an_engine_keeps_generating_identical_tokens_when_the_server_dies(cache_server):
+    from tests.conftest import engine_after_remote_outage
     from tests.test_engine import offload, run_sequential, shared_prompts
-    from tiercache.engine import EngineConfig, LLMEngine
 
-    prompts = shared_prompts(n=4)
     cfg = offload(grpc={"enabled": True, "address": cache_server.address, "retry_interval": 0.2, "timeout": 0.5})
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
-        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as one:
-        assert [s.output_token_ids for s in run_sequential(one, prompts[:1])] == expect[:1]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as two:
-        seqs = run_sequential(two, prompts[1:2])
-        assert seqs[0].output_token_ids == expect[1]
-        assert seqs[0].metrics.external_hit_tokens == 192           # the first engine's prefix, via the server
-        cache_server.stop()                                          # the server dies mid-run
-        seqs = run_sequential(two, prompts[2:])
-        assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from the server
+    with engine_after_remote_outage(cfg, cache_server.stop) as two:
         cache_server.start()                                         # back: the tier recovers in the same engine
         remote = two.stats()["connector"]["tiers"]["grpc"]
         deadline, seed = time.monotonic() + 10, 1

@@ -99,22 +99,12 @@ def test_redis_config_errors_name_the_field():
 
 
 def test_two_engines_share_prefixes_through_redis_and_survive_its_death(redis_server):
-    from tests.test_engine import offload, run_sequential, shared_prompts
-    from tiercache.engine import EngineConfig, LLMEngine
+    from tests.conftest import engine_after_remote_outage
+    from tests.test_engine import offload
 
-    prompts = shared_prompts(n=4)
     cfg = offload(redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 0.5})
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
-        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as one:
-        assert [s.output_token_ids for s in run_sequential(one, prompts[:1])] == expect[:1]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as two:
-        seqs = run_sequential(two, prompts[1:2])
-        assert seqs[0].output_token_ids == expect[1]
-        assert seqs[0].metrics.external_hit_tokens == 192           # the first engine's prefix, via Redis
-        redis_server.stop()                                          # the server dies mid-run
-        seqs = run_sequential(two, prompts[2:])
-        assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from Redis, no errors
+    with engine_after_remote_outage(cfg, redis_server.stop):
+        pass   # every check is the helper's: hits through Redis, then identical tokens with Redis gone
 
 
 def test_bench_tiers_redis_reports_ratios_against_raw_pipelines(redis_server, tmp_path):
