@@ -32,6 +32,9 @@ How it maps onto tiercache's connector API (`tiercache.connector.offload`):
   request's stores, so KV computed over missing context is never offloaded.
 - KV events (`take_events`): ``BlockStored`` per chunk that reaches a tier,
   with the tier's medium (CPU, DISK, REMOTE); the block hash is the chunk key.
+- Stats (`get_kv_connector_stats`, logged by vLLM with its other stats):
+  counter deltas since the last call — lookups, "ask again" answers, hit and
+  loaded tokens, failed loads, planned stores; `stats()` has everything.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.build import OffloadStack, build_offload_stack
 from tiercache.config import TierCacheConfig, load_config
@@ -70,6 +74,30 @@ log = logging.getLogger(__name__)
 class TierCacheMetadata(KVConnectorMetadata):
     """Scheduler → worker for one step: tiercache's plans (plain data)."""
     inner: ConnectorMetadata = field(default_factory=ConnectorMetadata)
+
+
+STAT_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned")
+
+
+@dataclass
+class TierCacheStats(KVConnectorStats):
+    """Counter deltas over an interval (plain ints, so the stats travel between vLLM processes)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TierCacheStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in STAT_COUNTERS}
+        out["tiercache_load_ratio"] = round(out["loaded_tokens"] / out["hit_tokens"], 4) if out["hit_tokens"] else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 @dataclass
@@ -127,6 +155,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: list[BlockStored] = []
         self._load_errors: set[int] = set()
         self._layer_index: dict[str, int] = {}
+        self._reported: dict[str, int] = {}
 
     # -- shared state ----------------------------------------------------------
     @property
@@ -275,3 +304,16 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def stats(self) -> dict[str, object]:
         return self._shared.scheduler.stats()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.role != KVConnectorRole.SCHEDULER or self._engine_id not in _ENGINES:
+            return None
+        counters = self._shared.scheduler.counters
+        now = {name: getattr(counters, name) for name in STAT_COUNTERS}
+        delta = {name: value - self._reported.get(name, 0) for name, value in now.items()}
+        self._reported = now
+        return TierCacheStats(data=delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierCacheStats(data=dict(data or {}))

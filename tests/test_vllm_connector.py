@@ -85,7 +85,10 @@ def same_outputs(got: dict, want: dict, which=slice(None)) -> None:
 
 
 def test_a_second_prompt_loads_the_shared_prefix_from_l1(env, baseline, tmp_path):
-    got = run(env, tmp_path, env["prompts"], connector())
+    proc, out = launch(env, tmp_path, {"prompts": env["prompts"], "kv_transfer_config": connector(),
+                                       "log_stats": True})     # vLLM collects the connector's stats each step
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
     assert got["num_cached_tokens"][0] == 0
     assert got["num_cached_tokens"][1] == 2 * CHUNK                 # the shared 700-token prefix: two whole chunks
     assert got["connector"]["loaded_tokens"] == 2 * CHUNK
@@ -135,3 +138,12 @@ def test_a_bad_extra_config_names_the_field(env, tmp_path):
                                      "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
     assert proc.returncode != 0
     assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr
+
+
+def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
+    from tiercache.connectors.vllm import TierCacheConnector, TierCacheStats
+    a = TierCacheConnector.build_kv_connector_stats({"hit_tokens": 512, "loaded_tokens": 512, "lookups": 2})
+    b = TierCacheStats(data={"hit_tokens": 256, "loaded_tokens": 0, "failed_loads": 1})
+    merged = a.aggregate(b).reduce()
+    assert merged["hit_tokens"] == 768 and merged["failed_loads"] == 1 and merged["tiercache_load_ratio"] == 0.6667
+    assert not a.is_empty() and TierCacheStats(data={"lookups": 0}).is_empty()

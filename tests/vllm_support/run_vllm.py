@@ -20,7 +20,7 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype="float32", enforce_eager=True,
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=False, seed=0,
-              max_num_seqs=4, **kwargs)
+              max_num_seqs=4, disable_log_stats=not spec.get("log_stats", False), **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=0)
     outputs, logprobs, cached = [], [], []
     for prompt in spec["prompts"]:   # one at a time: each may hit what the ones before stored
