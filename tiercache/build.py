@@ -101,6 +101,8 @@ def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
 
 @lower_tiers.register("grpc")
 def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+    import grpc
+
     from tiercache.tiers.grpc_client import GrpcTier
 
     g = config.grpc
@@ -115,7 +117,7 @@ def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
                     retry_interval_s=g.retry_interval, max_message_bytes=g.max_message)
     try:
         health = tier.health()
-    except Exception as err:  # noqa: BLE001 - a server that is down at start is an outage, not a config error
+    except grpc.RpcError as err:   # a server that is down at start is an outage, not a config error
         log.warning("tiercache server %s is not answering (%s); starting with it down", g.address, err)
     else:
         if health.max_message_bytes and health.max_message_bytes < g.max_message:
