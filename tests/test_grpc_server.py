@@ -382,3 +382,29 @@ def test_bench_engine_with_remote_tiers_matches_the_baseline(redis_server, tmp_p
     assert set(rows) == {"baseline (no cache)", "cpu+redis", "cpu+disk+grpc"}
     assert all(r["outputs_match_baseline"] for r in rows.values())
     assert set(rows["cpu+disk+grpc"]["chunks_loaded_by_tier"]) == {"cpu", "disk", "grpc"}
+
+
+def test_an_engine_starts_while_the_server_is_down_and_picks_it_up_later(tmp_path):
+    port = free_port()
+    s = Stack(num_blocks=64, cpu_chunks=2,
+              grpc={"enabled": True, "address": f"127.0.0.1:{port}", "retry_interval": 0.2, "timeout": 0.5})
+    server = None
+    try:
+        a, _ = put(s, "a", seed=1)                       # stores go on; copies to the absent server fail
+        s.manager.drain()
+        assert s.manager.lookup(a).runs[0].tier == "cpu"
+        remote = s.offload.tiers[1]
+        assert remote.counters.errors >= 1
+        server = CacheServerProcess(tmp_path, port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            b, _ = put(s, f"b{time.monotonic()}", seed=2 + int(time.monotonic() * 1000) % 1000)
+            s.manager.drain()
+            if remote.contains(s.manager.lookup(b).runs[0].keys) == 2:
+                break
+            assert time.monotonic() < deadline, "the tier did not pick the server up within 10 s"
+            time.sleep(0.2)
+    finally:
+        s.close()
+        if server is not None:
+            server.stop()
