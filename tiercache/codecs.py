@@ -123,6 +123,15 @@ class Crc32Checksum:
         return zlib.crc32(data)
 
 
+def copy_into(dst: memoryview, src: Buffer, offset: int = 0) -> int:
+    """Copy ``src`` into ``dst`` at ``offset`` without holding the GIL (numpy releases it for the memcpy;
+    a memoryview slice assignment does not, and stalls gRPC's and other transfer threads meanwhile).
+    Returns the end offset."""
+    data = np.frombuffer(src, dtype=np.uint8)
+    np.frombuffer(dst, dtype=np.uint8)[offset:offset + data.size] = data
+    return offset + data.size
+
+
 def _by_code(registry: Registry, code: int, what: str):
     for name in registry.names():
         cls = registry.get(name)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
@@ -49,7 +49,7 @@ def _write_direct(fd: int, staging: memoryview, header: memoryview, payload: mem
     size = len(header) + len(payload)
     padded = -(-size // ALIGN) * ALIGN
     staging[:len(header)] = header
-    staging[len(header):size] = payload
+    copy_into(staging, payload, len(header))
     staging[size:padded] = bytes(padded - size)
     offset = 0
     while offset < padded:
@@ -268,7 +268,7 @@ class DiskTier(IndexedTier, LowerTier):
                 return payload_len
             payload = f.read()
         data = verify_payload(parsed, payload)
-        out[:meta.raw_len] = memoryview(data).cast("B")
+        copy_into(out, data)
         return meta.raw_len
 
     def _read_direct(self, key: BlockHash, out: memoryview) -> int:
@@ -292,7 +292,7 @@ class DiskTier(IndexedTier, LowerTier):
         if meta.raw_len > len(out):
             raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(out)}-byte buffer")
         data = verify_payload(parsed, buf[HEADER_BYTES:got])
-        out[:meta.raw_len] = memoryview(data).cast("B")
+        copy_into(out, data)
         return meta.raw_len
 
     # -- internals -----------------------------------------------------------

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.server import tiercache_pb2 as pb
@@ -197,12 +197,11 @@ class GrpcTier(RemoteTier):
             if codec == 0 and payload_len == meta.raw_len:   # raw: pieces straight into place, verified there
                 offset = 0
                 for piece in body:
-                    buf[offset:offset + len(piece)] = piece
-                    offset += len(piece)
+                    offset = copy_into(buf, piece, offset)
                 verify_payload(parsed, buf[:payload_len])
                 return payload_len
             data = verify_payload(parsed, body[0] if len(body) == 1 else b"".join(body))
-            buf[:meta.raw_len] = memoryview(data).cast("B")
+            copy_into(buf, data)
             return meta.raw_len
         except ChunkFormatError as err:
             log.warning("grpc tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)

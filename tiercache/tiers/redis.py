@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteTier
@@ -160,7 +160,7 @@ class RedisTier(RemoteTier):
                 body = memoryview(payload).cast("B")
                 value = self._staging(i, len(header) + len(body))
                 value[:len(header)] = header
-                value[len(header):] = body
+                copy_into(value, body, len(header))
                 pipe.set(self._rkey(meta.key), value, ex=self.ttl_s or None)
             results = pipe.execute(raise_on_error=False)
         except self._errors as err:
@@ -198,7 +198,7 @@ class RedisTier(RemoteTier):
                 if meta.raw_len > len(buf):
                     raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
                 data = verify_payload(parsed, view[HEADER_BYTES:])
-                buf[:meta.raw_len] = memoryview(data).cast("B")
+                copy_into(buf, data)
                 out.append(meta.raw_len)
             except ChunkFormatError as err:
                 log.warning("redis tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
