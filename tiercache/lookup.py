@@ -1,9 +1,15 @@
-"""The result of a longest-prefix lookup across tiers: plain data from the manager to a connector."""
+"""Longest-prefix lookups across tiers, and their result: plain data from the manager to a connector.
+
+Scheduler side, bookkeeping only: `PrefixFinder` asks the tiers (fastest
+first) which chunks they hold; it moves nothing.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash
+from tiercache.keys import BlockHash, chunk_keys
+from tiercache.tiers.base import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +35,53 @@ class PrefixLookup:
     @property
     def num_hit_tokens(self) -> int:
         return self.num_hit_blocks * self.block_size
+
+
+class PrefixFinder:
+    """Chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and is keyed by its last block's hash."""
+
+    def __init__(self, tiers: Sequence[Tier], block_size: int, blocks_per_chunk: int,
+                 store_partial_chunks: bool = False) -> None:
+        self.tiers = list(tiers)
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.store_partial_chunks = store_partial_chunks
+
+    def chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
+        start = index * self.blocks_per_chunk
+        return start, min(start + self.blocks_per_chunk, num_blocks)
+
+    def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
+        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
+        return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks)
+
+    def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
+        """Greedy across tiers: at each position the fastest tier holding the next chunk serves as long a
+        run as it has; one batched `contains` per tier per switch."""
+        pos, runs = num_computed_blocks // self.blocks_per_chunk, []
+        while pos < len(keys):
+            for tier in self.tiers:
+                n = tier.contains(keys[pos:])
+                if n:
+                    runs.append(TierRun(tier.name, pos, tuple(keys[pos:pos + n])))
+                    pos += n
+                    break
+            else:
+                break
+        return self._result(num_computed_blocks, runs, num_blocks)
+
+    def cut(self, lookup: PrefixLookup, tier: str) -> PrefixLookup:
+        """``lookup`` cut to its leading runs in ``tier``."""
+        runs = []
+        for run in lookup.runs:
+            if run.tier != tier:
+                break
+            runs.append(run)
+        return self._result(lookup.num_computed_blocks, runs, lookup.num_blocks)
+
+    def _result(self, computed: int, runs: list[TierRun], num_blocks: int) -> PrefixLookup:
+        hit = computed
+        if runs:
+            last = runs[-1]
+            hit = max(hit, self.chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
+        return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, auto
 
 from tiercache.keys import BlockHash, chunk_keys
-from tiercache.lookup import PrefixLookup, TierRun
+from tiercache.lookup import PrefixFinder, PrefixLookup
 from tiercache.policies import AdmissionPolicy
 from tiercache.tiers.base import LowerTier, Medium, Tier
 from tiercache.tiers.cpu import CpuTier
@@ -80,6 +80,7 @@ class CacheManager:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.by_name = {t.name: t for t in self.tiers}
+        self.finder = PrefixFinder(self.tiers, block_size, blocks_per_chunk, store_partial_chunks)
         self.engine = engine
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -103,57 +104,24 @@ class CacheManager:
         target = self._spill_to
         return target is not None and not (target.indexed and target.has(key)) and self._admit(key, hits)
 
-    # -- lookup --------------------------------------------------------------
-    def _chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
-        start = index * self.blocks_per_chunk
-        return start, min(start + self.blocks_per_chunk, num_blocks)
-
+    # -- lookup (PrefixFinder) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
         """Longest run of chunks of a request, after the blocks already in L0, found in any tier."""
-        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
-        return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks)
+        return self.finder.lookup(block_hashes, num_computed_blocks)
 
     def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
-        """Like `lookup`, for explicit chunk keys covering ``num_blocks`` blocks (e.g. a swapped-out request).
+        """Like `lookup`, for explicit chunk keys covering ``num_blocks`` blocks (e.g. a swapped-out request)."""
+        return self.finder.lookup_chunks(keys, num_blocks, num_computed_blocks)
 
-        Greedy across tiers: at each position the fastest tier holding the
-        next chunk serves as long a run as it has; one batched `contains` per
-        tier per switch.
-        """
-        first = num_computed_blocks // self.blocks_per_chunk
-        pos, runs = first, []
-        while pos < len(keys):
-            for tier in self.tiers:
-                n = tier.contains(keys[pos:])
-                if n:
-                    runs.append(TierRun(tier.name, pos, tuple(keys[pos:pos + n])))
-                    pos += n
-                    break
-            else:
-                break
-        return self._lookup_result(num_computed_blocks, runs, num_blocks)
-
-    def _lookup_result(self, computed: int, runs: list[TierRun], num_blocks: int) -> PrefixLookup:
-        hit = computed
-        if runs:
-            last = runs[-1]
-            hit = max(hit, self._chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
-        return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks)
+    def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
+        """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now."""
+        return self.finder.cut(lookup, self.l1.name)
 
     def record_request(self, keys: Sequence[BlockHash]) -> None:
         """The engine admitted a request wanting chunks ``keys``: tell an admission policy that counts demand."""
         record = getattr(self.admission, "record", None)
         if record is not None:
             record(keys)
-
-    def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
-        """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now."""
-        runs = []
-        for run in lookup.runs:
-            if run.tier != self.l1.name:
-                break
-            runs.append(run)
-        return self._lookup_result(lookup.num_computed_blocks, runs, lookup.num_blocks)
 
     def promote(self, lookup: PrefixLookup) -> bool:
         """Start copying the lookup's lower-tier chunks up into L1; True while any of them is on its way.
@@ -175,7 +143,7 @@ class CacheManager:
             sizes = []
             for i, key in enumerate(run.keys):
                 if key in todo:
-                    start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
+                    start, end = self.finder.chunk_bounds(run.first_chunk + i, lookup.num_blocks)
                     sizes.append((key, end - start))
             slots = self.l1.prepare_store([k for k, _ in sizes], [n * self.block_bytes for _, n in sizes])
             chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k))
@@ -215,7 +183,7 @@ class CacheManager:
                 raise ValueError(f"chunks in tier {run.tier!r} must be promoted to L1 before a load")
             wanted = []
             for i, key in enumerate(run.keys):
-                start, end = self._chunk_bounds(run.first_chunk + i, lookup.num_blocks)
+                start, end = self.finder.chunk_bounds(run.first_chunk + i, lookup.num_blocks)
                 if start >= limit:
                     break
                 wanted.append((key, start, end))
@@ -244,7 +212,7 @@ class CacheManager:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks."""
         if first_chunk >= len(keys):
             return None
-        bounds = [self._chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
+        bounds = [self.finder.chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
         slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds])
         parents = [keys[i - 1] if i else None for i in range(first_chunk, len(keys))]
         chunks = [
