@@ -1,11 +1,14 @@
-"""LMCache 0.5.6's `lm://` connector, driven directly: put and get the same chunks tiercache's bench moves.
+"""LMCache 0.5.6's `lm://` (or `redis://`) connector, driven directly: put and get the chunks tiercache's bench moves.
 
 Runs inside a virtualenv that has LMCache (it pins protobuf < 7, which
 tiercache's stubs cannot use, so it cannot share tiercache's process); it
 imports nothing from tiercache. `benchmarks/lmcache_side_by_side.py` starts
 LMCache's server and this client, and tiercache's own bench, in one run.
 
-    python benchmarks/lmcache_lm_client.py HOST PORT CHUNKS REPS  -> one JSON line of timings
+    python benchmarks/lmcache_lm_client.py HOST PORT CHUNKS REPS [redis]  -> one JSON line of timings
+
+With ``redis`` the same chunks go through LMCache's ``RedisConnector`` to the
+Redis server at HOST:PORT (two keys per chunk: metadata and bytes).
 """
 import asyncio
 import json
@@ -18,7 +21,7 @@ import torch
 LAYERS, HEADS, HEAD_DIM, TOKENS = 32, 8, 128, 256   # llama-8b, 256-token chunks: 32 MiB of bf16
 
 
-def main(host: str, port: int, chunks: int, reps: int) -> None:
+def main(host: str, port: int, chunks: int, reps: int, kind: str = "lm") -> None:
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
@@ -33,7 +36,11 @@ def main(host: str, port: int, chunks: int, reps: int) -> None:
     backend = LocalCPUBackend(cfg, meta)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    conn = LMCServerConnector(host, port, loop, backend)
+    if kind == "redis":
+        from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
+        conn = RedisConnector(f"redis://{host}:{port}", loop, backend)
+    else:
+        conn = LMCServerConnector(host, port, loop, backend)
 
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
@@ -68,4 +75,4 @@ def main(host: str, port: int, chunks: int, reps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), *sys.argv[5:6])

@@ -1,4 +1,8 @@
-"""tiercache's gRPC tier and `tiercache serve` beside LMCache 0.5.6's `lm://` server, on the same chunks, in one run.
+"""tiercache's remote tiers beside LMCache 0.5.6's remote connectors, on the same chunks, in one run.
+
+`tiercache serve` + the gRPC tier against LMCache's `lm://` server and
+connector; with ``--redis-port``, tiercache's Redis tier against LMCache's
+`redis://` connector on the same redis-server.
 
 LMCache pins protobuf < 7 (tiercache's stubs need 7.35+), so it runs in its
 own virtualenv; this script (tiercache's Python) starts LMCache's server and
@@ -9,7 +13,8 @@ own virtualenv; this script (tiercache's Python) starts LMCache's server and
     python -m venv --system-site-packages /tmp/lmcvenv
     /tmp/lmcvenv/bin/pip install --no-deps lmcache==0.5.6
     /tmp/lmcvenv/bin/pip install "protobuf<7,>=6.31.1" "numpy<=2.2.6" msgspec sortedcontainers py-cpuinfo aiofile
-    python benchmarks/lmcache_side_by_side.py --lmcache-python /tmp/lmcvenv/bin/python --chunks 32 --reps 5
+    python benchmarks/lmcache_side_by_side.py --lmcache-python /tmp/lmcvenv/bin/python --chunks 32 --reps 5 \
+        [--redis-port 6379]
 """
 from __future__ import annotations
 
@@ -32,6 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lmcache_client(python: str, port: int, chunks: int, reps: int, kind: str) -> dict:
+    proc = subprocess.run([python, str(HERE / "lmcache_lm_client.py"), "127.0.0.1", str(port), str(chunks),
+                           str(reps), kind], capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"LMCache client failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line)
+
+
 def lmcache_run(python: str, chunks: int, reps: int) -> dict:
     port = free_port()
     server = subprocess.Popen([python, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
@@ -46,24 +60,28 @@ def lmcache_run(python: str, chunks: int, reps: int) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError("LMCache's server did not start") from None
                 time.sleep(0.2)
-        proc = subprocess.run([python, str(HERE / "lmcache_lm_client.py"), "127.0.0.1", str(port), str(chunks),
-                               str(reps)], capture_output=True, text=True, timeout=1800)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
-        if proc.returncode != 0 or line is None:
-            raise RuntimeError(f"LMCache client failed:\n{proc.stderr[-3000:]}")
-        return json.loads(line)
+        return lmcache_client(python, port, chunks, reps, "lm")
     finally:
         server.terminate()
         server.wait(timeout=30)
 
 
-def tiercache_run(chunks: int, reps: int) -> dict:
+def tiercache_run(tier: str, chunks: int, reps: int, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "grpc.json"
-        subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "grpc", "--shape",
+        out = Path(tmp) / "tiers.json"
+        subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", tier, "--shape",
                         "llama-8b", "--total-mib", str(chunks * 32), "--reps", str(reps), "--quiet", "--json",
-                        str(out)], check=True, timeout=1800)
-        return json.loads(out.read_text())["tiers"]["grpc"]
+                        str(out), *extra], check=True, timeout=1800)
+        return json.loads(out.read_text())["tiers"][tier]
+
+
+def compare(name: str, lmcache: list[dict], tc: dict) -> dict:
+    nbytes = lmcache[0]["bytes"]
+    put = nbytes / statistics.median([t for r in lmcache for t in r["put"]]) / 1e9
+    get = nbytes / statistics.median([t for r in lmcache for t in r["get"]]) / 1e9
+    return {f"lmcache_{name}_put_gbps": round(put, 3), f"lmcache_{name}_get_gbps": round(get, 3),
+            "tiercache_put_gbps": tc["put_gbps"], "tiercache_get_gbps": tc["get_gbps"],
+            "put_vs_lmcache": round(tc["put_gbps"] / put, 3), "get_vs_lmcache": round(tc["get_gbps"] / get, 3)}
 
 
 def main() -> None:
@@ -71,20 +89,18 @@ def main() -> None:
     ap.add_argument("--lmcache-python", required=True, help="Python of a virtualenv with lmcache==0.5.6")
     ap.add_argument("--chunks", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--redis-port", type=int, help="also compare the Redis tiers on this loopback redis-server")
     args = ap.parse_args()
-    runs = [lmcache_run(args.lmcache_python, args.chunks, args.reps)]
-    tc = tiercache_run(args.chunks, args.reps)
-    runs.append(lmcache_run(args.lmcache_python, args.chunks, args.reps))
-    nbytes = runs[0]["bytes"]
-    lm_put = nbytes / statistics.median(runs[0]["put"] + runs[1]["put"]) / 1e9
-    lm_get = nbytes / statistics.median(runs[0]["get"] + runs[1]["get"]) / 1e9
-    report = {
-        "chunk_bytes": runs[0]["chunk_bytes"], "chunks": args.chunks, "reps": args.reps,
-        "lmcache_lm_put_gbps": round(lm_put, 3), "lmcache_lm_get_gbps": round(lm_get, 3),
-        "tiercache_grpc_put_gbps": tc["put_gbps"], "tiercache_grpc_get_gbps": tc["get_gbps"],
-        "put_vs_lmcache": round(tc["put_gbps"] / lm_put, 3), "get_vs_lmcache": round(tc["get_gbps"] / lm_get, 3),
-        "tiercache_raw_grpc": {"put_gbps": tc["raw_put_gbps"], "get_gbps": tc["raw_get_gbps"]},
-    }
+    py, n, reps = args.lmcache_python, args.chunks, args.reps
+    lm = [lmcache_run(py, n, reps)]
+    tc = tiercache_run("grpc", n, reps)
+    lm.append(lmcache_run(py, n, reps))
+    report = {"chunks": n, "chunk_bytes": lm[0]["chunk_bytes"], "reps": reps, "grpc_vs_lm": compare("lm", lm, tc)}
+    if args.redis_port:
+        lr = [lmcache_client(py, args.redis_port, n, reps, "redis")]
+        tr = tiercache_run("redis", n, reps, "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0")
+        lr.append(lmcache_client(py, args.redis_port, n, reps, "redis"))
+        report["redis_vs_redis"] = compare("redis", lr, tr)
     print(json.dumps(report, indent=2))
 
 
