@@ -8,12 +8,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tiercache.chunk_format import ChunkFormat, ChunkMeta
-from tiercache.config import TierCacheConfig
+from tiercache.config import TierCacheConfig, read_secret
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.keys import BlockHash, Namespace
 from tiercache.manager import CacheManager
@@ -106,12 +105,7 @@ def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     from tiercache.tiers.grpc_client import GrpcTier
 
     g = config.grpc
-    token = None
-    if g.auth_token_file:
-        try:
-            token = Path(g.auth_token_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError("grpc.auth_token_file", g.auth_token_file, f"cannot read: {err.strerror}") from None
+    token = read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     tier = GrpcTier(g.address, namespace.digest(), fmt, auth_token=token, timeout_s=g.timeout,
                     retry_interval_s=g.retry_interval, max_message_bytes=g.max_message)

@@ -314,6 +314,17 @@ def _read_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_secret(path: str, field_name: str) -> str:
+    """The stripped contents of a secret file (an auth token); a `ConfigError` naming ``field_name`` otherwise."""
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(field_name, path, f"cannot read: {err.strerror}") from None
+    if not secret:
+        raise ConfigError(field_name, path, "is empty")
+    return secret
+
+
 def _set_dotted(target: dict[str, Any], dotted: str, value: str, origin: str) -> None:
     parts = [p for p in dotted.split(".") if p]
     if not parts:

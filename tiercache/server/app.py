@@ -15,10 +15,10 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
+from tiercache.config import read_secret
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.service import CacheService
@@ -61,15 +61,7 @@ class ServeConfig:
             raise ConfigError("--eviction", self.eviction, str(err)) from None
 
     def auth_token(self) -> str | None:
-        if not self.auth_token_file:
-            return None
-        try:
-            token = Path(self.auth_token_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError("--auth-token-file", self.auth_token_file, f"cannot read: {err.strerror}") from None
-        if not token:
-            raise ConfigError("--auth-token-file", self.auth_token_file, "is empty")
-        return token
+        return read_secret(self.auth_token_file, "--auth-token-file") if self.auth_token_file else None
 
 
 class JsonLogFormatter(logging.Formatter):
