@@ -92,6 +92,8 @@ def test_a_second_prompt_loads_the_shared_prefix_from_l1(env, baseline, tmp_path
     assert got["num_cached_tokens"][0] == 0
     assert got["num_cached_tokens"][1] == 2 * CHUNK                 # the shared 700-token prefix: two whole chunks
     assert got["connector"]["loaded_tokens"] == 2 * CHUNK
+    assert {medium for medium, _ in got["stored_events"]} == {"CPU"}   # KV events name the tier's medium
+    assert sum(n for _, n in got["stored_events"]) >= 2
     same_outputs(got, baseline)
 
 
@@ -99,6 +101,7 @@ def test_a_fresh_process_loads_the_prefix_from_disk(env, baseline, tmp_path):
     disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
     first = run(env, tmp_path, env["prompts"][:1], connector(**disk))
     same_outputs(first, baseline, slice(0, 1))
+    assert {medium for medium, _ in first["stored_events"]} == {"CPU", "DISK"}
     second = run(env, tmp_path, env["prompts"][1:], connector(**disk))
     assert second["num_cached_tokens"] == [2 * CHUNK]
     assert second["connector"]["tiers"]["disk"]["loaded"] == 2
