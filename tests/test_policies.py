@@ -142,7 +142,7 @@ def test_frequency_admission_counts_requests_and_forgets_slowly():
     a.record(keys[:50] + keys[:50])                        # duplicates in one request count once
     assert all(a.admit(k, 0) for k in keys[:50])
     assert sum(a.admit(k, 0) for k in keys[50:]) <= 2      # a sketch may over-count a collision, never under-count
-    a._additions = 10 * a.WIDTH - 1                        # the next addition ages the sketch: every count halves
+    a._sketch._additions = a._sketch.halve_every - 1       # the next addition ages the sketch: every count halves
     a.record([hashlib.sha256(b"other").digest()])
     assert not a.admit(keys[0], 0)
 
@@ -157,3 +157,66 @@ def test_frequency_admission_writes_less_to_l2_on_the_trace():
     frequency = replay_hierarchy(trace, 200_000, 800_000, "frequency", 1)
     assert frequency.l2_written_chunks < 0.7 * always.l2_written_chunks
     assert frequency.token_hit_ratio > 0
+
+
+def _keys(n, tag=b""):
+    import hashlib
+    return [hashlib.sha256(tag + i.to_bytes(4, "big")).digest() for i in range(n)]
+
+
+def test_count_min_sketch_never_under_counts_and_widening_keeps_estimates():
+    import collections
+    import random
+
+    from tiercache.policies.sketch import CountMinSketch
+    rng = random.Random(5)
+    keys = _keys(3000)
+    sketch = CountMinSketch(width_bits=10)                  # narrow on purpose: collisions happen
+    truth = collections.Counter()
+    for _ in range(6000):
+        k = rng.choice(keys[:1500])
+        truth[k] += 1
+        sketch.add(k)
+    sketch.add_many(keys[1500:])
+    truth.update(keys[1500:])
+    before = {k: sketch.estimate(k) for k in keys}
+    assert all(before[k] >= min(truth[k], sketch.SATURATE) for k in keys)
+    sketch.resize(1 << 14)                                  # 2^15 wide now
+    assert sketch.width == 1 << 15
+    assert {k: sketch.estimate(k) for k in keys} == before
+    assert sketch.halve_every == 1 << 14
+    sketch.add_many(_keys((1 << 14) - sketch._additions, b"more"))   # the window fills: every count halves
+    assert all(sketch.estimate(k) <= (before[k] + 1) // 2 + 1 for k in keys)
+
+
+def test_lfu_da_keeps_reused_keys_over_one_offs_and_ages_them_out():
+    p = eviction_policies.get("lfu-da")()
+    popular, one_offs = _keys(4, b"p"), _keys(8, b"o")
+    for k in popular:
+        p.insert(k)
+        p.touch(k)
+        p.touch(k)
+    for k in one_offs:
+        p.insert(k)
+    victims = [p.pop_victim() for _ in range(8)]
+    assert victims == one_offs                              # equal counts leave oldest first
+    for k in _keys(3, b"new"):        # the age is now past one-offs: newcomers asked for three times
+        p.insert(k)                   # outrank the old popular keys
+        p.touch(k)
+        p.touch(k)
+    assert p.pop_victim() == popular[0]
+    p.remove(popular[1])
+    assert popular[1] not in drain(p)
+
+
+def test_lfu_da_is_the_default_and_beats_lru_on_the_shared_trace():
+    from tests.test_trace import SHARED_TRACE
+    from tiercache.bench.trace import load_trace, replay
+    from tiercache.policies import DEFAULT_EVICTION
+    if not SHARED_TRACE.exists():
+        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
+    assert DEFAULT_EVICTION == "lfu-da"
+    trace = load_trace(SHARED_TRACE)
+    for capacity in (1_000_000, 3_000_000):                 # the two points
+        lru, lfu = replay(trace, capacity, "lru"), replay(trace, capacity, DEFAULT_EVICTION)
+        assert lfu.token_hit_ratio > 1.02 * lru.token_hit_ratio, capacity

@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
     t.add_argument("--capacity-tokens", type=_capacity_list, default=[1_000_000, 3_000_000],
                    help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
-    t.add_argument("--policy", type=_policy_list, default=["lru", "s3-fifo"],
-                   help="comma-separated eviction policies (default: lru,s3-fifo)")
+    t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
+                   help="comma-separated eviction policies (default: lru,lfu-da,s3-fifo)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")

@@ -95,7 +95,7 @@ class DevicePoolConfig:
 class CpuTierConfig:
     enabled: bool = _opt(True, "keep an L1 tier in (pinned) host memory")
     capacity: int = _size(1 << 30, "bytes of host memory for L1 chunks")
-    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lru | s3-fifo | arc | fifo | prefix-lru")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lfu-da | lru | s3-fifo | arc | fifo | prefix-lru")
     prefault: bool = _opt(True, "touch every page of the L1 buffer at start")
     pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
 
@@ -109,7 +109,7 @@ class DiskTierConfig:
     enabled: bool = _opt(False, "keep an L2 tier of chunk files on a local disk")
     path: str = _opt("", "directory for chunk files (created if missing); required when enabled")
     capacity: int = _size(10 << 30, "bytes of chunk files, headers included")
-    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lru | s3-fifo | arc | fifo | prefix-lru")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lfu-da | lru | s3-fifo | arc | fifo | prefix-lru")
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
