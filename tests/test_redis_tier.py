@@ -196,3 +196,77 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
         assert untrusting.contains(list(keys)) == 0 and untrusting.counters.errors == 1
     finally:
         server.stop()
+
+
+def _chunk(ns: bytes, i: int, nbytes: int = 1 << 20):
+    import hashlib
+
+    from tiercache.chunk_format import ChunkMeta
+    from tiercache.keys import BlockHash
+    key = BlockHash(hashlib.sha256(b"direct%d" % i).digest())
+    raw = torch.arange(nbytes // 2, dtype=torch.float16).add_(i).numpy().tobytes()
+    return ChunkMeta(ns, key, 256, "float16", (nbytes // 2,)), raw
+
+
+def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
+    """Loads read GET replies off the socket into the slots: one pipeline mixing good raw and lz4 values,
+    a foreign namespace's value, a value shorter than a header and a key of the wrong type gives exactly
+    the good chunks, bit-exact, and leaves the connection fit for the next pipeline."""
+    from tiercache.chunk_format import ChunkFormat
+    ns = b"n" * 16
+    tier = RedisTier(redis_server.url, ns)
+    lz4 = RedisTier(redis_server.url, ns, ChunkFormat(codec="lz4"))
+    foreign = RedisTier(redis_server.url, b"f" * 16)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        chunks = [_chunk(ns, i) for i in range(6)]
+        assert tier.write_chunks([chunks[0], chunks[5]]) == []
+        assert lz4.write_chunks([chunks[4]]) == []
+        meta1, raw1 = chunks[1]
+        foreign.write_chunks([(type(meta1)(b"f" * 16, meta1.key, 256, "float16", meta1.shape), raw1)])
+        client.set(tier._rkey(meta1.key), client.get(foreign._rkey(meta1.key)))   # right key, wrong namespace
+        client.rpush(tier._rkey(chunks[2][0].key), b"not a chunk")                # WRONGTYPE on GET
+        client.set(tier._rkey(chunks[3][0].key), b"short")
+        bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
+        for _ in range(2):                                    # twice: the pooled connection is still in step
+            got = tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)])
+            assert got == [1 << 20, None, None, None, 1 << 20, 1 << 20]
+            for i in (0, 4, 5):
+                assert bytes(bufs[i]) == chunks[i][1]
+        assert tier.available and tier.counters.errors == 0
+    finally:
+        for t in (tier, lz4, foreign):
+            t.close()
+
+
+def test_reply_reader_parses_replies_split_anywhere_and_reports_a_cut_stream():
+    import socket
+    import threading
+
+    import pytest
+
+    from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader
+    a, b = socket.socketpair()
+    stream = b"$5\r\nhello\r\n$-1\r\n_\r\n-WRONGTYPE nope\r\n$3\r\nab"
+    sender = threading.Thread(target=lambda: [a.sendall(stream[i:i + 3]) for i in range(0, len(stream), 3)])
+    sender.start()
+    reader = ReplyReader(b, line_buffer_bytes=24)             # lines and values straddle refills
+    dest = memoryview(bytearray(5))
+    assert reader.bulk_length() == 5
+    reader.read_into(dest)
+    reader.end_of_bulk()
+    assert bytes(dest) == b"hello"
+    assert reader.bulk_length() is None and reader.bulk_length() is None
+    with pytest.raises(ReplyError, match="WRONGTYPE"):
+        reader.bulk_length()
+    assert reader.bulk_length() == 3
+    sender.join()
+    a.close()                                                 # the server goes away mid-value
+    with pytest.raises(ConnectionError):
+        reader.read_into(memoryview(bytearray(3)))
+    c, d = socket.socketpair()
+    c.sendall(b"+OK\r\n")
+    with pytest.raises(ProtocolError):
+        ReplyReader(d).bulk_length()
+    for s in (b, c, d):
+        s.close()

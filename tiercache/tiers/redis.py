@@ -2,7 +2,9 @@
 
 Redis owns the data, so this tier keeps no index: `contains` asks Redis (one
 pipelined ``EXISTS`` batch), stores and loads are pipelined ``SET`` / ``GET``
-batches on transfer threads. Values are keyed ``tiercache:<namespace>:<key>``,
+batches on transfer threads. Loads from a standalone server read the replies
+themselves (`ReplyReader`: a raw chunk is received straight into its L1 slot
+and verified there); a cluster's go through redis-py's cluster pipeline. Values are keyed ``tiercache:<namespace>:<key>``,
 so models, layouts and tenants never meet; an optional TTL bounds their life,
 and Redis's own ``maxmemory`` policy bounds their size.
 
@@ -21,9 +23,10 @@ from collections.abc import Callable, Sequence
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
 from tiercache.codecs import Buffer, copy_into
-from tiercache.errors import ChunkFormatError
+from tiercache.errors import ChunkFormatError, TruncatedChunkError
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteTier
+from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,11 @@ class RedisTier(RemoteTier):
         self.namespace = namespace
         self.ttl_s = ttl_s
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                        redis.exceptions.ClusterError, OSError)
+                        redis.exceptions.ClusterError, OSError, ProtocolError)
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._local = threading.local()
+        self._direct_reads = not cluster
 
     def close(self) -> None:
         self._client.close()
@@ -177,6 +181,8 @@ class RedisTier(RemoteTier):
         """
         if not self.available:
             return [None] * len(items)
+        if self._direct_reads:
+            return self._read_direct(items)
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, _ in items:
@@ -201,6 +207,76 @@ class RedisTier(RemoteTier):
                 copy_into(buf, data)
                 out.append(meta.raw_len)
             except ChunkFormatError as err:
-                log.warning("redis tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+                self._rejected(key, err)
                 out.append(None)
         return out
+
+    def _rejected(self, key: BlockHash, err: Exception) -> None:
+        log.warning("redis tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+
+    def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """Pipelined ``GET``s on a pooled connection whose replies `ReplyReader` takes off the socket.
+
+        The connection goes back to the pool only when every reply was read
+        whole; after any transport or protocol error it is dropped.
+        """
+        pool = self._client.connection_pool
+        conn = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(conn.pack_commands([("GET", self._rkey(key)) for key, _ in items]))
+            reader = ReplyReader(conn._sock)
+            out = [self._receive(reader, key, buf) for key, buf in items]
+            if reader.buffered:
+                raise ProtocolError(f"{reader.buffered} bytes beyond the replies asked for")
+        except self._errors as err:
+            if conn is not None:
+                conn.disconnect()
+            self._failed("load", err)
+            return [None] * len(items)
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        self._outage.succeeded()
+        return out
+
+    def _receive(self, reader: ReplyReader, key: BlockHash, buf: memoryview) -> int | None:
+        """Read one ``GET`` reply: header into a scratch, a raw payload straight into ``buf``; verify it there."""
+        try:
+            n = reader.bulk_length()
+        except ReplyError as err:                 # e.g. WRONGTYPE: someone else's value under our key
+            self._rejected(key, err)
+            return None
+        if n is None:
+            return None
+        header = bytearray(HEADER_BYTES)
+        if n < HEADER_BYTES:
+            reader.skip(n)
+            reader.end_of_bulk()
+            self._rejected(key, TruncatedChunkError(f"value of {n} B is shorter than a chunk header"))
+            return None
+        reader.read_into(memoryview(header))
+        try:
+            parsed = check_header(header, self.namespace, key)
+            meta, codec, _, payload_len, _ = parsed
+            if n != HEADER_BYTES + payload_len:
+                raise TruncatedChunkError(f"value of {n} B, header says {HEADER_BYTES + payload_len}")
+            if meta.raw_len > len(buf):
+                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
+        except ChunkFormatError as err:
+            reader.skip(n - HEADER_BYTES)
+            reader.end_of_bulk()
+            self._rejected(key, err)
+            return None
+        raw = codec == 0 and payload_len == meta.raw_len
+        landing = buf[:payload_len] if raw else self._staging(0, payload_len)
+        reader.read_into(landing)
+        reader.end_of_bulk()
+        try:
+            data = verify_payload(parsed, landing)
+        except ChunkFormatError as err:
+            self._rejected(key, err)
+            return None
+        if not raw:
+            copy_into(buf, data)
+        return meta.raw_len
