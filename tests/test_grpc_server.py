@@ -360,15 +360,17 @@ def test_an_engine_keeps_generating_identical_tokens_when_the_server_dies(cache_
             time.sleep(0.2)
 
 
-def test_bench_tiers_grpc_reports_ratios_against_a_bare_grpc_stream(tmp_path):
+def test_bench_tiers_grpc_reports_ratios_against_a_bare_grpc_stream_and_files(tmp_path):
     out = tmp_path / "g.json"
-    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "grpc", "--shape",
-                           "small", "--total-mib", "8", "--reps", "2", "--quiet", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "grpc,grpc-shm",
+                           "--shape", "small", "--total-mib", "8", "--reps", "2", "--quiet", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    r = json.loads(out.read_text())["tiers"]["grpc"]
-    assert r["put_gbps"] > 0 and r["raw_put_gbps"] > 0 and r["get_ratio"] > 0
-    assert r["raw_baseline"].startswith("bare gRPC")
+    tiers = json.loads(out.read_text())["tiers"]
+    for name, baseline in (("grpc", "bare gRPC"), ("grpc-shm", "file write")):
+        r = tiers[name]
+        assert r["put_gbps"] > 0 and r["raw_put_gbps"] > 0 and r["get_ratio"] > 0
+        assert r["raw_baseline"].startswith(baseline)
 
 
 def test_bench_engine_with_remote_tiers_matches_the_baseline(redis_server, tmp_path):

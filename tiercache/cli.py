@@ -31,11 +31,10 @@ def _positive(text: str) -> int:
     return value
 
 
-def _tier_list(text: str) -> list[str]:
+def _tier_list(text: str, known: frozenset[str] = frozenset({"cpu", "disk", "redis", "grpc"})) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["none"]:
         return []
-    known = {"cpu", "disk", "redis", "grpc"}
     unknown = [n for n in names if n not in known]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"unknown tier(s) {unknown or text!r}; known: {', '.join(sorted(known))}")
@@ -147,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
     tiers = bench.add_parser("tiers", help="tier put/get throughput beside the raw machine limit")
-    tiers.add_argument("--tiers", type=_tier_list, default=["cpu"], help="comma-separated tiers: cpu, disk, redis, grpc")
+    tiers.add_argument("--tiers", type=_bench_tier_list, default=["cpu"],
+                       help="comma-separated tiers: cpu, disk, redis, grpc, grpc-shm (a serve with --shm-dir, "
+                            "its memory tier read and written as files on this host)")
     tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
     tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
     tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url)")
@@ -230,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
-    v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lru)")
+    v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lfu-da)")
+    v.add_argument("--shm-dir", metavar="DIR", default="",
+                   help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
+                        "which clients on this host read and write directly")
     v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
     v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
@@ -241,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--log-format", choices=["json", "text"], default="json")
     v.set_defaults(func=cmd_serve)
     return parser
+
+
+def _bench_tier_list(text: str) -> list[str]:
+    return _tier_list(text, frozenset({"cpu", "disk", "redis", "grpc", "grpc-shm"}))
 
 
 def _size(text: str) -> int:
@@ -256,7 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, capacity=args.capacity,
                          eviction=args.eviction or DEFAULT_EVICTION,
-                         disk=args.disk, disk_capacity=args.disk_capacity, auth_token_file=args.auth_token_file,
+                         disk=args.disk, disk_capacity=args.disk_capacity, shm_dir=args.shm_dir,
+                         auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          metrics_port=args.metrics_port)
     return run(config, args.log_format)

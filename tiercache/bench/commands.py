@@ -20,7 +20,7 @@ def _write_json(path: str | None, data: dict) -> None:
         write_json(path, data)
 
 
-REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "streamed"}
+REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "streamed", "grpc-shm": "shared-memory files"}
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
@@ -33,7 +33,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, overrides=args.set)
     layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
-    remotes = [t for t in ("redis", "grpc") if t in args.tiers]
+    remotes = [t for t in REMOTE_VARIANTS if t in args.tiers]
     total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0) + len(remotes)
     report: dict = {"tiers": {}, "runs": []}
     with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:

@@ -1,4 +1,4 @@
-"""`tiercache bench tiers --tiers redis,grpc`: L3 put/get beside the raw transport, in one run.
+"""`tiercache bench tiers --tiers redis,grpc,grpc-shm`: L3 put/get beside the raw transport, in one run.
 
 *put* writes L1's chunks down through the tier (encode with checksum, one
 pipelined ``SET`` batch or one streamed ``Put`` per transfer job); *get*
@@ -6,16 +6,24 @@ promotes them back into L1 slots (pipelined ``GET`` or a streamed ``Get``,
 verify, place). The raw baselines move the same chunk bytes with no protocol
 of ours: redis-py pipelined ``SET``/``GET`` through the same kind of client,
 and a bare gRPC bytes store (`tiercache.bench.grpc_echo`, in its own process
-like `tiercache serve`, fed the same bytes in the tier's message size). Raw
-and tier swap order every repetition; medians are reported.
+like `tiercache serve`, fed the same bytes in the tier's message size). For
+``grpc-shm`` (a `tiercache serve --shm-dir` and a client on the same host,
+which moves chunks as files in that directory) the raw baseline is plain file
+I/O of the same bytes in the same directory: each value written to a new file,
+read back into pre-faulted buffers. Raw and tier swap order every repetition;
+medians are reported.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Protocol
 
 from tiercache.bench.filled import filled_stack
@@ -110,22 +118,85 @@ class GrpcRaw:
         self._server.close()
 
 
+class FilesRaw:
+    """The same bytes as files in a directory (the server's shared memory): written to new files, read back
+    with ``readinto`` into buffers allocated and faulted in once, on as many threads as the tier's transfer
+    workers (file I/O releases the GIL, and the tier splits its jobs the same way)."""
+
+    def __init__(self, directory: Path, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self._dir = directory / "raw-baseline"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._bufs: list[memoryview] = []
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(threads)
+
+    def _each(self, fn, n: int) -> list:
+        return list(self._pool.map(lambda part: [fn(i) for i in range(part, n, self._threads)], range(self._threads)))
+
+    def put(self, values: list[bytes]) -> None:
+        if not self._bufs:     # the warm-up repetition pays for these
+            self._bufs = [memoryview(bytearray(len(v))) for v in values]
+            for buf in self._bufs:
+                buf[::4096] = b"\1" * len(buf[::4096])
+
+        def write(i: int) -> None:
+            fd = os.open(self._dir / str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                view = memoryview(values[i])
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            finally:
+                os.close(fd)
+        self._each(write, len(values))
+
+    def get(self) -> int:
+        def read(i: int) -> int:
+            with open(self._dir / str(i), "rb", buffering=0) as f:
+                return f.readinto(self._bufs[i])
+        return sum(sum(part) for part in self._each(read, len(self._bufs)))
+
+    def clear(self) -> None:
+        for path in self._dir.iterdir():
+            path.unlink()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def shm_root() -> Path:
+    """Where to put a benchmark server's shared memory: /dev/shm when the machine has it."""
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
 def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: str | None,
                  progress=None) -> dict:
-    """``kind`` is ``redis`` (``target``: its URL) or ``grpc`` (``target``: a server's host:port, or None to
-    start a `tiercache serve` for the run)."""
+    """``kind`` is ``redis`` (``target``: its URL), ``grpc`` (``target``: a server's host:port, or None to
+    start a `tiercache serve` for the run) or ``grpc-shm`` (a `tiercache serve --shm-dir` started for the
+    run, ``target`` ignored)."""
     server = None
-    if kind == "grpc" and target is None:
+    shm = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=shm_root())) if kind == "grpc-shm" else None
+    if kind != "redis" and (target is None or shm is not None):
         server = Subprocess("tiercache.cli", "serve", "--capacity", str(2 * total_bytes + (256 << 20)),
-                            "--log-format", "text")
+                            "--log-format", "text", *(["--shm-dir", str(shm / "server")] if shm else []))
         target = server.address
     section = {"enabled": True, "timeout": 30.0, "write_mode": "write-back",
-               **({"url": target} if kind == "redis" else {"address": target})}
-    filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}", {kind: section})
+               **({"url": target} if kind == "redis" else {"address": target, "local": "auto" if shm else "off"})}
+    section_name = "redis" if kind == "redis" else "grpc"
+    try:
+        filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
+                              {section_name: section})
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     cpu, remote = stack.tiers[0], stack.tiers[1]
-    raw: RawBaseline = RedisRaw(target, len(keys)) if kind == "redis" else GrpcRaw()
+    raw: RawBaseline = (RedisRaw(target, len(keys)) if kind == "redis" else
+                        FilesRaw(shm, stack.engine.num_workers) if shm else GrpcRaw())
     times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
     try:
         src = [bytes(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
@@ -164,12 +235,15 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
         raw.close()
         if server is not None:
             server.close()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
 
     def gbps(name: str) -> float:
         return nbytes / statistics.median(times[name]) / 1e9
 
     put_g, get_g, rp, rg = gbps("put"), gbps("get"), gbps("raw_put"), gbps("raw_get")
-    raw_name = "pipelined redis-py SET/GET" if kind == "redis" else "bare gRPC bytes stream, 4 MiB messages (own process)"
+    raw_name = {"redis": "pipelined redis-py SET/GET", "grpc": "bare gRPC bytes stream, 4 MiB messages (own process)",
+                "grpc-shm": "file write / readinto of the same bytes in the same shared-memory directory"}[kind]
     return {
         "tier": kind, "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": filled.chunk_bytes,
         "chunks": len(keys), "bytes": nbytes, "reps": reps, "raw_baseline": raw_name,

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -38,6 +39,7 @@ class ServeConfig:
     eviction: str = DEFAULT_EVICTION
     disk: str = ""
     disk_capacity: int = 100 << 30
+    shm_dir: str = ""
     auth_token_file: str = ""
     max_message: int = 128 << 20
     workers: int = 8
@@ -51,6 +53,8 @@ class ServeConfig:
             raise ConfigError("--capacity", self.capacity, "must be positive")
         if self.disk and self.disk_capacity <= 0:
             raise ConfigError("--disk-capacity", self.disk_capacity, "must be positive")
+        if self.shm_dir and self.disk and Path(self.shm_dir).resolve() == Path(self.disk).resolve():
+            raise ConfigError("--shm-dir", self.shm_dir, "must not be the --disk directory")
         if not 1 << 16 <= self.max_message <= MAX_MESSAGE_LIMIT:
             raise ConfigError("--max-message", self.max_message, "must be between 64 KiB and 1 GiB")
         if self.workers < 1:
@@ -91,9 +95,12 @@ class CacheServer:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         try:
-            self.store = ChunkStore(StoreConfig(config.capacity, config.eviction, config.disk, config.disk_capacity))
+            self.store = ChunkStore(StoreConfig(config.capacity, config.eviction, config.disk, config.disk_capacity,
+                                                config.shm_dir))
         except OSError as err:
-            raise ConfigError("--disk", config.disk, f"cannot use directory: {err.strerror}") from None
+            flag, value = ("--shm-dir", config.shm_dir) if config.shm_dir and config.shm_dir in str(err.filename) \
+                else ("--disk", config.disk)
+            raise ConfigError(flag, value, f"cannot use directory: {err.strerror}") from None
         self.service = CacheService(self.store, config.max_message, config.auth_token())
         hard = config.max_message * HARD_LIMIT_FACTOR
         self._server = grpc.server(
@@ -116,7 +123,8 @@ class CacheServer:
             self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
         log.info("serving on %s:%d", self.config.host, self.port,
                  extra={"event": "started", "port": self.port, "capacity": self.config.capacity,
-                        "disk": self.config.disk or None, "auth": self.config.auth_token_file != "",
+                        "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
+                        "auth": self.config.auth_token_file != "",
                         "chunks_on_disk": self.store.disk.num_chunks if self.store.disk else 0})
 
     def stop(self) -> None:

@@ -1,4 +1,4 @@
-"""The gRPC service of `tiercache serve`: request checks, auth, and the six RPCs over a `ChunkStore`.
+"""The gRPC service of `tiercache serve`: request checks, auth, and the RPCs over a `ChunkStore`.
 
 Handlers are registered as generic handlers that receive raw bytes, so a
 malformed request is parsed here and answered with ``INVALID_ARGUMENT`` and a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ log = logging.getLogger("tiercache.server")
 
 MAX_KEY_BYTES = 64
 MAX_KEYS_PER_CALL = 1 << 16
+INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
 
 
 class _Rejected(Exception):
@@ -65,6 +67,9 @@ class CacheService:
             "Delete": grpc.unary_unary_rpc_method_handler(self._guard(self.delete), _identity, _identity),
             "Stats": grpc.unary_unary_rpc_method_handler(self._guard(self.stats), _identity, _identity),
             "Health": grpc.unary_unary_rpc_method_handler(self._guard(self.health, auth=False), _identity, _identity),
+            "Local": grpc.unary_unary_rpc_method_handler(self._guard(self.local), _identity, _identity),
+            "Adopt": grpc.unary_unary_rpc_method_handler(self._guard(self.adopt), _identity, _identity),
+            "Touch": grpc.unary_unary_rpc_method_handler(self._guard(self.touch), _identity, _identity),
         }
         return grpc.method_handlers_generic_handler(SERVICE, rpc)
 
@@ -203,6 +208,46 @@ class CacheService:
         status = pb.HealthReply.SERVING if self.serving else pb.HealthReply.NOT_SERVING
         return pb.HealthReply(status=status, version=__version__,
                               max_message_bytes=self.max_message_bytes).SerializeToString()
+
+    def local(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._parse(pb.LocalRequest, request)
+        shm = self.store.shm
+        if shm is None:
+            return pb.LocalReply().SerializeToString()
+        return pb.LocalReply(directory=str(shm.root), instance=shm.instance).SerializeToString()
+
+    def adopt(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        req = self._parse(pb.AdoptRequest, request)
+        self._names(req.namespace, req.keys)
+        if self.store.shm is None:
+            raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION, "this server has no local data path (--shm-dir)")
+        if len(req.files) != len(req.keys):
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(req.files)} files for {len(req.keys)} keys")
+        for name in req.files:
+            if not INCOMING_NAME.fullmatch(name):
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"incoming file name {name[:80]!r} is not "
+                                f"32 hex digits + .tmp")
+        reply = pb.PutReply()
+        for key, name in zip(req.keys, req.files):
+            try:
+                outcome = self.store.adopt(req.namespace, key, name)
+            except ChunkFormatError as err:
+                self.counters["adopt_bad_files"] += 1
+                log.warning("adopt from %s: chunk %s… rejected: %s", context.peer(), key.hex()[:16], err,
+                            extra={"event": "adopt_rejected", "peer": context.peer()})
+                outcome = PutOutcome.REJECTED
+            if outcome is PutOutcome.STORED:
+                reply.stored += 1
+            elif outcome is PutOutcome.PRESENT:
+                reply.present += 1
+            else:
+                reply.rejected.append(key)
+        return reply.SerializeToString()
+
+    def touch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        req = self._parse(pb.TouchRequest, request)
+        self._names(req.namespace, req.keys)
+        return pb.TouchReply(touched=self.store.touch(req.namespace, list(req.keys))).SerializeToString()
 
     def stats_dict(self) -> dict[str, Any]:
         s = self.store.stats()

@@ -15,6 +15,10 @@ writes, so chunk files survive a restart of the server.
 - Disk (``disk_capacity``): the values alone, as files
   ``<dir>/<namespace>/<key[:2]>/<key>.chunk`` in the L2 layout; a hit on
   disk is read, checked, served and promoted back into memory.
+- Shared memory (``shm_path``, instead of in-process memory): the memory
+  tier is chunk files in the same layout under a tmpfs directory, so clients
+  on the same host read them directly and hand in new ones through
+  ``Adopt`` (see `ShmChunks`); gRPC clients are served from the same files.
 
 Thread safety: gRPC runs handlers on a thread pool; one lock guards both
 indexes, and file I/O happens outside it — a key being written is invisible
@@ -23,6 +27,9 @@ indexes, and file I/O happens outside it — a key being written is invisible
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -44,6 +51,19 @@ log = logging.getLogger(__name__)
 StoreKey = bytes          # namespace digest + chunk key
 Messages = list[bytes]    # one chunk's `Chunk` messages, as received
 
+INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients
+INSTANCE_FILE = ".instance"
+
+
+@dataclass(frozen=True, slots=True)
+class Spill:
+    """A chunk leaving memory for disk: the messages it arrived as, or a file set aside (`ShmChunks`)."""
+    key: StoreKey
+    nbytes: int
+    messages: Messages | None = None
+    file: Path | None = None
+    keep_file: bool = False    # flush copies; eviction moves
+
 
 def store_key(namespace: bytes, key: bytes) -> StoreKey:
     return namespace + key
@@ -55,7 +75,22 @@ class PutOutcome(str, Enum):
     REJECTED = "rejected"
 
 
-class MemoryChunks(IndexedTier):
+class _SpillsOnEviction:
+    """For a memory tier: with a disk below (``spill`` a list), each evicted chunk is set aside for it."""
+    spill: list[Spill] | None
+
+    def _evict_one(self) -> bool:
+        victim = self._pop_victim()
+        if victim is None:
+            return False
+        key, entry = victim
+        if self.spill is not None and (spill := self._set_aside(key, entry)) is not None:
+            self.spill.append(spill)
+        self._drop(key, entry, in_policy=False)
+        return True
+
+
+class MemoryChunks(_SpillsOnEviction, IndexedTier):
     """The server's memory tier: one chunk's messages per key, bounded by ``capacity_bytes``."""
     medium = Medium.CPU
 
@@ -64,7 +99,7 @@ class MemoryChunks(IndexedTier):
         self.name = name
         self._capacity = capacity_bytes
         self.values: dict[StoreKey, Messages] = {}
-        self.spill: list[tuple[StoreKey, Messages]] | None = None   # evicted chunks go here when a disk tier exists
+        self.spill: list[Spill] | None = None   # evicted chunks go here when a disk tier exists
 
     @property
     def capacity_bytes(self) -> int:
@@ -84,18 +119,14 @@ class MemoryChunks(IndexedTier):
         self.counters.loaded += 1
         return self.values[key]
 
-    def _evict_one(self) -> bool:
-        victim = self._pop_victim()
-        if victim is None:
-            return False
-        key, entry = victim
-        if self.spill is not None:
-            self.spill.append((key, self.values[key]))
-        self._drop(key, entry, in_policy=False)
-        return True
+    def _set_aside(self, key: StoreKey, entry: Entry) -> Spill:
+        return Spill(key, entry.nbytes, messages=self.values[key])
 
     def _release(self, key: StoreKey, entry: Entry) -> None:
         del self.values[key]
+
+    def unspilled(self, on_disk) -> list[Spill]:
+        return [Spill(k, sum(len(m) for m in v), messages=v) for k, v in self.values.items() if not on_disk(k)]
 
 
 class DiskChunks(IndexedTier):
@@ -140,27 +171,86 @@ class DiskChunks(IndexedTier):
             self.counters.errors += 1
 
 
+class ShmChunks(_SpillsOnEviction, DiskChunks):
+    """The memory tier as chunk files under a tmpfs directory that clients on the same host read directly.
+
+    Same layout, index and crash-safe writes as `DiskChunks`; the files live
+    in RAM (``/dev/shm``), survive a restart of the server (not of the
+    machine), and are shared: a co-located client opens
+    ``<root>/<namespace>/<key[:2]>/<key>.chunk`` itself and verifies what it
+    reads, so a chunk replaced or evicted under it is at worst a miss —
+    files are only ever renamed into place or unlinked, and an open file
+    keeps its bytes. New chunks from such clients arrive as files in
+    ``<root>/<namespace>/incoming/`` that `ChunkStore.adopt` checks and
+    renames into place. ``<root>/.instance`` holds a token fresh at every
+    start, which clients compare with the ``Local`` reply to know they see
+    this server's directory. An evicted chunk bound for the disk tier is
+    renamed aside into ``<root>/.spill/`` and copied down outside the lock.
+    """
+    medium = Medium.CPU
+
+    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION,
+                 name: str = "memory") -> None:
+        root = Path(root).resolve()
+        self.spill: list[Spill] | None = None      # set before the index is rebuilt: that may evict
+        self._aside = root / ".spill"
+        shutil.rmtree(self._aside, ignore_errors=True)   # a previous run's half-spilled files
+        self._aside.mkdir(parents=True)
+        super().__init__(root, capacity_bytes, eviction, name)
+        self.instance = secrets.token_hex(16)
+        tmp = self.root / f"{INSTANCE_FILE}.tmp"
+        tmp.write_text(self.instance)
+        os.rename(tmp, self.root / INSTANCE_FILE)
+
+    def incoming(self, namespace: bytes) -> Path:
+        return self.root / namespace.hex() / INCOMING
+
+    def _set_aside(self, key: StoreKey, entry: Entry) -> Spill | None:
+        """Rename the file out of the index's way (instant, under the lock); it is copied down later."""
+        aside = self._aside / f"{key.hex()}.chunk"
+        try:
+            os.rename(self.path(key), aside)
+        except OSError:
+            self.counters.errors += 1
+            return None
+        return Spill(key, entry.nbytes, file=aside)
+
+    def unspilled(self, on_disk) -> list[Spill]:
+        return [Spill(k, e.nbytes, file=self.path(k), keep_file=True)
+                for k, e in self.entries.items() if e.ready and not on_disk(k)]
+
+
 @dataclass(frozen=True, slots=True)
 class StoreConfig:
     capacity: int
     eviction: str = DEFAULT_EVICTION
     disk_path: str = ""
     disk_capacity: int = 0
+    shm_path: str = ""
 
 
 class ChunkStore:
     def __init__(self, config: StoreConfig) -> None:
-        self.memory = MemoryChunks(config.capacity, config.eviction)
+        self.memory: MemoryChunks | ShmChunks = (ShmChunks(config.shm_path, config.capacity, config.eviction)
+                                                 if config.shm_path else MemoryChunks(config.capacity, config.eviction))
         self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction) if config.disk_path else None
         if self.disk is not None:
             self.memory.spill = []
         self._lock = threading.Lock()
-        self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for k in self.disk.entries} if self.disk else set()
+        self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for t in self._file_tiers for k in t.entries}
         self.counters: Counter[str] = Counter()
 
     @property
     def tiers(self) -> list[IndexedTier]:
         return [self.memory] + ([self.disk] if self.disk else [])
+
+    @property
+    def shm(self) -> ShmChunks | None:
+        return self.memory if isinstance(self.memory, ShmChunks) else None
+
+    @property
+    def _file_tiers(self) -> list[DiskChunks]:
+        return [t for t in self.tiers if isinstance(t, DiskChunks)]
 
     # -- queries -------------------------------------------------------------
     def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
@@ -179,34 +269,37 @@ class ChunkStore:
         """The stored chunk's messages, or None; a chunk on disk is read, checked and promoted into memory."""
         k = store_key(namespace, key)
         with self._lock:
-            value = self.memory.get(k)
-            if value is not None:
+            if isinstance(self.memory, MemoryChunks) and (value := self.memory.get(k)) is not None:
                 self.counters["get_hits"] += 1
                 return value
-            if self.disk is None or not self.disk.has(k):
+            tier = next((t for t in self._file_tiers if t.has(k)), None)
+            if tier is None:
                 self.counters["get_misses"] += 1
                 return None
-            self.disk.pin([k])
-        value = self._read_file(k, namespace, key)
+            tier.pin([k])
+        value = self._read_file(tier, k, namespace, key)
         with self._lock:
-            self.disk.unpin([k])
+            tier.unpin([k])
             if value is None:
-                self.disk.counters.integrity_failures += 1
-                self.disk.delete([k])
+                tier.counters.integrity_failures += 1
+                tier.delete([k])
                 self.counters["get_misses"] += 1
                 return None
-            self.disk.touch([k])
-            self.disk.counters.loaded += 1
+            tier.touch([k])
+            tier.counters.loaded += 1
             self.counters["get_hits"] += 1
-            self.memory.add(k, value)
+            if tier is self.memory:
+                return value
+            reserved = self._reserve_in_memory(k, value)
             spills = self._take_spills()
+        self._finish_memory_write(k, value, reserved)
         self._write_spills(spills)
         return value
 
-    def _read_file(self, k: StoreKey, namespace: bytes, key: bytes) -> Messages | None:
-        assert self.disk is not None
+    @staticmethod
+    def _read_file(tier: DiskChunks, k: StoreKey, namespace: bytes, key: bytes) -> Messages | None:
         try:
-            value = memoryview(self.disk.path(k).read_bytes())
+            value = memoryview(tier.path(k).read_bytes())
             check_value(namespace, key, value[:HEADER_BYTES], len(value))
             return list(split_chunk(namespace, key, value[:HEADER_BYTES], value[HEADER_BYTES:]))
         except (OSError, ChunkFormatError) as err:
@@ -219,16 +312,94 @@ class ChunkStore:
         k = store_key(namespace, key)
         with self._lock:
             self._namespaces.add(namespace)
-            if self.memory.has(k) or (self.disk is not None and self.disk.has(k)):
+            if self.memory.has(k) or k in self.memory.entries or (self.disk is not None and self.disk.has(k)):
                 self.counters["put_present"] += 1
                 return PutOutcome.PRESENT
-            if not self.memory.add(k, messages):
+            reserved = self._reserve_in_memory(k, messages)
+            if not reserved:
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
-            self.counters["put_stored"] += 1
+            spills = self._take_spills()
+        ok = self._finish_memory_write(k, messages, reserved)
+        self._write_spills(spills)
+        with self._lock:
+            self.counters["put_stored" if ok else "put_rejected"] += 1
+        return PutOutcome.STORED if ok else PutOutcome.REJECTED
+
+    def _reserve_in_memory(self, k: StoreKey, messages: Messages) -> bool:
+        """Under the lock: room for ``messages`` in memory (stored at once in process memory; reserved for
+        `_finish_memory_write` when memory is files)."""
+        if isinstance(self.memory, MemoryChunks):
+            return self.memory.add(k, messages)
+        return self.memory.reserve(k, sum(len(parse_chunk(m).value) for m in messages))
+
+    def _finish_memory_write(self, k: StoreKey, messages: Messages, reserved: bool) -> bool:
+        """Outside the lock: write a reserved chunk's file when memory is files; False if that failed."""
+        if not reserved or isinstance(self.memory, MemoryChunks):
+            return reserved
+        header, payload = _value_parts(messages)
+        try:
+            write_chunk_file(self.memory.path(k), header, payload, fsync=False)
+            failed = []
+        except OSError as err:
+            log.warning("writing a chunk to %s failed: %s", self.memory.root, err)
+            failed = [k]
+        with self._lock:
+            self.memory.publish([k], failed)
+        return not failed
+
+    def adopt(self, namespace: bytes, key: bytes, name: str) -> PutOutcome:
+        """Take the chunk file a co-located client wrote as ``<shm>/<namespace>/incoming/<name>`` into memory.
+
+        Its header and size are checked like a ``Put``'s value; a bad or
+        unwanted file is deleted. Raises `ChunkFormatError` for a bad file.
+        """
+        shm = self.shm
+        assert shm is not None
+        src = shm.incoming(namespace) / name
+        k = store_key(namespace, key)
+        try:
+            with open(src, "rb") as f:
+                header = f.read(HEADER_BYTES)
+                size = os.fstat(f.fileno()).st_size
+            check_value(namespace, key, memoryview(header), size)
+        except (OSError, ChunkFormatError) as err:
+            src.unlink(missing_ok=True)
+            raise ChunkFormatError(f"incoming file {name}: {err}") from None
+        with self._lock:
+            self._namespaces.add(namespace)
+            if shm.has(k) or k in shm.entries or (self.disk is not None and self.disk.has(k)):
+                src.unlink(missing_ok=True)
+                self.counters["put_present"] += 1
+                return PutOutcome.PRESENT
+            if not shm.reserve(k, size):
+                src.unlink(missing_ok=True)
+                self.counters["put_rejected"] += 1
+                return PutOutcome.REJECTED
+            final = shm.path(k)
+            try:
+                final.parent.mkdir(exist_ok=True)
+                os.rename(src, final)
+                failed = []
+            except OSError as err:
+                log.warning("adopting %s failed: %s", src, err)
+                src.unlink(missing_ok=True)
+                failed = [k]
+            shm.publish([k], failed)
+            self.counters["put_rejected" if failed else "put_stored"] += 1
             spills = self._take_spills()
         self._write_spills(spills)
-        return PutOutcome.STORED
+        return PutOutcome.REJECTED if failed else PutOutcome.STORED
+
+    def touch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Co-located clients read these chunks' files themselves: count them as hits and tell the policy."""
+        with self._lock:
+            ks = [k for k in (store_key(namespace, key) for key in keys) if self.memory.has(k)]
+            self.memory.touch(ks)
+            self.memory.counters.loaded += len(ks)
+            self.counters["get_hits"] += len(ks)
+            self.counters["local_get_hits"] += len(ks)
+        return len(ks)
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         with self._lock:
@@ -240,39 +411,49 @@ class ChunkStore:
         if self.disk is None:
             return 0
         with self._lock:
-            spills = [(k, v) for k, v in self.memory.values.items() if not self.disk.has(k)]
-            spills = self._reserve_on_disk(spills)
+            spills = self._reserve_on_disk(self.memory.unspilled(self.disk.has))
         self._write_spills(spills)
         return len(spills)
 
     # -- spills (write-back to disk) ------------------------------------------
-    def _take_spills(self) -> list[tuple[StoreKey, Messages]]:
+    def _take_spills(self) -> list[Spill]:
         """Under the lock: the values memory evicted since the last call, reserved on disk."""
-        if self.memory.spill is None or not self.memory.spill:
+        if not self.memory.spill:
             return []
         spills, self.memory.spill = self.memory.spill, []
         return self._reserve_on_disk(spills)
 
-    def _reserve_on_disk(self, spills: list[tuple[StoreKey, Messages]]) -> list[tuple[StoreKey, Messages]]:
+    def _reserve_on_disk(self, spills: list[Spill]) -> list[Spill]:
         assert self.disk is not None
-        return [(k, m) for k, m in spills if self.disk.reserve(k, sum(len(x) for x in m))]
+        kept = []
+        for spill in spills:
+            if self.disk.reserve(spill.key, spill.nbytes):
+                kept.append(spill)
+            elif spill.file is not None and not spill.keep_file:
+                spill.file.unlink(missing_ok=True)
+        return kept
 
-    def _write_spills(self, spills: list[tuple[StoreKey, Messages]]) -> None:
+    def _write_spills(self, spills: list[Spill]) -> None:
         if not spills:
             return
         assert self.disk is not None
         failed = []
-        for k, messages in spills:
-            pieces = [parse_chunk(m).value for m in messages]
-            payload = pieces[0][HEADER_BYTES:] if len(pieces) == 1 else \
-                memoryview(b"".join([pieces[0][HEADER_BYTES:], *pieces[1:]]))
+        for spill in spills:
             try:
-                write_chunk_file(self.disk.path(k), pieces[0][:HEADER_BYTES], payload, fsync=False)
+                if spill.messages is not None:
+                    write_chunk_file(self.disk.path(spill.key), *_value_parts(spill.messages), fsync=False)
+                else:
+                    value = memoryview(spill.file.read_bytes())
+                    write_chunk_file(self.disk.path(spill.key), value[:HEADER_BYTES], value[HEADER_BYTES:],
+                                     fsync=False)
             except OSError as err:
                 log.warning("spilling a chunk to %s failed: %s", self.disk.root, err)
-                failed.append(k)
+                failed.append(spill.key)
+            finally:
+                if spill.file is not None and not spill.keep_file:
+                    spill.file.unlink(missing_ok=True)
         with self._lock:
-            self.disk.publish([k for k, _ in spills], failed)
+            self.disk.publish([s.key for s in spills], failed)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -281,6 +462,13 @@ class ChunkStore:
                 "namespaces": len(self._namespaces),
                 "server": dict(self.counters),
             }
+
+
+def _value_parts(messages: Messages) -> tuple[memoryview, memoryview]:
+    """A chunk's value from its messages, as (header, payload) views (joined only when split)."""
+    pieces = [parse_chunk(m).value for m in messages]
+    payload = pieces[0][HEADER_BYTES:] if len(pieces) == 1 else memoryview(b"".join([pieces[0][HEADER_BYTES:], *pieces[1:]]))
+    return pieces[0][:HEADER_BYTES], payload
 
 
 def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int) -> None:

@@ -128,3 +128,39 @@ class HealthReply(_message.Message):
     version: str
     max_message_bytes: int
     def __init__(self, status: _Optional[_Union[HealthReply.Status, str]] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class LocalRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LocalReply(_message.Message):
+    __slots__ = ("directory", "instance")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    instance: str
+    def __init__(self, directory: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "files")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TouchRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class TouchReply(_message.Message):
+    __slots__ = ("touched",)
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    touched: int
+    def __init__(self, touched: _Optional[int] = ...) -> None: ...

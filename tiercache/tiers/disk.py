@@ -57,7 +57,7 @@ def _write_direct(fd: int, staging: memoryview, header: memoryview, payload: mem
     os.ftruncate(fd, size)
 
 
-def _write_all(fd: int, header: memoryview, payload: memoryview) -> None:
+def write_all(fd: int, header: memoryview, payload: memoryview) -> None:
     """Header and payload in ``WRITE_PIECE`` syscalls (the first one gathers the header), retrying short writes."""
     first = payload[:WRITE_PIECE - len(header)]
     done = os.writev(fd, [header, first])
@@ -90,7 +90,7 @@ def write_chunk_file(final: Path, header: memoryview, payload: memoryview, fsync
         if staging is not None:
             _write_direct(fd, staging, header, payload)
         else:
-            _write_all(fd, header, payload)
+            write_all(fd, header, payload)
         if fsync:
             os.fdatasync(fd)
     except BaseException:
