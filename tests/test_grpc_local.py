@@ -109,7 +109,7 @@ def test_damaged_files_and_bad_adopts_are_misses_and_clean_errors(tmp_path):
         blind = GrpcTier(server.address, NS)              # a client that does not see the server's directory
         got, data = read_all(blind, items[1:])
         assert got == [1 << 16] and data == [items[1][1]]  # over gRPC
-        assert blind._local_root is None
+        assert blind._known_paths.local is None
         blind.close()
     finally:
         tier.close()
@@ -126,7 +126,7 @@ def test_without_shm_dir_the_server_offers_no_local_path(cache_server):
     items = chunks(2)
     assert tier.write_chunks(items) == []
     got, data = read_all(tier, items)
-    assert got == [1 << 16] * 2 and tier._local_root is None
+    assert got == [1 << 16] * 2 and tier._known_paths.local is None
     tier.close()
 
 

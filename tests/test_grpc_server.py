@@ -96,8 +96,9 @@ def test_the_hand_built_chunk_is_protobufs_chunk_both_ways():
 
 # -- the client tier over a real server ---------------------------------------
 
-def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server):
-    tier = GrpcTier(cache_server.address, NS)
+@pytest.mark.parametrize("bulk", ["auto", "off"])   # bytes on the data channel, or on gRPC streams
+def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server, bulk):
+    tier = GrpcTier(cache_server.address, NS, bulk=bulk)
     items = chunks(3)
     assert tier.write_chunks(items) == []
     keys = [m.key for m, _ in items]
@@ -112,6 +113,8 @@ def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server):
     assert tier.delete(keys[:1]) == 1 and tier.contains(keys) == 0
     stats = pb.StatsReply.FromString(raw_call(cache_server, "Stats", b""))
     assert stats.namespaces == 1 and stats.tiers[0].chunks == 2
+    on_channel = 3 if bulk == "auto" else 0
+    assert stats.counters["data_put_chunks"] == on_channel and stats.counters["data_get_chunks"] == on_channel
 
 
 def test_chunks_go_to_the_server_and_come_back_bit_exact(cache_server):
@@ -155,11 +158,12 @@ def test_the_server_bounds_memory_and_spills_to_disk_across_a_restart(tmp_path):
         server.stop()
 
 
-def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path):
+@pytest.mark.parametrize("bulk", ["auto", "off"])
+def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path, bulk):
     disk = tmp_path / "server-l2"
     server = CacheServerProcess(tmp_path, "--capacity", "100KiB", "--disk", str(disk))
     try:
-        tier = GrpcTier(server.address, NS)
+        tier = GrpcTier(server.address, NS, bulk=bulk)
         items = chunks(3)
         assert tier.write_chunks(items) == []
         server.stop(graceful=True)
@@ -225,7 +229,7 @@ def test_a_client_learns_the_servers_message_limit_and_splits_chunks_to_fit(tmp_
     server = CacheServerProcess(tmp_path, "--max-message", "64KiB")
     try:
         s = Stack(num_blocks=64, cpu_chunks=2, geometry=KVGeometry(4, 8, 64, "float32"),   # 256 KiB chunks
-                  grpc={"enabled": True, "address": server.address})
+                  grpc={"enabled": True, "address": server.address, "bulk": "off"})   # on gRPC streams
         try:
             remote = s.offload.tiers[1]
             assert remote.max_message_bytes == 64 << 10 and remote.part_bytes < 64 << 10
@@ -266,9 +270,10 @@ def test_a_wrong_or_missing_auth_token_is_refused_and_logged(tmp_path):
         server.stop()
 
 
-def test_a_killed_server_is_a_run_of_misses_and_the_tier_recovers_when_it_returns(tmp_path):
+@pytest.mark.parametrize("bulk", ["auto", "off"])
+def test_a_killed_server_is_a_run_of_misses_and_the_tier_recovers_when_it_returns(tmp_path, bulk):
     server = CacheServerProcess(tmp_path)
-    s = make(server)
+    s = make(server, bulk=bulk)
     try:
         a, a_kv = put(s, "a", seed=1)
         s.manager.drain()
@@ -360,14 +365,15 @@ def test_an_engine_keeps_generating_identical_tokens_when_the_server_dies(cache_
             time.sleep(0.2)
 
 
-def test_bench_tiers_grpc_reports_ratios_against_a_bare_grpc_stream_and_files(tmp_path):
+def test_bench_tiers_grpc_reports_ratios_against_bare_transports_and_files(tmp_path):
     out = tmp_path / "g.json"
-    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "grpc,grpc-shm",
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers",
+                           "grpc,grpc-stream,grpc-shm",
                            "--shape", "small", "--total-mib", "8", "--reps", "2", "--quiet", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     tiers = json.loads(out.read_text())["tiers"]
-    for name, baseline in (("grpc", "bare gRPC"), ("grpc-shm", "file write")):
+    for name, baseline in (("grpc", "bare TCP"), ("grpc-stream", "bare gRPC"), ("grpc-shm", "file write")):
         r = tiers[name]
         assert r["put_gbps"] > 0 and r["raw_put_gbps"] > 0 and r["get_ratio"] > 0
         assert r["raw_baseline"].startswith(baseline)

@@ -108,7 +108,8 @@ def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     token = read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     tier = GrpcTier(g.address, namespace.digest(), fmt, auth_token=token, timeout_s=g.timeout,
-                    retry_interval_s=g.retry_interval, max_message_bytes=g.max_message, local=g.local)
+                    retry_interval_s=g.retry_interval, max_message_bytes=g.max_message, local=g.local,
+                    bulk=g.bulk)
     try:
         health = tier.health()
     except grpc.RpcError as err:   # a server that is down at start is an outage, not a config error

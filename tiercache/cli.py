@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
     tiers = bench.add_parser("tiers", help="tier put/get throughput beside the raw machine limit")
     tiers.add_argument("--tiers", type=_bench_tier_list, default=["cpu"],
-                       help="comma-separated tiers: cpu, disk, redis, grpc, grpc-shm (a serve with --shm-dir, "
-                            "its memory tier read and written as files on this host)")
+                       help="comma-separated tiers: cpu, disk, redis, grpc (bytes on the server's data channel), "
+                            "grpc-stream (bytes on gRPC streams), grpc-shm (a serve with --shm-dir, its memory "
+                            "tier read and written as files on this host)")
     tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
     tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
     tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url)")
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
     v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
+    v.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the data channel that carries chunk bytes beside gRPC (0: any free port, "
+                        "advertised in Health; -1: none, bytes go over gRPC)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
     v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lfu-da)")
     v.add_argument("--shm-dir", metavar="DIR", default="",
@@ -248,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_tier_list(text: str) -> list[str]:
-    return _tier_list(text, frozenset({"cpu", "disk", "redis", "grpc", "grpc-shm"}))
+    return _tier_list(text, frozenset({"cpu", "disk", "redis", "grpc", "grpc-stream", "grpc-shm"}))
 
 
 def _size(text: str) -> int:
@@ -262,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tiercache.policies import DEFAULT_EVICTION
     from tiercache.server.app import ServeConfig, run
 
-    config = ServeConfig(host=args.host, port=args.port, capacity=args.capacity,
+    config = ServeConfig(host=args.host, port=args.port, data_port=args.data_port, capacity=args.capacity,
                          eviction=args.eviction or DEFAULT_EVICTION,
                          disk=args.disk, disk_capacity=args.disk_capacity, shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,

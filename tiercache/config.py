@@ -158,10 +158,13 @@ class GrpcTierConfig:
     max_message: int = _size(128 << 20, "largest chunk message; match the server's --max-message")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
     local: str = _opt("auto", "auto: read and write the server's memory tier as files when it offers them "
-                              "(tiercache serve --shm-dir) and this host sees them | off: always over gRPC")
+                              "(tiercache serve --shm-dir) and this host sees them | off")
+    bulk: str = _opt("auto", "auto: move chunk bytes over the server's data channel when it has one "
+                             "(tiercache serve --data-port) | off: gRPC streams")
 
     def __post_init__(self) -> None:
         _check(self.local in ("auto", "off"), "local", self.local, "expected auto or off")
+        _check(self.bulk in ("auto", "off"), "bulk", self.bulk, "expected auto or off")
         host, sep, port = self.address.rpartition(":")
         _check(bool(sep and host and port.isdigit() and 0 < int(port) < 65536), "address", self.address,
                "expected host:port")

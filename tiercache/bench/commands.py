@@ -20,7 +20,8 @@ def _write_json(path: str | None, data: dict) -> None:
         write_json(path, data)
 
 
-REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "streamed", "grpc-shm": "shared-memory files"}
+REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "data channel", "grpc-stream": "gRPC streams",
+                   "grpc-shm": "shared-memory files"}
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:

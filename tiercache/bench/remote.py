@@ -1,4 +1,4 @@
-"""`tiercache bench tiers --tiers redis,grpc,grpc-shm`: L3 put/get beside the raw transport, in one run.
+"""`tiercache bench tiers --tiers redis,grpc,grpc-stream,grpc-shm`: L3 put/get beside the raw transport, in one run.
 
 *put* writes L1's chunks down through the tier (encode with checksum, one
 pipelined ``SET`` batch or one streamed ``Put`` per transfer job); *get*
@@ -6,7 +6,10 @@ promotes them back into L1 slots (pipelined ``GET`` or a streamed ``Get``,
 verify, place). The raw baselines move the same chunk bytes with no protocol
 of ours: redis-py pipelined ``SET``/``GET`` through the same kind of client,
 and a bare gRPC bytes store (`tiercache.bench.grpc_echo`, in its own process
-like `tiercache serve`, fed the same bytes in the tier's message size). For
+like `tiercache serve`, fed the same bytes in the tier's message size) for
+``grpc-stream`` (the tier on gRPC streams alone); for ``grpc`` (the tier on
+the server's data channel) a bare TCP bytes store in its own process
+(`tiercache.bench.tcp_echo`) on as many connections as transfer workers. For
 ``grpc-shm`` (a `tiercache serve --shm-dir` and a client on the same host,
 which moves chunks as files in that directory) the raw baseline is plain file
 I/O of the same bytes in the same directory: each value written to a new file,
@@ -68,19 +71,30 @@ def _free_port() -> int:
 
 
 class Subprocess:
-    """A helper server (`tiercache serve`, the echo baseline) on a free port for the length of a benchmark."""
+    """A helper server (`tiercache serve`, an echo baseline) on a free port for the length of a benchmark."""
 
-    def __init__(self, *argv: str) -> None:
-        import grpc
+    def __init__(self, *argv: str, speaks_grpc: bool = True) -> None:
         self.port = _free_port()
         port_args = ["--port", str(self.port)] if argv[0] == "tiercache.cli" else [str(self.port)]
         self.proc = subprocess.Popen([sys.executable, "-m", *argv, *port_args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        channel = grpc.insecure_channel(self.address)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=30)
-        finally:
-            channel.close()
+        if speaks_grpc:
+            import grpc
+            channel = grpc.insecure_channel(self.address)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=30)
+            finally:
+                channel.close()
+            return
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"{argv[0]} did not start") from None
+                time.sleep(0.05)
 
     @property
     def address(self) -> str:
@@ -106,6 +120,29 @@ class GrpcRaw:
             from tiercache.server.wire import PART_BYTES
             self._pieces = [v[i:i + PART_BYTES] for v in values for i in range(0, len(v), PART_BYTES)]
         self._client.put(self._pieces)
+
+    def get(self) -> int:
+        return self._client.get()
+
+    def clear(self) -> None:
+        self._client.clear()
+
+    def close(self) -> None:
+        self._client.close()
+        self._server.close()
+
+
+class TcpRaw:
+    """The same bytes through bare TCP connections (`tiercache.bench.tcp_echo`, its own process), as many
+    as the tier's transfer workers: the data channel's transport limit, with no header or check of ours."""
+
+    def __init__(self, connections: int) -> None:
+        from tiercache.bench.tcp_echo import TcpEchoClient
+        self._server = Subprocess("tiercache.bench.tcp_echo", speaks_grpc=False)
+        self._client = TcpEchoClient(("127.0.0.1", self._server.port), connections)
+
+    def put(self, values: list[bytes]) -> None:
+        self._client.put(values)
 
     def get(self) -> int:
         return self._client.get()
@@ -173,9 +210,9 @@ def shm_root() -> Path:
 
 def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: str | None,
                  progress=None) -> dict:
-    """``kind`` is ``redis`` (``target``: its URL), ``grpc`` (``target``: a server's host:port, or None to
-    start a `tiercache serve` for the run) or ``grpc-shm`` (a `tiercache serve --shm-dir` started for the
-    run, ``target`` ignored)."""
+    """``kind`` is ``redis`` (``target``: its URL); ``grpc`` (the data channel) or ``grpc-stream`` (gRPC
+    streams only), ``target`` a server's host:port or None to start a `tiercache serve` for the run; or
+    ``grpc-shm`` (a `tiercache serve --shm-dir` started for the run, ``target`` ignored)."""
     server = None
     shm = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=shm_root())) if kind == "grpc-shm" else None
     if kind != "redis" and (target is None or shm is not None):
@@ -183,7 +220,8 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                             "--log-format", "text", *(["--shm-dir", str(shm / "server")] if shm else []))
         target = server.address
     section = {"enabled": True, "timeout": 30.0, "write_mode": "write-back",
-               **({"url": target} if kind == "redis" else {"address": target, "local": "auto" if shm else "off"})}
+               **({"url": target} if kind == "redis" else
+                  {"address": target, "local": "auto" if shm else "off", "bulk": "off" if kind == "grpc-stream" else "auto"})}
     section_name = "redis" if kind == "redis" else "grpc"
     try:
         filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
@@ -195,8 +233,9 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     cpu, remote = stack.tiers[0], stack.tiers[1]
-    raw: RawBaseline = (RedisRaw(target, len(keys)) if kind == "redis" else
-                        FilesRaw(shm, stack.engine.num_workers) if shm else GrpcRaw())
+    workers = stack.engine.num_workers
+    raw: RawBaseline = {"redis": lambda: RedisRaw(target, len(keys)), "grpc": lambda: TcpRaw(workers),
+                        "grpc-stream": GrpcRaw, "grpc-shm": lambda: FilesRaw(shm, workers)}[kind]()
     times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
     try:
         src = [bytes(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
@@ -242,7 +281,9 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
         return nbytes / statistics.median(times[name]) / 1e9
 
     put_g, get_g, rp, rg = gbps("put"), gbps("get"), gbps("raw_put"), gbps("raw_get")
-    raw_name = {"redis": "pipelined redis-py SET/GET", "grpc": "bare gRPC bytes stream, 4 MiB messages (own process)",
+    raw_name = {"redis": "pipelined redis-py SET/GET",
+                "grpc": f"bare TCP bytes store, {workers} connections (own process)",
+                "grpc-stream": "bare gRPC bytes stream, 4 MiB messages (own process)",
                 "grpc-shm": "file write / readinto of the same bytes in the same shared-memory directory"}[kind]
     return {
         "tier": kind, "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": filled.chunk_bytes,

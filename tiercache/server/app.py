@@ -22,6 +22,7 @@ import grpc
 from tiercache.config import read_secret
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
+from tiercache.server.data_server import DataServer
 from tiercache.server.service import CacheService
 from tiercache.server.store import ChunkStore, StoreConfig
 
@@ -40,6 +41,7 @@ class ServeConfig:
     disk: str = ""
     disk_capacity: int = 100 << 30
     shm_dir: str = ""
+    data_port: int = 0          # 0: any free port; -1: no data channel
     auth_token_file: str = ""
     max_message: int = 128 << 20
     workers: int = 8
@@ -49,6 +51,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError("--port", self.port, "must be 0..65535 (0: any free port)")
+        if not -1 <= self.data_port < 65536:
+            raise ConfigError("--data-port", self.data_port, "must be 0..65535 (0: any free port), or -1 for none")
         if self.capacity <= 0:
             raise ConfigError("--capacity", self.capacity, "must be positive")
         if self.disk and self.disk_capacity <= 0:
@@ -101,7 +105,8 @@ class CacheServer:
             flag, value = ("--shm-dir", config.shm_dir) if config.shm_dir and config.shm_dir in str(err.filename) \
                 else ("--disk", config.disk)
             raise ConfigError(flag, value, f"cannot use directory: {err.strerror}") from None
-        self.service = CacheService(self.store, config.max_message, config.auth_token())
+        token = config.auth_token()
+        self.service = CacheService(self.store, config.max_message, token)
         hard = config.max_message * HARD_LIMIT_FACTOR
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc"),
@@ -113,16 +118,28 @@ class CacheServer:
         self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port}")
+        self.data: DataServer | None = None
+        if config.data_port >= 0:
+            try:
+                self.data = DataServer(self.store, config.host, config.data_port, token,
+                                       max_value_bytes=config.capacity, counters=self.service.counters)
+            except OSError as err:
+                raise ConfigError("--data-port", config.data_port,
+                                  f"cannot listen on {config.host}:{config.data_port}: {err.strerror}") from None
+            self.service.data_port = self.data.port
         self._stopped = threading.Event()
         self._metrics = None
 
     def start(self) -> None:
         self._server.start()
+        if self.data is not None:
+            self.data.start()
         if self.config.metrics_port:
             from tiercache.metrics import serve_metrics
             self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
         log.info("serving on %s:%d", self.config.host, self.port,
-                 extra={"event": "started", "port": self.port, "capacity": self.config.capacity,
+                 extra={"event": "started", "port": self.port, "data_port": self.service.data_port or None,
+                        "capacity": self.config.capacity,
                         "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
                         "auth": self.config.auth_token_file != "",
                         "chunks_on_disk": self.store.disk.num_chunks if self.store.disk else 0})
@@ -132,6 +149,8 @@ class CacheServer:
             return
         self.service.serving = False
         self._server.stop(self.config.grace).wait()
+        if self.data is not None:
+            self.data.stop()
         started = time.monotonic()
         flushed = self.store.flush()
         if self._metrics is not None:
@@ -155,6 +174,7 @@ def run(config: ServeConfig, log_format: str = "json") -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
-    print(json.dumps({"event": "listening", "host": config.host, "port": server.port}), flush=True)
+    print(json.dumps({"event": "listening", "host": config.host, "port": server.port,
+                      "data_port": server.service.data_port or None}), flush=True)
     server.wait()
     return 0

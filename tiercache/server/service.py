@@ -30,12 +30,12 @@ from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server import tiercache_pb2 as pb
 from tiercache.server.store import ChunkStore, PutOutcome, check_value
-from tiercache.server.wire import AUTH_HEADER, SERVICE, WireError, encode_chunk, read_chunk
+from tiercache.server.wire import (
+    AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, WireError, encode_chunk, read_chunk,
+)
 
 log = logging.getLogger("tiercache.server")
 
-MAX_KEY_BYTES = 64
-MAX_KEYS_PER_CALL = 1 << 16
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
 
 
@@ -56,6 +56,7 @@ class CacheService:
         self.max_message_bytes = max_message_bytes
         self._auth = f"Bearer {auth_token}".encode() if auth_token else None
         self.serving = True
+        self.data_port = 0          # set by the server when its data channel listens
         self.counters: Counter[str] = Counter()
 
     # -- registration --------------------------------------------------------
@@ -206,8 +207,8 @@ class CacheService:
     def health(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self._parse(pb.HealthRequest, request)
         status = pb.HealthReply.SERVING if self.serving else pb.HealthReply.NOT_SERVING
-        return pb.HealthReply(status=status, version=__version__,
-                              max_message_bytes=self.max_message_bytes).SerializeToString()
+        return pb.HealthReply(status=status, version=__version__, max_message_bytes=self.max_message_bytes,
+                              data_port=self.data_port).SerializeToString()
 
     def local(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self._parse(pb.LocalRequest, request)

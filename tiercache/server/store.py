@@ -1,17 +1,19 @@
 """The cache server's storage: chunks of every namespace in memory, spilling to disk when configured.
 
-The server keeps chunks as they arrive — the received `Chunk` messages (one,
-or a first piece and its continuations), whose values (the stored chunk
-format) had their headers checked on the way in — keyed by namespace digest
+The server keeps chunks as they arrive — the received `Chunk` messages of a
+gRPC ``Put`` (one, or a first piece and its continuations), or the one
+buffer a data-channel ``PUT`` was received into — with their values (the
+stored chunk format) header-checked on the way in, keyed by namespace digest
 + chunk key, so one namespace never sees another's chunks. A memory hit is
-answered with the very bytes that were received: no copy, no re-encoding. Memory and disk
-are two `IndexedTier`s (the same index, lifecycle and eviction policies as an
-engine's tiers); the disk side reuses the L2 file layout and its crash-safe
-writes, so chunk files survive a restart of the server.
+answered from the very bytes that were received: no copy, no re-encoding,
+when it leaves the way it came. Memory and disk are two `IndexedTier`s (the
+same index, lifecycle and eviction policies as an engine's tiers); the disk
+side reuses the L2 file layout and its crash-safe writes, so chunk files
+survive a restart of the server.
 
-- Memory (``capacity``): each chunk is the message ``bytes`` gRPC delivered;
-  when full, the eviction policy's victim leaves, and with a disk it is
-  written there first (write-back).
+- Memory (``capacity``): each chunk as it came; when full, spare value
+  buffers (`BufferPool`) go first, then the eviction policy's victim, which
+  with a disk is written there first (write-back).
 - Disk (``disk_capacity``): the values alone, as files
   ``<dir>/<namespace>/<key[:2]>/<key>.chunk`` in the L2 layout; a hit on
   disk is read, checked, served and promoted back into memory.
@@ -30,6 +32,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -49,7 +52,9 @@ from tiercache.tiers.index import Entry, IndexedTier
 log = logging.getLogger(__name__)
 
 StoreKey = bytes          # namespace digest + chunk key
-Messages = list[bytes]    # one chunk's `Chunk` messages, as received
+Messages = list[bytes]    # one chunk's `Chunk` messages, as received over gRPC
+Value = bytes | bytearray  # one chunk's value in one buffer: from the data channel or a file
+Stored = Messages | Value  # what the memory tier keeps: whichever way the chunk came, uncopied
 
 INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients
 INSTANCE_FILE = ".instance"
@@ -57,12 +62,39 @@ INSTANCE_FILE = ".instance"
 
 @dataclass(frozen=True, slots=True)
 class Spill:
-    """A chunk leaving memory for disk: the messages it arrived as, or a file set aside (`ShmChunks`)."""
+    """A chunk leaving memory for disk: what memory kept of it, or a file set aside (`ShmChunks`)."""
     key: StoreKey
     nbytes: int
-    messages: Messages | None = None
+    value: Stored | None = None
     file: Path | None = None
     keep_file: bool = False    # flush copies; eviction moves
+
+
+def value_pieces(stored: Stored) -> list[memoryview]:
+    """A stored chunk's value (header + payload) as views of the buffers that hold it, in order."""
+    if isinstance(stored, list):
+        return [parse_chunk(m).value for m in stored]
+    return [memoryview(stored)]
+
+
+def value_size(stored: Stored) -> int:
+    return sum(len(p) for p in value_pieces(stored))
+
+
+def value_parts(stored: Stored) -> tuple[memoryview, memoryview]:
+    """(header, payload) views of a stored chunk's value (joined into one buffer only when split)."""
+    pieces = value_pieces(stored)
+    if len(pieces) == 1:
+        return pieces[0][:HEADER_BYTES], pieces[0][HEADER_BYTES:]
+    return pieces[0][:HEADER_BYTES], memoryview(b"".join([pieces[0][HEADER_BYTES:], *pieces[1:]]))
+
+
+def as_messages(namespace: bytes, key: bytes, stored: Stored) -> Messages:
+    """The `Chunk` messages a gRPC ``Get`` answers with: as received, or cut from a one-buffer value."""
+    if isinstance(stored, list):
+        return stored
+    view = memoryview(stored)
+    return list(split_chunk(namespace, key, view[:HEADER_BYTES], view[HEADER_BYTES:]))
 
 
 def store_key(namespace: bytes, key: bytes) -> StoreKey:
@@ -73,6 +105,60 @@ class PutOutcome(str, Enum):
     STORED = "stored"
     PRESENT = "present"
     REJECTED = "rejected"
+
+
+class BufferPool:
+    """Value buffers of chunks that left memory, kept for the next chunk of the same size.
+
+    A fresh 32 MiB ``bytearray`` pays its page faults on first touch (1.5–5
+    GB/s here): receiving into fresh ones ran at a third of the socket's
+    rate, into reused ones at 0.9 of it. Only a buffer nobody else holds is
+    taken back — a value being sent or spilled holds a reference (a
+    memoryview, a `Spill`), and CPython's reference count says so — so a
+    buffer is never written while someone reads it. The memory tier counts
+    spare buffers against its capacity and drops them before it evicts a
+    chunk (`MemoryChunks.add`).
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes     # None: as much as the memory tier leaves room for; 0: keep none
+        self._free: dict[int, list[bytearray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._bytes -= size
+                return free.pop()
+        return bytearray(size)
+
+    def give(self, buf: Stored) -> None:
+        """Offer a buffer back; the caller drops its own reference right after."""
+        # references: the caller's, this frame's, getrefcount's argument; any more is a reader's
+        if not isinstance(buf, bytearray) or sys.getrefcount(buf) > 3:
+            return
+        with self._lock:
+            if self.max_bytes is not None and self._bytes + len(buf) > self.max_bytes:
+                return
+            self._free.setdefault(len(buf), []).append(buf)
+            self._bytes += len(buf)
+
+    def shrink(self, max_bytes: int) -> None:
+        """Let go of spare buffers, largest sizes first, until at most ``max_bytes`` remain."""
+        with self._lock:
+            for size in sorted(self._free, reverse=True):
+                free = self._free[size]
+                while free and self._bytes > max(0, max_bytes):
+                    free.pop()
+                    self._bytes -= size
+                if not free:
+                    del self._free[size]
+
+    @property
+    def spare_bytes(self) -> int:
+        return self._bytes
 
 
 class _SpillsOnEviction:
@@ -91,28 +177,38 @@ class _SpillsOnEviction:
 
 
 class MemoryChunks(_SpillsOnEviction, IndexedTier):
-    """The server's memory tier: one chunk's messages per key, bounded by ``capacity_bytes``."""
+    """The server's memory tier: each chunk as it came (gRPC messages, or one buffer), bounded by
+    ``capacity_bytes``."""
     medium = Medium.CPU
 
-    def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory") -> None:
+    def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory",
+                 pool: BufferPool | None = None) -> None:
         super().__init__(eviction)
         self.name = name
         self._capacity = capacity_bytes
-        self.values: dict[StoreKey, Messages] = {}
+        self.pool = pool or BufferPool()
+        self.values: dict[StoreKey, Stored] = {}
         self.spill: list[Spill] | None = None   # evicted chunks go here when a disk tier exists
 
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def add(self, key: StoreKey, messages: Messages) -> bool:
-        if not self._reserve_bytes([key], [sum(len(m) for m in messages)], self._capacity)[0]:
+    def add(self, key: StoreKey, stored: Stored) -> bool:
+        size = value_size(stored)
+        self.pool.shrink(self._capacity - self._used - size)     # spare buffers make room before chunks do
+        ok = self._reserve_bytes([key], [size], self._capacity)[0]
+        self.pool.shrink(self._capacity - self._used)             # chunks + spares never exceed capacity
+        if not ok:
             return False
-        self.values[key] = messages
+        self.values[key] = stored
         self.publish([key])
         return True
 
-    def get(self, key: StoreKey) -> Messages | None:
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "spare_bytes": self.pool.spare_bytes}
+
+    def get(self, key: StoreKey) -> Stored | None:
         if not self.has(key):
             return None
         self.touch([key])
@@ -120,13 +216,14 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
         return self.values[key]
 
     def _set_aside(self, key: StoreKey, entry: Entry) -> Spill:
-        return Spill(key, entry.nbytes, messages=self.values[key])
+        return Spill(key, entry.nbytes, value=self.values[key])
 
     def _release(self, key: StoreKey, entry: Entry) -> None:
-        del self.values[key]
+        stored = self.values.pop(key)
+        self.pool.give(stored)
 
     def unspilled(self, on_disk) -> list[Spill]:
-        return [Spill(k, sum(len(m) for m in v), messages=v) for k, v in self.values.items() if not on_disk(k)]
+        return [Spill(k, value_size(v), value=v) for k, v in self.values.items() if not on_disk(k)]
 
 
 class DiskChunks(IndexedTier):
@@ -231,8 +328,10 @@ class StoreConfig:
 
 class ChunkStore:
     def __init__(self, config: StoreConfig) -> None:
-        self.memory: MemoryChunks | ShmChunks = (ShmChunks(config.shm_path, config.capacity, config.eviction)
-                                                 if config.shm_path else MemoryChunks(config.capacity, config.eviction))
+        self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle
+        self.memory: MemoryChunks | ShmChunks = (
+            ShmChunks(config.shm_path, config.capacity, config.eviction) if config.shm_path
+            else MemoryChunks(config.capacity, config.eviction, pool=self.pool))
         self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction) if config.disk_path else None
         if self.disk is not None:
             self.memory.spill = []
@@ -266,12 +365,24 @@ class ChunkStore:
         return n
 
     def get(self, namespace: bytes, key: bytes) -> Messages | None:
-        """The stored chunk's messages, or None; a chunk on disk is read, checked and promoted into memory."""
+        """The stored chunk as the `Chunk` messages of a gRPC ``Get``, or None."""
+        stored = self._fetch(namespace, key)
+        return None if stored is None else as_messages(namespace, key, stored)
+
+    def get_value(self, namespace: bytes, key: bytes) -> list[memoryview] | None:
+        """The stored chunk's value (header + payload) as views of the buffers that hold it, or None."""
+        stored = self._fetch(namespace, key)
+        return None if stored is None else value_pieces(stored)
+
+    def _fetch(self, namespace: bytes, key: bytes) -> Stored | None:
+        """What is stored for the key, or None; a chunk in a file is read, checked, and (from disk)
+        promoted into memory. What is returned is never written to again: stored values are replaced,
+        not changed."""
         k = store_key(namespace, key)
         with self._lock:
-            if isinstance(self.memory, MemoryChunks) and (value := self.memory.get(k)) is not None:
+            if isinstance(self.memory, MemoryChunks) and (stored := self.memory.get(k)) is not None:
                 self.counters["get_hits"] += 1
-                return value
+                return stored
             tier = next((t for t in self._file_tiers if t.has(k)), None)
             if tier is None:
                 self.counters["get_misses"] += 1
@@ -297,49 +408,49 @@ class ChunkStore:
         return value
 
     @staticmethod
-    def _read_file(tier: DiskChunks, k: StoreKey, namespace: bytes, key: bytes) -> Messages | None:
+    def _read_file(tier: DiskChunks, k: StoreKey, namespace: bytes, key: bytes) -> bytes | None:
         try:
-            value = memoryview(tier.path(k).read_bytes())
-            check_value(namespace, key, value[:HEADER_BYTES], len(value))
-            return list(split_chunk(namespace, key, value[:HEADER_BYTES], value[HEADER_BYTES:]))
+            value = tier.path(k).read_bytes()
+            check_value(namespace, key, memoryview(value)[:HEADER_BYTES], len(value))
+            return value
         except (OSError, ChunkFormatError) as err:
             log.warning("chunk file for %s… failed: %s", key.hex()[:16], err)
             return None
 
     # -- updates -------------------------------------------------------------
-    def put(self, namespace: bytes, key: bytes, messages: Messages) -> PutOutcome:
-        """Store one chunk's messages, whose value the caller has checked (`check_value`)."""
+    def put(self, namespace: bytes, key: bytes, stored: Stored) -> PutOutcome:
+        """Store one chunk — its gRPC messages, or its value in one buffer that nobody writes to again —
+        whose value the caller has checked (`check_value`)."""
         k = store_key(namespace, key)
         with self._lock:
             self._namespaces.add(namespace)
             if self.memory.has(k) or k in self.memory.entries or (self.disk is not None and self.disk.has(k)):
                 self.counters["put_present"] += 1
                 return PutOutcome.PRESENT
-            reserved = self._reserve_in_memory(k, messages)
+            reserved = self._reserve_in_memory(k, stored)
             if not reserved:
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
             spills = self._take_spills()
-        ok = self._finish_memory_write(k, messages, reserved)
+        ok = self._finish_memory_write(k, stored, reserved)
         self._write_spills(spills)
         with self._lock:
             self.counters["put_stored" if ok else "put_rejected"] += 1
         return PutOutcome.STORED if ok else PutOutcome.REJECTED
 
-    def _reserve_in_memory(self, k: StoreKey, messages: Messages) -> bool:
-        """Under the lock: room for ``messages`` in memory (stored at once in process memory; reserved for
+    def _reserve_in_memory(self, k: StoreKey, stored: Stored) -> bool:
+        """Under the lock: room in memory (taken at once in process memory; reserved for
         `_finish_memory_write` when memory is files)."""
         if isinstance(self.memory, MemoryChunks):
-            return self.memory.add(k, messages)
-        return self.memory.reserve(k, sum(len(parse_chunk(m).value) for m in messages))
+            return self.memory.add(k, stored)
+        return self.memory.reserve(k, value_size(stored))
 
-    def _finish_memory_write(self, k: StoreKey, messages: Messages, reserved: bool) -> bool:
+    def _finish_memory_write(self, k: StoreKey, stored: Stored, reserved: bool) -> bool:
         """Outside the lock: write a reserved chunk's file when memory is files; False if that failed."""
         if not reserved or isinstance(self.memory, MemoryChunks):
             return reserved
-        header, payload = _value_parts(messages)
         try:
-            write_chunk_file(self.memory.path(k), header, payload, fsync=False)
+            write_chunk_file(self.memory.path(k), *value_parts(stored), fsync=False)
             failed = []
         except OSError as err:
             log.warning("writing a chunk to %s failed: %s", self.memory.root, err)
@@ -440,8 +551,8 @@ class ChunkStore:
         failed = []
         for spill in spills:
             try:
-                if spill.messages is not None:
-                    write_chunk_file(self.disk.path(spill.key), *_value_parts(spill.messages), fsync=False)
+                if spill.value is not None:
+                    write_chunk_file(self.disk.path(spill.key), *value_parts(spill.value), fsync=False)
                 else:
                     value = memoryview(spill.file.read_bytes())
                     write_chunk_file(self.disk.path(spill.key), value[:HEADER_BYTES], value[HEADER_BYTES:],
@@ -462,13 +573,6 @@ class ChunkStore:
                 "namespaces": len(self._namespaces),
                 "server": dict(self.counters),
             }
-
-
-def _value_parts(messages: Messages) -> tuple[memoryview, memoryview]:
-    """A chunk's value from its messages, as (header, payload) views (joined only when split)."""
-    pieces = [parse_chunk(m).value for m in messages]
-    payload = pieces[0][HEADER_BYTES:] if len(pieces) == 1 else memoryview(b"".join([pieces[0][HEADER_BYTES:], *pieces[1:]]))
-    return pieces[0][:HEADER_BYTES], payload
 
 
 def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int) -> None:

@@ -112,7 +112,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("status", "version", "max_message_bytes")
+    __slots__ = ("status", "version", "max_message_bytes", "data_port")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNKNOWN: _ClassVar[HealthReply.Status]
@@ -124,10 +124,12 @@ class HealthReply(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     status: HealthReply.Status
     version: str
     max_message_bytes: int
-    def __init__(self, status: _Optional[_Union[HealthReply.Status, str]] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, status: _Optional[_Union[HealthReply.Status, str]] = ..., version: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LocalRequest(_message.Message):
     __slots__ = ()

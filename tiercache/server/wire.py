@@ -23,6 +23,8 @@ from tiercache.errors import TierCacheError
 
 SERVICE = "tiercache.v1.CacheServer"
 AUTH_HEADER = "authorization"
+MAX_KEY_BYTES = 64
+MAX_KEYS_PER_CALL = 1 << 16
 
 
 def method(name: str) -> str:

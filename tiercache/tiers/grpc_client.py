@@ -19,6 +19,13 @@ policy and counters see them. The directory is trusted only when its
 ``.instance`` token matches the server's ``Local`` reply (the same host and
 mount), and is asked for again after any outage.
 
+Between hosts the bytes take the server's data channel when it has one
+(``HealthReply.data_port``, ``grpc.bulk = auto``): a plain TCP connection per
+transfer thread (`tiercache.tiers.data_client`) on which a value is received
+straight into its L1 slot and sent straight out of it, since Python gRPC
+makes every received message a fresh ``bytes`` on its channel thread; the
+streamed ``Get`` / ``Put`` remain for servers without one.
+
 Faults: every call has a deadline; a server that is gone, slow or refusing
 (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, ...) turns into
 misses and failed stores, and the tier goes quiet for a backoff (`Outage`),
@@ -31,19 +38,21 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
 from tiercache.codecs import Buffer, copy_into
-from tiercache.errors import ChunkFormatError, TruncatedChunkError
+from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.server import tiercache_pb2 as pb
+from tiercache.server import data_wire as dw
 from tiercache.server.wire import AUTH_HEADER, PART_BYTES, ChunkView, WireError, method, read_chunk, split_chunk
+from tiercache.tiers.data_client import DataChannel, StaleConnection
 from tiercache.tiers.disk import chunk_path, write_all
 from tiercache.tiers.remote import RemoteTier
 
@@ -56,25 +65,69 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-_UNASKED = object()     # the server has not been asked for its local directory yet
-_ABSENT = object()      # a chunk file that is not there (ask over gRPC)
+_ABSENT = object()      # a chunk file that is not there (ask over the network)
+PATH_MODES = ("auto", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class _Paths:
+    """How this client moves bytes to its server besides gRPC streams; asked once (again after an outage)."""
+    local: Path | None = None           # this namespace's directory in the server's shared memory
+    bulk: DataChannel | None = None     # the server's data channel
+
+
+def _host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+class _FileSource:
+    """A chunk file read as a `ValueSource`; a file shorter than its size said is a `ConnectionError`
+    (it changed under us: read it over the network instead)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def exactly(self, n: int) -> bytes:
+        data = self._f.read(n)
+        if len(data) != n:
+            raise ConnectionError("chunk file ended early")
+        return data
+
+    def read_into(self, dest: memoryview) -> None:
+        done = 0
+        while done < len(dest):
+            n = self._f.readinto(dest[done:])
+            if not n:
+                raise ConnectionError("chunk file ended early")
+            done += n
+
+    def skip(self, n: int) -> None:
+        self._f.seek(n, os.SEEK_CUR)
 
 
 class GrpcTier(RemoteTier):
     @property
     def parallel_jobs(self) -> bool:
         """One gRPC stream at a time (two contend for the GIL: 2.4 GB/s for one, 1.45 for two here), but file
-        reads and writes on the local path release it: two workers read 10 GB/s where one reads 5.6."""
-        return isinstance(self._local_root, Path)
+        and socket I/O on the local path and the data channel release it: two workers read 10 GB/s from
+        files where one reads 5.6."""
+        paths = self._known_paths
+        return paths is not None and (paths.local is not None or paths.bulk is not None)
 
     def __init__(self, address: str, namespace: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
-                 name: str = "grpc", clock: Callable[[], float] = time.monotonic, local: str = "auto") -> None:
+                 name: str = "grpc", clock: Callable[[], float] = time.monotonic, local: str = "auto",
+                 bulk: str = "auto") -> None:
         super().__init__(name, fmt, retry_interval_s, clock)
+        for what, mode in (("local", local), ("bulk", bulk)):
+            if mode not in PATH_MODES:
+                raise ValueError(f"grpc tier {what} must be auto or off, got {mode!r}")
         self.address = address
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
+        self._token = auth_token
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
         backoff_ms = max(100, int(retry_interval_s * 1000))
         self._channel = grpc.insecure_channel(address, options=[
@@ -89,13 +142,13 @@ class GrpcTier(RemoteTier):
                  for n in ("Contains", "Delete", "Health", "Local", "Adopt", "Touch")}
         self._contains, self._delete, self._health = unary["Contains"], unary["Delete"], unary["Health"]
         self._local_rpc, self._adopt, self._touch = unary["Local"], unary["Adopt"], unary["Touch"]
-        self._use_local = local == "auto"
-        self._local_root: object = _UNASKED     # Path of this namespace's directory, None, or _UNASKED
-        self._thread = threading.local()
+        self._use_local, self._use_bulk = local == "auto", bulk == "auto"
+        self._known_paths: _Paths | None = None     # None: not asked yet
         self._get = self._channel.unary_stream(method("Get"), _identity, _identity)
         self._put = self._channel.stream_unary(method("Put"), _identity, _identity)
 
     def close(self) -> None:
+        self._forget_paths()
         self._channel.close()
 
     def health(self) -> pb.HealthReply:
@@ -107,50 +160,49 @@ class GrpcTier(RemoteTier):
 
     def _failed(self, what: str, err: Exception) -> None:
         super()._failed(what, err)
-        self._local_root = _UNASKED     # a restarted server may offer another directory, or none
+        self._forget_paths()     # a restarted server may offer other paths, or none
+
+    def _forget_paths(self) -> None:
+        paths, self._known_paths = self._known_paths, None
+        if paths is not None and paths.bulk is not None:
+            paths.bulk.close()
+
+    def _paths(self) -> _Paths:
+        """Ask the server, once, for its data channel and its shared-memory directory, and keep what this
+        client can use. Raises grpc.RpcError when the server cannot be reached."""
+        if self._known_paths is not None:
+            return self._known_paths
+        bulk = None
+        if self._use_bulk:
+            port = self.health().data_port
+            if port:
+                bulk = DataChannel(_host(self.address), port, self.namespace, self._token, self.timeout_s)
+        paths = _Paths(self._local_dir() if self._use_local else None, bulk)
+        self._known_paths = paths
+        return paths
 
     def _local_dir(self) -> Path | None:
-        """This namespace's directory in the server's shared memory, when this client can use it.
-
-        Asked once (again after an outage); raises grpc.RpcError when the
-        server cannot be reached. A server without the RPC or without
-        ``--shm-dir``, or a directory this host does not see, means None.
-        """
-        root = self._local_root
-        if root is not _UNASKED:
-            return root     # type: ignore[return-value]
-        if not self._use_local:
-            root = None
-        else:
-            reply = pb.LocalReply()
-            try:
-                reply.ParseFromString(self._local_rpc(pb.LocalRequest().SerializeToString(), timeout=self.timeout_s,
-                                                      metadata=self._metadata))
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-            root = None
-            if reply.directory:
-                directory = Path(reply.directory)
-                try:
-                    seen = (directory / ".instance").read_text()
-                except OSError:
-                    seen = None
-                if seen == reply.instance:
-                    root = directory / self.namespace.hex()
-                    log.info("grpc tier %s: chunks move through %s on this host", self.name, directory)
-                else:
-                    log.info("grpc tier %s: the server's directory %s is not this host's; using gRPC",
-                             self.name, directory)
-        self._local_root = root
-        return root
-
-    def _staging(self, nbytes: int) -> memoryview:
-        """A reusable per-thread buffer for compressed payloads read from files."""
-        buf = getattr(self._thread, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._thread.buf = bytearray(nbytes)
-        return memoryview(buf)[:nbytes]
+        """This namespace's directory in the server's shared memory, when this host sees it: None for a
+        server without ``--shm-dir`` (or without the RPC), or a directory that is not this host's."""
+        reply = pb.LocalReply()
+        try:
+            reply.ParseFromString(self._local_rpc(pb.LocalRequest().SerializeToString(), timeout=self.timeout_s,
+                                                  metadata=self._metadata))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        if not reply.directory:
+            return None
+        directory = Path(reply.directory)
+        try:
+            seen = (directory / ".instance").read_text()
+        except OSError:
+            seen = None
+        if seen != reply.instance:
+            log.info("grpc tier %s: the server's directory %s is not this host's", self.name, directory)
+            return None
+        log.info("grpc tier %s: chunks move through %s on this host", self.name, directory)
+        return directory / self.namespace.hex()
 
     def _present(self, keys: Sequence[BlockHash]) -> int:
         request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
@@ -214,14 +266,16 @@ class GrpcTier(RemoteTier):
             return [meta.key for meta, _ in items]
 
         try:
-            root = self._local_dir()
+            paths = self._paths()
         except grpc.RpcError as err:
             self._failed("store", err)
             return [meta.key for meta, _ in items]
-        if root is not None:
-            failed = self._write_local(root, items)
+        if paths.local is not None:
+            failed = self._write_local(paths.local, items)
             if failed is not None:
                 return failed
+        if paths.bulk is not None:
+            return self._write_bulk(paths.bulk, items)
 
         def messages() -> Iterator[bytes]:
             for meta, raw in items:
@@ -257,7 +311,9 @@ class GrpcTier(RemoteTier):
             log.warning("grpc tier %s: writing chunk files to %s failed (%s); moving chunks over gRPC",
                         self.name, incoming, err)
             self._discard(incoming, names)
-            self._local_root = None
+            paths = self._known_paths
+            if paths is not None:
+                self._known_paths = _Paths(None, paths.bulk)
             return None
         request = pb.AdoptRequest(namespace=self.namespace, keys=[m.key for m, _ in items], files=names)
         reply = pb.PutReply()
@@ -271,6 +327,30 @@ class GrpcTier(RemoteTier):
         self._outage.succeeded()
         return [BlockHash(k) for k in reply.rejected]
 
+    def _on_bulk(self, bulk: DataChannel, call: Callable[[DataChannel], list]) -> list:
+        """``call`` on the data channel; a kept connection that failed (the server may have restarted, on
+        another port) is given one more try after asking the server again. Raises ConnectionError or
+        grpc.RpcError."""
+        try:
+            return call(bulk)
+        except StaleConnection:
+            self._forget_paths()
+            bulk = self._paths().bulk
+            if bulk is None:
+                raise ConnectionError("the server no longer has a data channel") from None
+            return call(bulk)
+
+    def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+        """One ``PUT`` on the data channel: each chunk's header and payload sent as they are."""
+        chunks = [(meta.key, *self.fmt.encode_parts(meta, raw)) for meta, raw in items]
+        try:
+            outcomes = self._on_bulk(bulk, lambda channel: channel.put(chunks))
+        except (ConnectionError, grpc.RpcError) as err:
+            self._failed("store", err)
+            return [meta.key for meta, _ in items]
+        self._outage.succeeded()
+        return [meta.key for (meta, _), outcome in zip(items, outcomes) if outcome == dw.PUT_REJECTED]
+
     @staticmethod
     def _discard(incoming: Path, names: Sequence[str]) -> None:
         for name in names:
@@ -281,7 +361,7 @@ class GrpcTier(RemoteTier):
 
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         """Each chunk verified and decoded into its buffer: read from the server's files when co-located,
-        else (and for files not there) from one streamed ``Get``.
+        else (and for files not there) from one ``GET`` on the data channel, or one streamed ``Get``.
 
         Returns the raw length placed per item, or None for a miss, a corrupt
         or foreign chunk, or an unreachable server.
@@ -290,15 +370,15 @@ class GrpcTier(RemoteTier):
         if not items or not self.available:
             return out
         try:
-            root = self._local_dir()
+            paths = self._paths()
         except grpc.RpcError as err:
             self._failed("load", err)
             return out
-        if root is None:
-            return self._read_remote(items)
+        if paths.local is None:
+            return self._read_network(paths, items)
         remote, read = [], []
         for i, (key, buf) in enumerate(items):
-            got = self._read_file(root, key, buf)
+            got = self._read_file(paths.local, key, buf)
             if got is _ABSENT:
                 remote.append(i)
             else:
@@ -312,46 +392,38 @@ class GrpcTier(RemoteTier):
             except grpc.RpcError as err:   # the bytes are here and verified; only the server's bookkeeping missed
                 log.debug("grpc tier %s: Touch failed: %s", self.name, err)
         if remote:
-            for i, got in zip(remote, self._read_remote([items[i] for i in remote])):
+            for i, got in zip(remote, self._read_network(paths, [items[i] for i in remote])):
                 out[i] = got
+        return out
+
+    def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        if paths.bulk is None:
+            return self._read_remote(items)
+        def receive(reader, n: int, key: BlockHash, buf: memoryview) -> int | None:
+            return self.receive_value(reader, n, self.namespace, key, buf)
+        try:
+            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, receive))
+        except (ConnectionError, grpc.RpcError) as err:
+            self._failed("load", err)
+            return [None] * len(items)
+        self._outage.succeeded()
         return out
 
     def _read_file(self, root: Path, key: BlockHash, buf: memoryview) -> int | None | object:
         """One chunk from its file in the server's directory, verified in place: its raw length, None if it
-        is corrupt or foreign, `_ABSENT` if there is no such file."""
+        is corrupt or foreign, `_ABSENT` if there is no such file (or it went away mid-read)."""
         try:
             f = open(chunk_path(root, key), "rb", buffering=0)
         except OSError:
             return _ABSENT
         with f:
             try:
-                parsed = check_header(f.read(HEADER_BYTES), self.namespace, key)
-                meta, codec, _, payload_len, _ = parsed
-                size = os.fstat(f.fileno()).st_size
-                if size != HEADER_BYTES + payload_len:
-                    raise TruncatedChunkError(f"file is {size} bytes, its header says {HEADER_BYTES + payload_len}")
-                if meta.raw_len > len(buf):
-                    raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-                raw = codec == 0 and payload_len == meta.raw_len
-                landing = buf[:payload_len] if raw else self._staging(payload_len)
-                done = 0
-                while done < payload_len:
-                    n = f.readinto(landing[done:])
-                    if not n:
-                        raise TruncatedChunkError(f"file ended after {HEADER_BYTES + done} bytes")
-                    done += n
-                data = verify_payload(parsed, landing)
-                if not raw:
-                    copy_into(buf, data)
-                return meta.raw_len
-            except ChunkFormatError as err:
-                log.warning("grpc tier %s: chunk file %s… failed verification: %s", self.name, key.hex()[:16], err)
-                return None
-            except OSError:
+                return self.receive_value(_FileSource(f), os.fstat(f.fileno()).st_size, self.namespace, key, buf)
+            except (OSError, ConnectionError):
                 return _ABSENT
 
     def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
-        """One streamed ``Get``."""
+        """One streamed gRPC ``Get``."""
         out: list[int | None] = [None] * len(items)
         request = pb.GetRequest(namespace=self.namespace, keys=[k for k, _ in items]).SerializeToString()
         nbytes = sum(len(buf) for _, buf in items)

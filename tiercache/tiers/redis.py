@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
 from tiercache.codecs import Buffer, copy_into
-from tiercache.errors import ChunkFormatError, TruncatedChunkError
+from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteTier
 from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader
@@ -211,9 +211,6 @@ class RedisTier(RemoteTier):
                 out.append(None)
         return out
 
-    def _rejected(self, key: BlockHash, err: Exception) -> None:
-        log.warning("redis tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
-
     def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         """Pipelined ``GET``s on a pooled connection whose replies `ReplyReader` takes off the socket.
 
@@ -241,7 +238,7 @@ class RedisTier(RemoteTier):
         return out
 
     def _receive(self, reader: ReplyReader, key: BlockHash, buf: memoryview) -> int | None:
-        """Read one ``GET`` reply: header into a scratch, a raw payload straight into ``buf``; verify it there."""
+        """Read one ``GET`` reply into ``buf`` (`receive_value`); None for a null, an error or a bad value."""
         try:
             n = reader.bulk_length()
         except ReplyError as err:                 # e.g. WRONGTYPE: someone else's value under our key
@@ -249,34 +246,6 @@ class RedisTier(RemoteTier):
             return None
         if n is None:
             return None
-        header = bytearray(HEADER_BYTES)
-        if n < HEADER_BYTES:
-            reader.skip(n)
-            reader.end_of_bulk()
-            self._rejected(key, TruncatedChunkError(f"value of {n} B is shorter than a chunk header"))
-            return None
-        reader.read_into(memoryview(header))
-        try:
-            parsed = check_header(header, self.namespace, key)
-            meta, codec, _, payload_len, _ = parsed
-            if n != HEADER_BYTES + payload_len:
-                raise TruncatedChunkError(f"value of {n} B, header says {HEADER_BYTES + payload_len}")
-            if meta.raw_len > len(buf):
-                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-        except ChunkFormatError as err:
-            reader.skip(n - HEADER_BYTES)
-            reader.end_of_bulk()
-            self._rejected(key, err)
-            return None
-        raw = codec == 0 and payload_len == meta.raw_len
-        landing = buf[:payload_len] if raw else self._staging(0, payload_len)
-        reader.read_into(landing)
+        got = self.receive_value(reader, n, self.namespace, key, buf)
         reader.end_of_bulk()
-        try:
-            data = verify_payload(parsed, landing)
-        except ChunkFormatError as err:
-            self._rejected(key, err)
-            return None
-        if not raw:
-            copy_into(buf, data)
-        return meta.raw_len
+        return got

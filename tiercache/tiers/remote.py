@@ -6,16 +6,38 @@ Availability follows `Outage`: a failed call marks the tier down, and while
 it is down every call answers "absent" without touching the network.
 Chunks travel in the stored chunk format, so the reservation a chunk needs is
 its header plus the codec's worst case.
+
+`receive_value` is how every remote read path takes one value in — a Redis
+reply, a data-channel value, a chunk file of a co-located server: header
+into a scratch and checked, then a raw payload straight into the L1 slot (a
+compressed one into a per-thread staging buffer) and verified there.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat
+from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, check_header, verify_payload
+from tiercache.codecs import copy_into
+from tiercache.errors import ChunkFormatError, TruncatedChunkError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerTier, Medium
 from tiercache.tiers.outage import Outage
+
+log = logging.getLogger(__name__)
+
+
+class ValueSource(Protocol):
+    """Where a value's bytes come from, in order (`tiercache.streams.StreamReader`, a chunk file)."""
+
+    def exactly(self, n: int) -> bytes: ...
+
+    def read_into(self, dest: memoryview) -> None: ...
+
+    def skip(self, n: int) -> None: ...
 
 
 class RemoteTier(LowerTier):
@@ -28,6 +50,7 @@ class RemoteTier(LowerTier):
         self.name = name
         self.fmt = fmt or ChunkFormat()
         self._outage = Outage(name, retry_interval_s, clock=clock)
+        self._thread = threading.local()
 
     # -- availability --------------------------------------------------------
     @property
@@ -37,6 +60,49 @@ class RemoteTier(LowerTier):
     def _failed(self, what: str, err: Exception) -> None:
         self._outage.failed(what, err)
         self.counters.errors += 1
+
+    # -- reading one value (worker side) ----------------------------------------
+    def receive_value(self, source: ValueSource, n: int, namespace: bytes, key: BlockHash,
+                      buf: memoryview) -> int | None:
+        """Take the next ``n`` bytes of ``source`` — one value — into ``buf``, verified; returns the raw
+        length, or None for a value that is damaged, foreign or too large (all ``n`` bytes consumed either
+        way, so a stream stays in step). Transport errors propagate."""
+        if n < HEADER_BYTES:
+            source.skip(n)
+            self._rejected(key, TruncatedChunkError(f"value of {n} B is shorter than a chunk header"))
+            return None
+        try:
+            parsed = check_header(source.exactly(HEADER_BYTES), namespace, key)
+            meta, codec, _, payload_len, _ = parsed
+            if n != HEADER_BYTES + payload_len:
+                raise TruncatedChunkError(f"value of {n} B, its header says {HEADER_BYTES + payload_len}")
+            if meta.raw_len > len(buf):
+                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
+        except ChunkFormatError as err:
+            source.skip(n - HEADER_BYTES)
+            self._rejected(key, err)
+            return None
+        raw = codec == 0 and payload_len == meta.raw_len
+        landing = buf[:payload_len] if raw else self._payload_staging(payload_len)
+        source.read_into(landing)
+        try:
+            data = verify_payload(parsed, landing)
+        except ChunkFormatError as err:
+            self._rejected(key, err)
+            return None
+        if not raw:
+            copy_into(buf, data)
+        return meta.raw_len
+
+    def _payload_staging(self, nbytes: int) -> memoryview:
+        """A reusable per-thread buffer for compressed payloads (fresh memory per chunk pays page faults)."""
+        buf = getattr(self._thread, "payload", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._thread.payload = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
+
+    def _rejected(self, key: BlockHash, err: Exception) -> None:
+        log.warning("%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
 
     # -- Tier ----------------------------------------------------------------
     @property

@@ -1,0 +1,159 @@
+"""`tiercache serve`'s data channel on a real server: what it advertises, and how it treats bad clients."""
+import socket
+import struct
+
+import pytest
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+
+from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.test_grpc_server import NS, chunks, healthy, raw_call  # noqa: E402
+from tiercache.chunk_format import ChunkFormat  # noqa: E402
+from tiercache.server import data_wire as dw  # noqa: E402
+from tiercache.server import tiercache_pb2 as pb  # noqa: E402
+from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
+
+
+def data_port(server) -> int:
+    return pb.HealthReply.FromString(raw_call(server, "Health", b"")).data_port
+
+
+def connect(server, token: str | None = None) -> tuple[socket.socket, int]:
+    sock = socket.create_connection(("127.0.0.1", data_port(server)), timeout=5)
+    sock.sendall(dw.hello(token))
+    return sock, sock.recv(1)[0]
+
+
+def closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_values_go_over_the_data_channel_and_bad_values_are_rejected_in_stream(cache_server):
+    tier = GrpcTier(cache_server.address, NS)
+    items = chunks(2)
+    assert tier.write_chunks(items[:1]) == []
+    assert tier._known_paths.bulk is not None and tier.parallel_jobs
+    sock, status = connect(cache_server)
+    assert status == dw.HELLO_OK
+    meta, raw = items[1]
+    header, payload = ChunkFormat().encode_parts(meta, raw)
+    foreign = bytearray(header)
+    foreign[20] ^= 0xFF                                   # damaged header (its CRC no longer matches)
+    value = bytes(foreign) + payload
+    sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 2) + dw.key_field(meta.key) + dw.U64.pack(len(value)) + value
+                 + dw.key_field(meta.key) + dw.U64.pack(len(header) + len(payload)) + header + payload)
+    assert sock.recv(2) == bytes([dw.PUT_REJECTED, dw.PUT_STORED])   # one bad chunk, the stream goes on
+    sock.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 2) + dw.key_field(meta.key) + dw.key_field(b"\xee" * 32))
+    (n,) = dw.U64.unpack(sock.recv(8, socket.MSG_WAITALL))
+    assert n == len(header) + len(payload)
+    got = bytearray()
+    while len(got) < n + 8:
+        got += sock.recv(n + 8 - len(got))
+    assert bytes(got[:n]) == header + payload and dw.U64.unpack(got[n:]) == (0,)   # then a miss
+    sock.close()
+    assert "data_put_rejected" in cache_server.log()
+    tier.close()
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (b"GET / HTTP/1.1\r\n\r\n", "not a tiercache data channel hello"),
+    (None, "0 bytes"),                                         # a key of length 0
+    (b"huge", "a value of"),                                   # a value over the server's size limit
+    (dw.REQUEST.pack(9, NS, 0), "unknown op 9"),
+])
+def test_malformed_frames_close_the_connection_with_a_log_line_and_the_server_stays_up(cache_server, frame,
+                                                                                      reason):
+    sock = socket.create_connection(("127.0.0.1", data_port(cache_server)), timeout=5)
+    if frame is None:
+        sock.sendall(dw.hello(None) + dw.REQUEST.pack(dw.OP_GET, NS, 1) + b"\0")
+    elif frame == b"huge":
+        sock.sendall(dw.hello(None) + dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(b"k" * 32)
+                     + dw.U64.pack(1 << 40))
+    elif frame.startswith(b"GET"):
+        sock.sendall(frame)
+    else:
+        sock.sendall(dw.hello(None) + frame)
+    sock.settimeout(5)
+    data = b""
+    while True:
+        try:
+            piece = sock.recv(64)
+        except ConnectionResetError:
+            break
+        if not piece:
+            break
+        data += piece
+    sock.close()
+    assert reason in cache_server.log()
+    assert healthy(cache_server)
+    good, status = connect(cache_server)                       # the channel still takes new connections
+    assert status == dw.HELLO_OK
+    good.close()
+
+
+def test_a_wrong_token_is_refused_on_the_data_channel_too(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    server = CacheServerProcess(tmp_path, "--auth-token-file", str(token))
+    try:
+        sock, status = connect(server, "wrong")
+        assert status == dw.HELLO_UNAUTHENTICATED and closed(sock)
+        assert "missing or wrong auth token" in server.log()
+        good = GrpcTier(server.address, NS, auth_token="s3cret")
+        items = chunks(2)
+        assert good.write_chunks(items) == []
+        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+        assert good.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+        assert good._known_paths.bulk is not None
+        good.close()
+    finally:
+        server.stop()
+
+
+def test_without_a_data_channel_the_tier_streams_over_grpc(tmp_path):
+    server = CacheServerProcess(tmp_path, "--data-port", "-1")
+    try:
+        assert data_port(server) == 0
+        tier = GrpcTier(server.address, NS)
+        items = chunks(2)
+        assert tier.write_chunks(items) == []
+        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+        assert tier._known_paths.bulk is None and not tier.parallel_jobs
+        stats = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
+        assert stats.counters["data_put_chunks"] == 0
+        tier.close()
+    finally:
+        server.stop()
+
+
+def test_the_frames_are_the_documented_layout():
+    assert dw.MAGIC == b"TCDATA\x01\x00" and dw.REQUEST.size == 21
+    assert dw.hello("ab") == dw.MAGIC + struct.pack("<H", 2) + b"ab"
+    assert dw.key_field(b"xyz") == b"\x03xyz"
+
+
+def test_spare_buffers_are_reused_never_while_read_and_never_beyond_capacity():
+    from tiercache.server.store import BufferPool, MemoryChunks
+    pool = BufferPool()
+    held = bytearray(1 << 20)
+    view = memoryview(held)                                   # a send in progress
+    pool.give(held)
+    assert pool.spare_bytes == 0                              # someone still reads it: not taken back
+    del view
+    pool.give(held)
+    assert pool.spare_bytes == 1 << 20 and pool.take(1 << 20) is held and pool.spare_bytes == 0
+    memory = MemoryChunks(4 << 20, pool=pool)                 # room for four 1 MiB values
+    for i in range(4):
+        assert memory.add(bytes([i]) * 32, bytearray(1 << 20))
+    memory.delete([bytes([0]) * 32, bytes([1]) * 32])         # their buffers become spares
+    assert pool.spare_bytes == 2 << 20 and memory.used_bytes == 2 << 20
+    assert memory.add(b"n" * 32, pool.take(1 << 20))          # reused; one spare left
+    assert memory.add(b"m" * 32, bytearray(1 << 20))          # the spare gives way, no chunk is evicted
+    assert pool.spare_bytes == 0 and memory.num_chunks == 4 and memory.counters.evicted == 0
+    assert memory.add(b"o" * 32, bytearray(1 << 20))          # now a chunk goes, and its buffer is spare
+    assert memory.counters.evicted == 1
+    assert memory.used_bytes + pool.spare_bytes <= 4 << 20

@@ -1,0 +1,47 @@
+"""The data channel of `tiercache serve`: chunk bytes over a plain TCP connection, next to gRPC.
+
+Python gRPC hands every received message over as a fresh ``bytes`` on its
+channel thread, which caps a streamed ``Get`` near 2 GB/s here even with no
+work of ours. The data channel carries only what is bulk — ``GET`` and
+``PUT`` of chunk values — so the client can receive a value straight into
+its L1 slot (``recv_into``) and send one straight out of it; lookups,
+deletes, stats, health and the local path stay on gRPC. The server
+advertises the channel's port in ``HealthReply.data_port``.
+
+Frames (integers little-endian)::
+
+    hello     client: MAGIC (8 bytes: b"TCDATA" + version u16) | u16 token length | token
+              server: u8 status (HELLO_OK, or HELLO_BAD_VERSION / HELLO_UNAUTHENTICATED, then it closes)
+    request   client: u8 op | 16-byte namespace digest | u32 count, then per op:
+      GET       count × (u8 key length | key)
+                server: count × (u64 value length | value)        length 0: not present
+      PUT       count × (u8 key length | key | u64 value length | value)
+                server: count × u8 outcome (PUT_STORED, PUT_PRESENT, PUT_REJECTED)
+
+A value is one chunk in the stored chunk format (header + payload), as on
+gRPC: the server checks each header it receives against namespace and key,
+the client verifies each payload it reads. A malformed frame closes the
+connection (after a log line); a bad value is one rejected chunk.
+"""
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"TCDATA" + (1).to_bytes(2, "little")
+HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED = 0, 1, 2
+OP_GET, OP_PUT = 1, 2
+PUT_STORED, PUT_PRESENT, PUT_REJECTED = 0, 1, 2
+
+REQUEST = struct.Struct("<B16sI")      # op, namespace, count
+U64 = struct.Struct("<Q")
+U16 = struct.Struct("<H")
+MAX_TOKEN_BYTES = 4096
+
+
+def hello(token: str | None) -> bytes:
+    raw = (token or "").encode()
+    return MAGIC + U16.pack(len(raw)) + raw
+
+
+def key_field(key: bytes) -> bytes:
+    return bytes([len(key)]) + key

@@ -1,0 +1,98 @@
+"""Reading a byte stream off a socket: small fields through a buffer, bulk bytes straight into caller memory.
+
+A chunk's bytes should be touched once on their way into an L1 slot: the
+kernel's copy out of the socket, into the slot itself (then the checksum).
+`StreamReader` buffers what is small — protocol lines, lengths, keys — and
+hands large values to ``recv_into`` on the destination, after first giving
+it whatever the buffer already holds. Used by the Redis reply parser
+(`tiercache.tiers.resp`) and by `tiercache serve`'s data channel.
+"""
+from __future__ import annotations
+
+import socket
+
+LINE_BUFFER_BYTES = 64 << 10
+_CRLF = b"\r\n"
+
+
+class ProtocolError(Exception):
+    """The stream is not what was asked for; the connection must be dropped."""
+
+
+class StreamReader:
+    """A socket read through a small buffer for lines and fixed fields, and straight into caller memory
+    for bulk bytes."""
+
+    def __init__(self, sock: socket.socket, line_buffer_bytes: int = LINE_BUFFER_BYTES) -> None:
+        self._sock = sock
+        self._buf = bytearray(line_buffer_bytes)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0      # received, not yet consumed: _buf[_lo:_hi]
+        self._discard: memoryview | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not consumed: 0 once every reply asked for has been read."""
+        return self._hi - self._lo
+
+    def _compact(self) -> None:
+        n = self._hi - self._lo
+        self._buf[:n] = self._buf[self._lo:self._hi]
+        self._lo, self._hi = 0, n
+
+    def _fill(self) -> None:
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        elif self._hi == len(self._buf):
+            self._compact()
+        got = self._sock.recv_into(self._view[self._hi:])
+        if got == 0:
+            raise ConnectionError("the peer closed the connection mid-reply")
+        self._hi += got
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(_CRLF, self._lo, self._hi)
+            if end >= 0:
+                line = bytes(self._view[self._lo:end])
+                self._lo = end + 2
+                return line
+            if self._hi - self._lo >= len(self._buf) - 1:
+                raise ProtocolError(f"a reply line longer than {len(self._buf)} bytes")
+            self._fill()
+
+    def read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream."""
+        n = len(dest)
+        have = min(n, self._hi - self._lo)
+        dest[:have] = self._view[self._lo:self._lo + have]
+        self._lo += have
+        pos = have
+        while pos < n:
+            got = self._sock.recv_into(dest[pos:])
+            if got == 0:
+                raise ConnectionError("the peer closed the connection mid-value")
+            pos += got
+
+    def exactly(self, n: int) -> bytes:
+        """The next ``n`` bytes: a small field (a length, a key), taken through the buffer."""
+        if n > len(self._buf):
+            out = bytearray(n)
+            self.read_into(memoryview(out))
+            return bytes(out)
+        while self._hi - self._lo < n:
+            if self._hi == len(self._buf) and self._lo > 0:
+                self._compact()
+            self._fill()
+        field = bytes(self._view[self._lo:self._lo + n])
+        self._lo += n
+        return field
+
+    def skip(self, n: int) -> None:
+        """Consume and drop ``n`` bytes (the rest of a value nobody wants)."""
+        if self._discard is None:
+            self._discard = memoryview(bytearray(1 << 20))
+        while n:
+            step = min(n, len(self._discard))
+            self.read_into(self._discard[:step])
+            n -= step

@@ -1,0 +1,127 @@
+"""The client side of `tiercache serve`'s data channel (`tiercache.server.data_wire`).
+
+One TCP connection per transfer thread, opened on first use and kept; a
+``GET`` receives each value through `RemoteTier.receive_value` (a raw chunk
+straight into its L1 slot, verified there), a ``PUT`` sends each chunk's
+header and payload straight from where they are. Any transport or protocol
+error closes that thread's connection and propagates as `ConnectionError`
+(`StaleConnection` when the connection had served requests before: the server
+may have restarted, on another port, and the caller asks again once);
+the tier turns it into misses and an outage, and the next call reconnects.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+from tiercache.codecs import Buffer
+from tiercache.keys import BlockHash
+from tiercache.server import data_wire as dw
+from tiercache.streams import ProtocolError, StreamReader
+
+Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | None"]
+
+
+class DataChannelRefused(ConnectionError):
+    """The server refused the hello: another protocol version, or a wrong token."""
+
+
+class StaleConnection(ConnectionError):
+    """A kept connection failed: worth one retry on a fresh one."""
+
+
+class DataChannel:
+    def __init__(self, host: str, port: int, namespace: bytes, token: str | None, timeout_s: float) -> None:
+        self.address = (host, port)
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self._hello = dw.hello(token)
+        self._thread = threading.local()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._open = list(self._open), set()
+        for sock in socks:
+            sock.close()
+
+    def _connection(self) -> tuple[socket.socket, StreamReader]:
+        conn = getattr(self._thread, "conn", None)
+        if conn is not None:
+            return conn
+        sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(self._hello)
+            reader = StreamReader(sock)
+            status = reader.exactly(1)[0]
+            if status != dw.HELLO_OK:
+                reason = "a wrong or missing auth token" if status == dw.HELLO_UNAUTHENTICATED else \
+                    "another protocol version"
+                raise DataChannelRefused(f"the data channel at {self.address[0]}:{self.address[1]} refused "
+                                         f"this client: {reason}")
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            self._open.add(sock)
+        self._thread.conn = (sock, reader)
+        self._thread.served = 0
+        return sock, reader
+
+    def _failed(self, what: str, err: Exception) -> ConnectionError:
+        stale = getattr(self._thread, "conn", None) is not None and self._thread.served > 0
+        self._drop()
+        return (StaleConnection if stale else ConnectionError)(f"data channel {what}: {err}")
+
+    def _drop(self) -> None:
+        conn = getattr(self._thread, "conn", None)
+        self._thread.conn = None
+        if conn is not None:
+            with self._lock:
+                self._open.discard(conn[0])
+            conn[0].close()
+
+    def _request(self, op: int, count: int) -> bytes:
+        return dw.REQUEST.pack(op, self.namespace, count)
+
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[int | None]:
+        """One ``GET``; ``receive(reader, n, key, buf)`` takes each present value in. Raises OSError."""
+        try:
+            sock, reader = self._connection()
+            sock.sendall(b"".join([self._request(dw.OP_GET, len(items)), *(dw.key_field(k) for k, _ in items)]))
+            out: list[int | None] = []
+            for key, buf in items:
+                (n,) = dw.U64.unpack(reader.exactly(dw.U64.size))
+                out.append(receive(reader, n, key, buf) if n else None)
+            if reader.buffered:
+                raise ProtocolError(f"{reader.buffered} bytes beyond the values asked for")
+        except (OSError, ProtocolError) as err:
+            raise self._failed("GET", err) from err
+        except BaseException:     # anything else leaves the stream mid-reply: never reuse it
+            self._drop()
+            raise
+        self._thread.served += 1
+        return out
+
+    def put(self, chunks: Sequence[tuple[BlockHash, Buffer, Buffer]]) -> list[int]:
+        """One ``PUT`` of (key, header, payload) each; returns the server's outcome per chunk. Raises OSError."""
+        try:
+            sock, reader = self._connection()
+            sock.sendall(self._request(dw.OP_PUT, len(chunks)))
+            for key, header, payload in chunks:
+                body = memoryview(payload).cast("B")
+                sock.sendall(b"".join([dw.key_field(key), dw.U64.pack(len(header) + len(body)), header]))
+                sock.sendall(body)
+            outcomes = list(reader.exactly(len(chunks)))
+            if reader.buffered:
+                raise ProtocolError(f"{reader.buffered} bytes beyond the outcomes asked for")
+        except (OSError, ProtocolError) as err:
+            raise self._failed("PUT", err) from err
+        except BaseException:     # anything else leaves the stream mid-reply: never reuse it
+            self._drop()
+            raise
+        self._thread.served += 1
+        return outcomes
