@@ -1,16 +1,17 @@
 """tiercache's remote tiers beside LMCache 0.5.6's remote connectors, on the same chunks, in one run.
 
 `tiercache serve` + the gRPC tier against LMCache's `lm://` server and
-connector, over gRPC and over the co-located shared-memory path
+connector: bytes on the server's data channel (``grpc``), on gRPC streams
+alone (``grpc-stream``), and through the co-located shared-memory path
 (``grpc-shm``: `tiercache serve --shm-dir`); with ``--redis-port``, tiercache's Redis tier against LMCache's
 `redis://` connector on the same redis-server.
 
 LMCache pins protobuf < 7 (tiercache's stubs need 7.35+), so it runs in its
 own virtualenv; this script (tiercache's Python) starts LMCache's server and
 `benchmarks/lmcache_lm_client.py` with that virtualenv's Python, then
-`tiercache bench tiers --tiers grpc` and ``--tiers grpc-shm`` on chunks of the
-same shape (llama-8b, 256 tokens, bf16, 32 MiB), in the order LMCache,
-tiercache, LMCache; medians.
+`tiercache bench tiers --tiers grpc` (then ``grpc-stream``, ``grpc-shm``) on
+chunks of the same shape (llama-8b, 256 tokens, bf16, 32 MiB), in the order
+LMCache, tiercache, LMCache; medians.
 
     python -m venv --system-site-packages /tmp/lmcvenv
     /tmp/lmcvenv/bin/pip install --no-deps lmcache==0.5.6
@@ -98,11 +99,10 @@ def main() -> None:
     report: dict = {"chunks": n, "chunk_bytes": 32 << 20, "reps": reps}
     if not args.skip_lm:
         lm = [lmcache_run(py, n, reps)]
-        tc = tiercache_run("grpc", n, reps)
-        tc_shm = tiercache_run("grpc-shm", n, reps)
+        ours = {kind: tiercache_run(kind, n, reps) for kind in ("grpc", "grpc-stream", "grpc-shm")}
         lm.append(lmcache_run(py, n, reps))
-        report["grpc_vs_lm"] = compare("lm", lm, tc)
-        report["grpc_shm_vs_lm"] = compare("lm", lm, tc_shm)
+        for kind, tc in ours.items():
+            report[f"{kind.replace('-', '_')}_vs_lm"] = compare("lm", lm, tc)
     if args.redis_port:
         lr = [lmcache_client(py, args.redis_port, n, reps, "redis")]
         tr = tiercache_run("redis", n, reps, "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0")

@@ -137,7 +137,8 @@ def test_the_frames_are_the_documented_layout():
 
 
 def test_spare_buffers_are_reused_never_while_read_and_never_beyond_capacity():
-    from tiercache.server.store import BufferPool, MemoryChunks
+    from tiercache.server.tiers import MemoryChunks
+    from tiercache.server.values import BufferPool
     pool = BufferPool()
     held = bytearray(1 << 20)
     view = memoryview(held)                                   # a send in progress

@@ -21,7 +21,8 @@ from tiercache.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server import data_wire as dw
-from tiercache.server.store import ChunkStore, PutOutcome, check_value
+from tiercache.server.store import ChunkStore, PutOutcome
+from tiercache.server.values import check_value
 from tiercache.server.wire import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
 from tiercache.streams import ProtocolError, StreamReader
 

@@ -29,7 +29,8 @@ from tiercache.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server import tiercache_pb2 as pb
-from tiercache.server.store import ChunkStore, PutOutcome, check_value
+from tiercache.server.store import ChunkStore, PutOutcome
+from tiercache.server.values import check_value
 from tiercache.server.wire import (
     AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, WireError, encode_chunk, read_chunk,
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import TierCacheError
 
 SERVICE = "tiercache.v1.CacheServer"
@@ -164,3 +164,38 @@ def read_chunk(messages: Iterator[bytes]) -> tuple[ChunkView, list[memoryview], 
     if got != head.total:
         raise WireError(f"pieces add up to {got} bytes, value_len says {head.total}")
     return head, pieces, raw
+
+
+class ChunkPieces:
+    """A value that arrived as gRPC message pieces, read in order as a `ValueSource` (copies go through
+    `copy_into`, which releases the GIL)."""
+
+    def __init__(self, pieces: list[memoryview]) -> None:
+        self._pieces = pieces
+        self._index = 0     # current piece
+        self._offset = 0    # consumed of it
+
+    def _advance(self, n: int, dest: memoryview | None) -> None:
+        done = 0
+        while done < n:
+            if self._index >= len(self._pieces):
+                raise WireError("the value ended before its length")
+            piece = self._pieces[self._index][self._offset:]
+            step = min(len(piece), n - done)
+            if dest is not None:
+                copy_into(dest, piece[:step], done)
+            done += step
+            self._offset += step
+            if self._offset == len(self._pieces[self._index]):
+                self._index, self._offset = self._index + 1, 0
+
+    def read_into(self, dest: memoryview) -> None:
+        self._advance(len(dest), dest)
+
+    def exactly(self, n: int) -> bytes:
+        out = bytearray(n)
+        self._advance(n, memoryview(out))
+        return bytes(out)
+
+    def skip(self, n: int) -> None:
+        self._advance(n, None)

@@ -1,60 +1,52 @@
-"""L3 on a shared `tiercache serve`: the gRPC client tier.
+"""L3 on a shared `tiercache serve`: the client tier (scheduler side for lookups, workers for bytes).
 
-Like the Redis tier, the server owns the data and this tier keeps no index:
-`contains` is one ``Contains`` call, stores are one client-streamed ``Put``
-per transfer job, loads one server-streamed ``Get``. Chunks travel in the
-stored chunk format (encoded here, header checked by the server, payload
-checksum verified here on every read), split into pieces of a few MiB and
-built and parsed by hand on the wire (`tiercache.server.wire`): a piece is
-copied once on the way out, and on the way in a raw chunk's pieces are copied
-straight into their L1 slot and verified there.
+The server owns the data and this tier keeps no index: ``Contains``,
+``Delete`` and ``Health`` are gRPC calls. Chunk bytes (the stored chunk
+format: encoded here, header checked by the server, payload verified here on
+every read, in the L1 slot) take the best path the server offers, asked once
+and again after any outage (`_Paths`):
 
-Co-located with a server started with ``--shm-dir`` (and ``grpc.local =
-auto``), the bytes skip gRPC: the server's memory tier is chunk files in a
-tmpfs directory, which this tier reads straight into the L1 slots (verifying
-each; a file missing there is asked for over ``Get``, since the server may
-hold it on disk) and writes new chunks into, handing them over with one
-``Adopt`` call per job; reads are reported with ``Touch`` so the server's
-policy and counters see them. The directory is trusted only when its
-``.instance`` token matches the server's ``Local`` reply (the same host and
-mount), and is asked for again after any outage.
-
-Between hosts the bytes take the server's data channel when it has one
-(``HealthReply.data_port``, ``grpc.bulk = auto``): a plain TCP connection per
-transfer thread (`tiercache.tiers.data_client`) on which a value is received
-straight into its L1 slot and sent straight out of it, since Python gRPC
-makes every received message a fresh ``bytes`` on its channel thread; the
-streamed ``Get`` / ``Put`` remain for servers without one.
+1. Its shared-memory directory, for a client on its host (``--shm-dir``,
+   ``grpc.local``): chunk files read straight into L1 slots, new ones
+   written for ``Adopt``, reads reported with ``Touch`` (`SharedDirectory`);
+   a file not there is asked for over the network, since the server may
+   hold it on disk.
+2. Its data channel (``HealthReply.data_port``, ``grpc.bulk``): one plain
+   TCP connection per transfer thread, each value received straight into
+   its slot and sent straight out of it (`DataChannel`).
+3. gRPC streams: one ``Put`` per store job, one ``Get`` per promotion, each
+   chunk split into pieces of a few MiB built and parsed by hand
+   (`tiercache.server.wire`); Python gRPC makes each received message a
+   fresh ``bytes`` on its channel thread, about a third of what (2) moves.
 
 Faults: every call has a deadline; a server that is gone, slow or refusing
-(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, ...) turns into
-misses and failed stores, and the tier goes quiet for a backoff (`Outage`),
-while the gRPC channel reconnects in the background (its own reconnect
-backoff is capped at ``retry_interval`` too, so a restarted server is seen
-within seconds).
+(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, a closed data
+connection, ...) turns into misses and failed stores, and the tier goes
+quiet for a backoff (`Outage`) while the gRPC channel reconnects in the
+background (its reconnect backoff is capped at ``retry_interval`` too, so a
+restarted server is seen within seconds).
 """
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
-from tiercache.codecs import Buffer, copy_into
+from tiercache.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.server import tiercache_pb2 as pb
 from tiercache.server import data_wire as dw
-from tiercache.server.wire import AUTH_HEADER, PART_BYTES, ChunkView, WireError, method, read_chunk, split_chunk
+from tiercache.server.wire import (
+    AUTH_HEADER, PART_BYTES, ChunkPieces, ChunkView, WireError, method, read_chunk, split_chunk,
+)
 from tiercache.tiers.data_client import DataChannel, StaleConnection
-from tiercache.tiers.disk import chunk_path, write_all
 from tiercache.tiers.remote import RemoteTier
+from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
 
 log = logging.getLogger(__name__)
 
@@ -65,45 +57,19 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-_ABSENT = object()      # a chunk file that is not there (ask over the network)
 PATH_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True, slots=True)
 class _Paths:
     """How this client moves bytes to its server besides gRPC streams; asked once (again after an outage)."""
-    local: Path | None = None           # this namespace's directory in the server's shared memory
+    local: SharedDirectory | None = None    # the server's shared-memory directory, when this host sees it
     bulk: DataChannel | None = None     # the server's data channel
 
 
 def _host(address: str) -> str:
     host = address.rpartition(":")[0]
     return host[1:-1] if host.startswith("[") else host
-
-
-class _FileSource:
-    """A chunk file read as a `ValueSource`; a file shorter than its size said is a `ConnectionError`
-    (it changed under us: read it over the network instead)."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-
-    def exactly(self, n: int) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise ConnectionError("chunk file ended early")
-        return data
-
-    def read_into(self, dest: memoryview) -> None:
-        done = 0
-        while done < len(dest):
-            n = self._f.readinto(dest[done:])
-            if not n:
-                raise ConnectionError("chunk file ended early")
-            done += n
-
-    def skip(self, n: int) -> None:
-        self._f.seek(n, os.SEEK_CUR)
 
 
 class GrpcTier(RemoteTier):
@@ -181,9 +147,9 @@ class GrpcTier(RemoteTier):
         self._known_paths = paths
         return paths
 
-    def _local_dir(self) -> Path | None:
-        """This namespace's directory in the server's shared memory, when this host sees it: None for a
-        server without ``--shm-dir`` (or without the RPC), or a directory that is not this host's."""
+    def _local_dir(self) -> SharedDirectory | None:
+        """The server's shared-memory directory when this host sees it: None for a server without
+        ``--shm-dir`` (or without the RPC), or a directory that is not this host's."""
         reply = pb.LocalReply()
         try:
             reply.ParseFromString(self._local_rpc(pb.LocalRequest().SerializeToString(), timeout=self.timeout_s,
@@ -191,18 +157,7 @@ class GrpcTier(RemoteTier):
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-        if not reply.directory:
-            return None
-        directory = Path(reply.directory)
-        try:
-            seen = (directory / ".instance").read_text()
-        except OSError:
-            seen = None
-        if seen != reply.instance:
-            log.info("grpc tier %s: the server's directory %s is not this host's", self.name, directory)
-            return None
-        log.info("grpc tier %s: chunks move through %s on this host", self.name, directory)
-        return directory / self.namespace.hex()
+        return SharedDirectory.open(reply.directory, reply.instance, self.namespace) if reply.directory else None
 
     def _present(self, keys: Sequence[BlockHash]) -> int:
         request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
@@ -292,25 +247,14 @@ class GrpcTier(RemoteTier):
         self._outage.succeeded()
         return [BlockHash(k) for k in reply.rejected]
 
-    def _write_local(self, root: Path, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash] | None:
-        """Write the chunks as files into the server's incoming directory and ``Adopt`` them; returns the
-        keys not stored, or None when the files could not be written (the caller streams a ``Put``)."""
-        incoming = root / "incoming"
-        names: list[str] = []
+    def _write_local(self, local: SharedDirectory, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash] | None:
+        """Write the chunks as files for the server and ``Adopt`` them; returns the keys not stored, or None
+        when the files could not be written (the caller sends them over the network)."""
         try:
-            incoming.mkdir(parents=True, exist_ok=True)
-            for meta, raw in items:
-                header, payload = self.fmt.encode_parts(meta, raw)
-                names.append(f"{secrets.token_hex(16)}.tmp")
-                fd = os.open(incoming / names[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    write_all(fd, memoryview(header), memoryview(payload).cast("B"))
-                finally:
-                    os.close(fd)
-        except OSError as err:     # no permission, tmpfs full, directory gone: gRPC until the next outage
-            log.warning("grpc tier %s: writing chunk files to %s failed (%s); moving chunks over gRPC",
-                        self.name, incoming, err)
-            self._discard(incoming, names)
+            names = local.write([self.fmt.encode_parts(meta, raw) for meta, raw in items])
+        except OSError as err:     # no permission, tmpfs full, directory gone: the network until the next outage
+            log.warning("grpc tier %s: writing chunk files to %s failed (%s); moving chunks over the network",
+                        self.name, local.incoming, err)
             paths = self._known_paths
             if paths is not None:
                 self._known_paths = _Paths(None, paths.bulk)
@@ -321,7 +265,7 @@ class GrpcTier(RemoteTier):
             reply.ParseFromString(self._adopt(request.SerializeToString(), timeout=self.timeout_s,
                                               metadata=self._metadata))
         except grpc.RpcError as err:
-            self._discard(incoming, names)
+            local.discard(names)
             self._failed("store", err)
             return [meta.key for meta, _ in items]
         self._outage.succeeded()
@@ -351,14 +295,6 @@ class GrpcTier(RemoteTier):
         self._outage.succeeded()
         return [meta.key for (meta, _), outcome in zip(items, outcomes) if outcome == dw.PUT_REJECTED]
 
-    @staticmethod
-    def _discard(incoming: Path, names: Sequence[str]) -> None:
-        for name in names:
-            try:
-                (incoming / name).unlink(missing_ok=True)
-            except OSError:
-                pass
-
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         """Each chunk verified and decoded into its buffer: read from the server's files when co-located,
         else (and for files not there) from one ``GET`` on the data channel, or one streamed ``Get``.
@@ -378,8 +314,8 @@ class GrpcTier(RemoteTier):
             return self._read_network(paths, items)
         remote, read = [], []
         for i, (key, buf) in enumerate(items):
-            got = self._read_file(paths.local, key, buf)
-            if got is _ABSENT:
+            got = paths.local.read(key, buf, self._receive)
+            if got is ABSENT:
                 remote.append(i)
             else:
                 out[i] = got    # type: ignore[assignment]
@@ -396,31 +332,19 @@ class GrpcTier(RemoteTier):
                 out[i] = got
         return out
 
+    def _receive(self, source, n: int, key: BlockHash, buf: memoryview) -> int | None:
+        return self.receive_value(source, n, self.namespace, key, buf)
+
     def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         if paths.bulk is None:
             return self._read_remote(items)
-        def receive(reader, n: int, key: BlockHash, buf: memoryview) -> int | None:
-            return self.receive_value(reader, n, self.namespace, key, buf)
         try:
-            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, receive))
+            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, self._receive))
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("load", err)
             return [None] * len(items)
         self._outage.succeeded()
         return out
-
-    def _read_file(self, root: Path, key: BlockHash, buf: memoryview) -> int | None | object:
-        """One chunk from its file in the server's directory, verified in place: its raw length, None if it
-        is corrupt or foreign, `_ABSENT` if there is no such file (or it went away mid-read)."""
-        try:
-            f = open(chunk_path(root, key), "rb", buffering=0)
-        except OSError:
-            return _ABSENT
-        with f:
-            try:
-                return self.receive_value(_FileSource(f), os.fstat(f.fileno()).st_size, self.namespace, key, buf)
-            except (OSError, ConnectionError):
-                return _ABSENT
 
     def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         """One streamed gRPC ``Get``."""
@@ -444,29 +368,11 @@ class GrpcTier(RemoteTier):
         return out
 
     def _place(self, item: tuple[BlockHash, memoryview], head: ChunkView, pieces: list[memoryview]) -> int | None:
-        """Verify one chunk and leave its raw bytes at the start of the item's buffer; None for a miss."""
+        """Verify one chunk received as message pieces into the item's buffer; None for a miss."""
         key, buf = item
         if not head.value:
             return None
-        try:
-            if head.namespace != self.namespace or head.key != key:
-                raise ChunkFormatError("the server answered for another namespace or key")
-            parsed = check_header(pieces[0][:HEADER_BYTES], self.namespace, key)
-            meta, codec, _, payload_len, _ = parsed
-            if head.total != HEADER_BYTES + payload_len:
-                raise ChunkFormatError(f"value is {head.total} bytes, its header says {HEADER_BYTES + payload_len}")
-            if meta.raw_len > len(buf):
-                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-            body = [pieces[0][HEADER_BYTES:], *pieces[1:]]
-            if codec == 0 and payload_len == meta.raw_len:   # raw: pieces straight into place, verified there
-                offset = 0
-                for piece in body:
-                    offset = copy_into(buf, piece, offset)
-                verify_payload(parsed, buf[:payload_len])
-                return payload_len
-            data = verify_payload(parsed, body[0] if len(body) == 1 else b"".join(body))
-            copy_into(buf, data)
-            return meta.raw_len
-        except ChunkFormatError as err:
-            log.warning("grpc tier %s: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+        if head.namespace != self.namespace or head.key != key:
+            self._rejected(key, ChunkFormatError("the server answered for another namespace or key"))
             return None
+        return self.receive_value(ChunkPieces(pieces), head.total, self.namespace, key, buf)

@@ -1,0 +1,189 @@
+"""The cache server's tiers: memory (in-process, or chunk files in shared memory) and disk.
+
+Each is an `IndexedTier` (the index, two-phase lifecycle, pins and eviction
+policies of an engine's tiers) keyed by namespace digest + chunk key; this
+module decides where the bytes live. `ChunkStore` (store.py) owns them and
+their lock; nothing here locks.
+
+- `MemoryChunks`: each chunk as it came (`values.Stored`); spare value
+  buffers (`BufferPool`) count against its capacity and go before chunks do.
+- `DiskChunks`: one file per chunk in the L2 layout, the index rebuilt from
+  the files at start.
+- `ShmChunks`: the memory tier as chunk files under a tmpfs directory that
+  clients on the same host read directly.
+
+A memory tier with a disk below sets each evicted chunk aside (``spill``)
+for the store to write down outside its lock.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.policies import DEFAULT_EVICTION
+from tiercache.server.values import BufferPool, Spill, Stored, StoreKey, store_key, value_size
+from tiercache.tiers.base import Medium
+from tiercache.tiers.disk import chunk_path, scan_chunk_files
+from tiercache.tiers.index import Entry, IndexedTier
+
+INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients
+INSTANCE_FILE = ".instance"
+
+
+class _SpillsOnEviction:
+    """For a memory tier: with a disk below (``spill`` a list), each evicted chunk is set aside for it."""
+    spill: list[Spill] | None
+
+    def _evict_one(self) -> bool:
+        victim = self._pop_victim()
+        if victim is None:
+            return False
+        key, entry = victim
+        if self.spill is not None and (spill := self._set_aside(key, entry)) is not None:
+            self.spill.append(spill)
+        self._drop(key, entry, in_policy=False)
+        return True
+
+
+class MemoryChunks(_SpillsOnEviction, IndexedTier):
+    """The server's memory tier: each chunk as it came (gRPC messages, or one buffer), bounded by
+    ``capacity_bytes``."""
+    medium = Medium.CPU
+
+    def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory",
+                 pool: BufferPool | None = None) -> None:
+        super().__init__(eviction)
+        self.name = name
+        self._capacity = capacity_bytes
+        self.pool = pool or BufferPool()
+        self.values: dict[StoreKey, Stored] = {}
+        self.spill: list[Spill] | None = None   # evicted chunks go here when a disk tier exists
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def add(self, key: StoreKey, stored: Stored) -> bool:
+        size = value_size(stored)
+        self.pool.shrink(self._capacity - self._used - size)     # spare buffers make room before chunks do
+        ok = self._reserve_bytes([key], [size], self._capacity)[0]
+        self.pool.shrink(self._capacity - self._used)             # chunks + spares never exceed capacity
+        if not ok:
+            return False
+        self.values[key] = stored
+        self.publish([key])
+        return True
+
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "spare_bytes": self.pool.spare_bytes}
+
+    def get(self, key: StoreKey) -> Stored | None:
+        if not self.has(key):
+            return None
+        self.touch([key])
+        self.counters.loaded += 1
+        return self.values[key]
+
+    def _set_aside(self, key: StoreKey, entry: Entry) -> Spill:
+        return Spill(key, entry.nbytes, value=self.values[key])
+
+    def _release(self, key: StoreKey, entry: Entry) -> None:
+        stored = self.values.pop(key)
+        self.pool.give(stored)
+
+    def unspilled(self, on_disk) -> list[Spill]:
+        return [Spill(k, value_size(v), value=v) for k, v in self.values.items() if not on_disk(k)]
+
+
+class DiskChunks(IndexedTier):
+    """The server's disk tier: one chunk file per key, the index rebuilt from the files at start."""
+    medium = Medium.DISK
+
+    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk") -> None:
+        super().__init__(eviction)
+        self.name = name
+        self.root = Path(root)
+        self._capacity = capacity_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        for ns_dir in sorted(self.root.iterdir()):
+            try:
+                namespace = bytes.fromhex(ns_dir.name)
+            except ValueError:
+                continue
+            if not ns_dir.is_dir() or len(namespace) != NAMESPACE_DIGEST_BYTES:
+                continue
+            found, bad = scan_chunk_files(ns_dir, namespace)
+            self.counters.integrity_failures += bad
+            for _, key, size in found:
+                self._reserve(store_key(namespace, key), Entry(size, ready=True))
+                self.policy.insert(store_key(namespace, key))
+        self._trim_to(self._capacity)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def path(self, key: StoreKey) -> Path:
+        namespace, chunk = key[:NAMESPACE_DIGEST_BYTES], key[NAMESPACE_DIGEST_BYTES:]
+        return chunk_path(self.root / namespace.hex(), chunk)
+
+    def reserve(self, key: StoreKey, nbytes: int) -> bool:
+        return self._reserve_bytes([key], [nbytes], self._capacity)[0]
+
+    def _release(self, key: StoreKey, entry: Entry) -> None:
+        try:
+            self.path(key).unlink(missing_ok=True)
+        except OSError:
+            self.counters.errors += 1
+
+
+class ShmChunks(_SpillsOnEviction, DiskChunks):
+    """The memory tier as chunk files under a tmpfs directory that clients on the same host read directly.
+
+    Same layout, index and crash-safe writes as `DiskChunks`; the files live
+    in RAM (``/dev/shm``), survive a restart of the server (not of the
+    machine), and are shared: a co-located client opens
+    ``<root>/<namespace>/<key[:2]>/<key>.chunk`` itself and verifies what it
+    reads, so a chunk replaced or evicted under it is at worst a miss —
+    files are only ever renamed into place or unlinked, and an open file
+    keeps its bytes. New chunks from such clients arrive as files in
+    ``<root>/<namespace>/incoming/`` that `ChunkStore.adopt` checks and
+    renames into place. ``<root>/.instance`` holds a token fresh at every
+    start, which clients compare with the ``Local`` reply to know they see
+    this server's directory. An evicted chunk bound for the disk tier is
+    renamed aside into ``<root>/.spill/`` and copied down outside the lock.
+    """
+    medium = Medium.CPU
+
+    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION,
+                 name: str = "memory") -> None:
+        root = Path(root).resolve()
+        self.spill: list[Spill] | None = None      # set before the index is rebuilt: that may evict
+        self._aside = root / ".spill"
+        shutil.rmtree(self._aside, ignore_errors=True)   # a previous run's half-spilled files
+        self._aside.mkdir(parents=True)
+        super().__init__(root, capacity_bytes, eviction, name)
+        self.instance = secrets.token_hex(16)
+        tmp = self.root / f"{INSTANCE_FILE}.tmp"
+        tmp.write_text(self.instance)
+        os.rename(tmp, self.root / INSTANCE_FILE)
+
+    def incoming(self, namespace: bytes) -> Path:
+        return self.root / namespace.hex() / INCOMING
+
+    def _set_aside(self, key: StoreKey, entry: Entry) -> Spill | None:
+        """Rename the file out of the index's way (instant, under the lock); it is copied down later."""
+        aside = self._aside / f"{key.hex()}.chunk"
+        try:
+            os.rename(self.path(key), aside)
+        except OSError:
+            self.counters.errors += 1
+            return None
+        return Spill(key, entry.nbytes, file=aside)
+
+    def unspilled(self, on_disk) -> list[Spill]:
+        return [Spill(k, e.nbytes, file=self.path(k), keep_file=True)
+                for k, e in self.entries.items() if e.ready and not on_disk(k)]
