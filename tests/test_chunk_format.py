@@ -125,3 +125,16 @@ def test_every_failure_is_a_chunk_format_error():
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="cannot be stored"):
         ChunkMeta(NS, KEY, 1, "complex64", (1,))
+
+
+def test_every_checksum_fed_piece_by_piece_equals_the_one_pass_value():
+    import os
+
+    from tiercache.codecs import checksums
+    data = memoryview(os.urandom((3 << 20) + 12345))
+    for name in checksums.names():
+        checksum = checksums.get(name)()
+        running = checksum.running()
+        for offset in range(0, len(data), 1 << 20):
+            running.update(data[offset:offset + (1 << 20)])
+        assert running.intdigest() == checksum(data), name

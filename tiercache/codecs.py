@@ -28,11 +28,21 @@ class Codec(Protocol):
     def max_encoded_len(self, raw_len: int) -> int: ...
 
 
+class RunningChecksum(Protocol):
+    def update(self, data: Buffer) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
 class Checksum(Protocol):
     name: ClassVar[str]
     code: ClassVar[int]
 
     def __call__(self, data: Buffer) -> int: ...
+
+    def running(self) -> RunningChecksum:
+        """The same checksum fed piece by piece (a value hashed as it arrives, while it is in cache)."""
+        ...
 
 
 codecs: Registry[type[Codec]] = Registry("codec")
@@ -113,6 +123,10 @@ class Xxh3Checksum:
         import xxhash
         return xxhash.xxh3_64_intdigest(data)
 
+    def running(self) -> RunningChecksum:
+        import xxhash
+        return xxhash.xxh3_64()
+
 
 @checksums.register("crc32")
 class Crc32Checksum:
@@ -121,6 +135,20 @@ class Crc32Checksum:
 
     def __call__(self, data: Buffer) -> int:
         return zlib.crc32(data)
+
+    def running(self) -> RunningChecksum:
+        return _RunningCrc32()
+
+
+class _RunningCrc32:
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Buffer) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
 
 
 def copy_into(dst: memoryview, src: Buffer, offset: int = 0) -> int:

@@ -105,7 +105,26 @@ class Subprocess:
         self.proc.wait(timeout=30)
 
 
-class GrpcRaw:
+class _ProcessBaseline:
+    """A raw baseline whose server runs in its own process: a client to it, closed with it."""
+    _client: RawBaseline
+    _server: Subprocess
+
+    def put(self, values: list[bytes]) -> None:
+        self._client.put(values)
+
+    def get(self) -> int:
+        return self._client.get()
+
+    def clear(self) -> None:
+        self._client.clear()
+
+    def close(self) -> None:
+        self._client.close()
+        self._server.close()
+
+
+class GrpcRaw(_ProcessBaseline):
     """The same bytes through a bare gRPC stream, in the tier's message size (`wire.PART_BYTES`), pieces
     cut before the clock starts: the transport's limit, with no copy of ours in it."""
 
@@ -121,18 +140,8 @@ class GrpcRaw:
             self._pieces = [v[i:i + PART_BYTES] for v in values for i in range(0, len(v), PART_BYTES)]
         self._client.put(self._pieces)
 
-    def get(self) -> int:
-        return self._client.get()
 
-    def clear(self) -> None:
-        self._client.clear()
-
-    def close(self) -> None:
-        self._client.close()
-        self._server.close()
-
-
-class TcpRaw:
+class TcpRaw(_ProcessBaseline):
     """The same bytes through bare TCP connections (`tiercache.bench.tcp_echo`, its own process), as many
     as the tier's transfer workers: the data channel's transport limit, with no header or check of ours."""
 
@@ -140,19 +149,6 @@ class TcpRaw:
         from tiercache.bench.tcp_echo import TcpEchoClient
         self._server = Subprocess("tiercache.bench.tcp_echo", speaks_grpc=False)
         self._client = TcpEchoClient(("127.0.0.1", self._server.port), connections)
-
-    def put(self, values: list[bytes]) -> None:
-        self._client.put(values)
-
-    def get(self) -> int:
-        return self._client.get()
-
-    def clear(self) -> None:
-        self._client.clear()
-
-    def close(self) -> None:
-        self._client.close()
-        self._server.close()
 
 
 class FilesRaw:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
@@ -21,6 +22,7 @@ from tiercache.server import data_wire as dw
 from tiercache.streams import ProtocolError, StreamReader
 
 Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | None"]
+T = TypeVar("T")
 
 
 class DataChannelRefused(ConnectionError):
@@ -87,41 +89,40 @@ class DataChannel:
     def _request(self, op: int, count: int) -> bytes:
         return dw.REQUEST.pack(op, self.namespace, count)
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[int | None]:
-        """One ``GET``; ``receive(reader, n, key, buf)`` takes each present value in. Raises OSError."""
+    def _exchange(self, what: str, body: Callable[[socket.socket, StreamReader], T]) -> T:
+        """Run one request on this thread's connection; on any failure the connection is dropped (a stream
+        left mid-reply is never reused) and transport or protocol errors become `ConnectionError`."""
         try:
             sock, reader = self._connection()
+            result = body(sock, reader)
+            if reader.buffered:
+                raise ProtocolError(f"{reader.buffered} bytes beyond the reply to {what}")
+        except (OSError, ProtocolError) as err:
+            raise self._failed(what, err) from err
+        except BaseException:
+            self._drop()
+            raise
+        self._thread.served += 1
+        return result
+
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[int | None]:
+        """One ``GET``; ``receive(reader, n, key, buf)`` takes each present value in. Raises ConnectionError."""
+        def body(sock: socket.socket, reader: StreamReader) -> list[int | None]:
             sock.sendall(b"".join([self._request(dw.OP_GET, len(items)), *(dw.key_field(k) for k, _ in items)]))
             out: list[int | None] = []
             for key, buf in items:
                 (n,) = dw.U64.unpack(reader.exactly(dw.U64.size))
                 out.append(receive(reader, n, key, buf) if n else None)
-            if reader.buffered:
-                raise ProtocolError(f"{reader.buffered} bytes beyond the values asked for")
-        except (OSError, ProtocolError) as err:
-            raise self._failed("GET", err) from err
-        except BaseException:     # anything else leaves the stream mid-reply: never reuse it
-            self._drop()
-            raise
-        self._thread.served += 1
-        return out
+            return out
+        return self._exchange("GET", body)
 
     def put(self, chunks: Sequence[tuple[BlockHash, Buffer, Buffer]]) -> list[int]:
-        """One ``PUT`` of (key, header, payload) each; returns the server's outcome per chunk. Raises OSError."""
-        try:
-            sock, reader = self._connection()
+        """One ``PUT`` of (key, header, payload) each; the server's outcome per chunk. Raises ConnectionError."""
+        def body(sock: socket.socket, reader: StreamReader) -> list[int]:
             sock.sendall(self._request(dw.OP_PUT, len(chunks)))
             for key, header, payload in chunks:
-                body = memoryview(payload).cast("B")
-                sock.sendall(b"".join([dw.key_field(key), dw.U64.pack(len(header) + len(body)), header]))
-                sock.sendall(body)
-            outcomes = list(reader.exactly(len(chunks)))
-            if reader.buffered:
-                raise ProtocolError(f"{reader.buffered} bytes beyond the outcomes asked for")
-        except (OSError, ProtocolError) as err:
-            raise self._failed("PUT", err) from err
-        except BaseException:     # anything else leaves the stream mid-reply: never reuse it
-            self._drop()
-            raise
-        self._thread.served += 1
-        return outcomes
+                data = memoryview(payload).cast("B")
+                sock.sendall(b"".join([dw.key_field(key), dw.U64.pack(len(header) + len(data)), header]))
+                sock.sendall(data)
+            return list(reader.exactly(len(chunks)))
+        return self._exchange("PUT", body)
