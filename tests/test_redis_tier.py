@@ -270,3 +270,40 @@ def test_reply_reader_parses_replies_split_anywhere_and_reports_a_cut_stream():
         ReplyReader(d).bulk_length()
     for s in (b, c, d):
         s.close()
+
+
+def test_values_are_written_with_the_configured_ttl(redis_server):
+    ns = b"t" * 16
+    tier = RedisTier(redis_server.url, ns, ttl_s=100)
+    plain = RedisTier(redis_server.url, ns)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        (meta, raw), (meta2, raw2) = _chunk(ns, 1), _chunk(ns, 2)
+        assert tier.write_chunks([(meta, raw)]) == [] and plain.write_chunks([(meta2, raw2)]) == []
+        assert 0 < client.ttl(tier._rkey(meta.key)) <= 100
+        assert client.ttl(plain._rkey(meta2.key)) == -1           # no TTL: kept until maxmemory says
+        buf = memoryview(bytearray(len(raw)))
+        assert tier.read_chunks_into([(meta.key, buf)]) == [len(raw)] and bytes(buf) == raw
+    finally:
+        tier.close()
+        plain.close()
+
+
+def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):
+    ns = b"o" * 16
+    tier = RedisTier(redis_server.url, ns)
+    client = redis.Redis.from_url(redis_server.url)
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", str(used + (3 << 20)))     # room for about two more 1 MiB chunks
+    try:
+        items = [_chunk(ns, i) for i in range(6)]
+        failed = tier.write_chunks(items)
+        assert 0 < len(failed) < 6                            # OOM replies for the rest, one per chunk
+        assert tier.available and tier.counters.errors == 0   # a refusal is not an outage
+        stored = [(m, raw) for m, raw in items if m.key not in failed]
+        bufs = [memoryview(bytearray(len(raw))) for _, raw in stored]
+        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(stored, bufs)]) == [1 << 20] * len(stored)
+    finally:
+        client.config_set("maxmemory", "0")
+        tier.close()

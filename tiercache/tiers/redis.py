@@ -2,11 +2,14 @@
 
 Redis owns the data, so this tier keeps no index: `contains` asks Redis (one
 pipelined ``EXISTS`` batch), stores and loads are pipelined ``SET`` / ``GET``
-batches on transfer threads. Loads from a standalone server read the replies
-themselves (`ReplyReader`: a raw chunk is received straight into its L1 slot
-and verified there); a cluster's go through redis-py's cluster pipeline. Values are keyed ``tiercache:<namespace>:<key>``,
-so models, layouts and tenants never meet; an optional TTL bounds their life,
-and Redis's own ``maxmemory`` policy bounds their size.
+batches on transfer threads. With a standalone server both run on a raw
+socket borrowed from redis-py's pool (`tiercache.tiers.resp`): a ``SET``
+sends header and payload from where they lie, a ``GET`` reply lands
+straight in its L1 slot and is verified there; a cluster's go through
+redis-py's cluster pipeline. Values are keyed
+``tiercache:<namespace>:<key>``, so models, layouts and tenants never meet;
+an optional TTL bounds their life, and Redis's own ``maxmemory`` policy
+bounds their size.
 
 A Redis that does not answer turns into misses, never into errors in the
 engine: a failure marks the tier down (`Outage`: ``retry_interval`` seconds,
@@ -17,6 +20,7 @@ reconnects), and the tier recovers on its own when the server is back.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +30,7 @@ from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteTier
-from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader
+from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader, command, set_command
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class RedisTier(RemoteTier):
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._local = threading.local()
-        self._direct_reads = not cluster
+        self._direct = not cluster      # raw-socket pipelines (tiers/resp.py); a cluster's go through redis-py
 
     def close(self) -> None:
         self._client.close()
@@ -157,6 +161,8 @@ class RedisTier(RemoteTier):
     def _write_batch(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
         if not self.available:
             return [meta.key for meta, _ in items]
+        if self._direct:
+            return self._write_direct(items)
         try:
             pipe = self._client.pipeline(transaction=False)
             for i, (meta, raw) in enumerate(items):
@@ -181,7 +187,7 @@ class RedisTier(RemoteTier):
         """
         if not self.available:
             return [None] * len(items)
-        if self._direct_reads:
+        if self._direct:
             return self._read_direct(items)
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -211,31 +217,59 @@ class RedisTier(RemoteTier):
                 out.append(None)
         return out
 
-    def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
-        """Pipelined ``GET``s on a pooled connection whose replies `ReplyReader` takes off the socket.
-
-        The connection goes back to the pool only when every reply was read
-        whole; after any transport or protocol error it is dropped.
-        """
+    def _on_connection(self, what: str, run: Callable[[socket.socket, ReplyReader], list], failed: list) -> list:
+        """``run`` a pipeline on a connection borrowed from redis-py's pool (so URL, TLS, AUTH and SELECT
+        apply), reading the replies itself. The connection goes back to the pool only when every reply was
+        read whole; after any error it is dropped, and a transport or protocol error returns ``failed``."""
         pool = self._client.connection_pool
         conn = None
         try:
             conn = pool.get_connection()
-            conn.send_packed_command(conn.pack_commands([("GET", self._rkey(key)) for key, _ in items]))
             reader = ReplyReader(conn._sock)
-            out = [self._receive(reader, key, buf) for key, buf in items]
+            out = run(conn._sock, reader)
             if reader.buffered:
                 raise ProtocolError(f"{reader.buffered} bytes beyond the replies asked for")
         except self._errors as err:
             if conn is not None:
                 conn.disconnect()
-            self._failed("load", err)
-            return [None] * len(items)
+            self._failed(what, err)
+            return failed
+        except BaseException:
+            if conn is not None:
+                conn.disconnect()
+            raise
         finally:
             if conn is not None:
                 pool.release(conn)
         self._outage.succeeded()
         return out
+
+    def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """Pipelined ``GET``s; each reply taken off the socket by `_receive`."""
+        def run(sock: socket.socket, reader: ReplyReader) -> list[int | None]:
+            sock.sendall(b"".join(command(b"GET", self._rkey(key)) for key, _ in items))
+            return [self._receive(reader, key, buf) for key, buf in items]
+        return self._on_connection("load", run, [None] * len(items))
+
+    def _write_direct(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+        """Pipelined ``SET``s, each value sent as header + payload from where they lie; returns failed keys."""
+        def run(sock: socket.socket, reader: ReplyReader) -> list[BlockHash]:
+            for meta, raw in items:
+                header, payload = self.fmt.encode_parts(meta, raw)
+                body = memoryview(payload).cast("B")
+                before, after = set_command(self._rkey(meta.key), len(header) + len(body), self.ttl_s)
+                sock.sendall(before + header)
+                sock.sendall(body)
+                sock.sendall(after)
+            failed = []
+            for meta, _ in items:
+                try:
+                    reader.status()
+                except ReplyError as err:      # e.g. OOM under maxmemory noeviction: this chunk only
+                    log.warning("redis tier %s: SET refused: %s", self.name, err)
+                    failed.append(meta.key)
+            return failed
+        return self._on_connection("store", run, [meta.key for meta, _ in items])
 
     def _receive(self, reader: ReplyReader, key: BlockHash, buf: memoryview) -> int | None:
         """Read one ``GET`` reply into ``buf`` (`receive_value`); None for a null, an error or a bad value."""

@@ -1,4 +1,4 @@
-"""Read pipelined Redis replies off a socket straight into caller memory.
+"""Pipelined Redis commands on a raw socket: values sent from, and replies read into, caller memory.
 
 redis-py (with hiredis) turns every bulk reply into a fresh ``bytes``: for a
 32 MiB chunk that is a 32 MiB allocation whose pages fault in on first touch
@@ -8,7 +8,9 @@ a small buffer, and a bulk string's bytes are received with ``recv_into``
 wherever the caller says — the L1 slot itself for a raw chunk — so they are
 touched once by the kernel's copy and once by the checksum.
 
-It works on any connected socket (TCP, unix, TLS); `RedisTier` borrows one
+Writes go the same way: ``SET``'s framing around a value sent with
+``sendall`` from where it lies (`set_command`), with no join into a staging
+buffer. It works on any connected socket (TCP, unix, TLS); `RedisTier` borrows one
 from a redis-py connection pool, so URLs, AUTH, SELECT and TLS settings work
 as for every other command. Replies of RESP2 and RESP3 alike: a bulk string
 (``$``), a null (``$-1`` or ``_``) or an error (``-``).
@@ -26,8 +28,30 @@ class ReplyError(Exception):
     """The server answered one command with an error; the stream stays usable."""
 
 
+def command(*args: bytes) -> bytes:
+    """One RESP command of small arguments (keys, options)."""
+    return b"".join([b"*%d\r\n" % len(args), *(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)])
+
+
+def set_command(key: bytes, value_len: int, ttl_s: int = 0) -> tuple[bytes, bytes]:
+    """``SET key <value> [EX ttl]`` around a value sent separately: (what goes before it, what after)."""
+    tail = [b"EX", str(ttl_s).encode()] if ttl_s else []
+    before = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(tail), len(key), key, value_len)
+    after = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)
+    return before, after
+
+
 class ReplyReader(StreamReader):
-    """RESP replies: reply lines, and bulk strings whose bytes go where the caller says."""
+    """RESP replies: status lines, and bulk strings whose bytes go where the caller says."""
+
+    def status(self) -> None:
+        """Consume a ``+OK``-style reply; `ReplyError` for an error reply."""
+        line = self._line()
+        if line[:1] == b"+":
+            return
+        if line[:1] == b"-":
+            raise ReplyError(line[1:].decode(errors="replace"))
+        raise ProtocolError(f"expected a status reply, got {line[:32]!r}")
 
     def bulk_length(self) -> int | None:
         """The next reply's length if it is a bulk string, None for a null; `ReplyError` for an error."""
