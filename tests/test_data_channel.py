@@ -158,3 +158,24 @@ def test_spare_buffers_are_reused_never_while_read_and_never_beyond_capacity():
     assert memory.add(b"o" * 32, bytearray(1 << 20))          # now a chunk goes, and its buffer is spare
     assert memory.counters.evicted == 1
     assert memory.used_bytes + pool.spare_bytes <= 4 << 20
+
+
+def test_a_connection_that_never_says_hello_is_dropped(caplog):
+    import collections
+    import logging
+    import time
+
+    from tiercache.server.data_server import DataServer
+    from tiercache.server.store import ChunkStore, StoreConfig
+    server = DataServer(ChunkStore(StoreConfig(1 << 20)), "127.0.0.1", 0, None, 1 << 20,
+                        collections.Counter(), hello_timeout_s=0.3)
+    server.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiercache.server"):
+            silent = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            t0 = time.monotonic()
+            assert closed(silent) and time.monotonic() - t0 < 3
+            silent.close()
+        assert "no hello within" in caplog.text and server.counters["data_rejected"] == 1
+    finally:
+        server.stop()

@@ -29,6 +29,7 @@ from tiercache.streams import ProtocolError, StreamReader
 log = logging.getLogger("tiercache.server")
 
 MAX_CONNECTIONS = 256
+HELLO_TIMEOUT_S = 10.0     # a connection that does not say hello in time is dropped (after it, it may idle)
 _OUTCOME = {PutOutcome.STORED: dw.PUT_STORED, PutOutcome.PRESENT: dw.PUT_PRESENT,
             PutOutcome.REJECTED: dw.PUT_REJECTED}
 
@@ -39,8 +40,9 @@ class _Refused(Exception):
 
 class DataServer:
     def __init__(self, store: ChunkStore, host: str, port: int, auth_token: str | None, max_value_bytes: int,
-                 counters: Counter[str]) -> None:
+                 counters: Counter[str], hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
         self.store = store
+        self.hello_timeout_s = hello_timeout_s
         self.max_value_bytes = max_value_bytes
         self.counters = counters
         self._token = (auth_token or "").encode()
@@ -88,7 +90,9 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = StreamReader(conn)
         try:
+            conn.settimeout(self.hello_timeout_s)
             self._hello(conn, reader)
+            conn.settimeout(None)
             while True:
                 try:
                     head = reader.exactly(dw.REQUEST.size)
@@ -107,6 +111,10 @@ class DataServer:
             self.counters["data_rejected"] += 1
             log.warning("data channel: dropped %s: %s", peer, err,
                         extra={"event": "data_rejected", "peer": peer, "reason": str(err)})
+        except TimeoutError:
+            self.counters["data_rejected"] += 1
+            log.warning("data channel: dropped %s: no hello within %.0f s", peer, self.hello_timeout_s,
+                        extra={"event": "data_rejected", "peer": peer, "reason": "hello timeout"})
         except (ConnectionError, OSError) as err:
             log.info("data channel: %s went away: %s", peer, err, extra={"event": "data_disconnected", "peer": peer})
         finally:
