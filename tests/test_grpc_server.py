@@ -311,6 +311,11 @@ def test_serve_flags_are_checked():
     assert proc.returncode == 2 and "--eviction" in proc.stderr and "Traceback" not in proc.stderr
     proc = serve("--auth-token-file", "/nonexistent/token", "--port", "0")
     assert proc.returncode == 2 and "--auth-token-file" in proc.stderr and "Traceback" not in proc.stderr
+    for flag in ("--shm-dir", "--disk"):                   # a directory that cannot be made names its flag
+        proc = serve(flag, "/proc/nonexistent/dir", "--port", "0")
+        assert proc.returncode == 2 and f"'{flag}'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = serve("--data-port", "70000", "--port", "0")
+    assert proc.returncode == 2 and "--data-port" in proc.stderr
 
 
 def test_grpc_config_errors_name_the_field():

@@ -24,7 +24,7 @@ from tiercache.errors import ConfigError, RegistryError
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.data_server import DataServer
 from tiercache.server.service import CacheService
-from tiercache.server.store import ChunkStore, StoreConfig
+from tiercache.server.store import ChunkStore, StoreConfig, StoreDirectoryError
 
 log = logging.getLogger("tiercache.server")
 
@@ -101,10 +101,9 @@ class CacheServer:
         try:
             self.store = ChunkStore(StoreConfig(config.capacity, config.eviction, config.disk, config.disk_capacity,
                                                 config.shm_dir))
-        except OSError as err:
-            flag, value = ("--shm-dir", config.shm_dir) if config.shm_dir and config.shm_dir in str(err.filename) \
-                else ("--disk", config.disk)
-            raise ConfigError(flag, value, f"cannot use directory: {err.strerror}") from None
+        except StoreDirectoryError as err:
+            flag = {"shm": "--shm-dir", "disk": "--disk"}[err.tier]
+            raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None
         token = config.auth_token()
         self.service = CacheService(self.store, config.max_message, token)
         hard = config.max_message * HARD_LIMIT_FACTOR

@@ -53,6 +53,14 @@ from tiercache.tiers.index import IndexedTier
 log = logging.getLogger(__name__)
 
 
+class StoreDirectoryError(OSError):
+    """A tier's directory cannot be used; ``tier`` says which (``shm`` or ``disk``)."""
+
+    def __init__(self, tier: str, path: str, reason: str) -> None:
+        super().__init__(f"{tier} directory {path}: {reason}")
+        self.tier, self.path, self.reason = tier, path, reason
+
+
 class PutOutcome(str, Enum):
     STORED = "stored"
     PRESENT = "present"
@@ -71,10 +79,17 @@ class StoreConfig:
 class ChunkStore:
     def __init__(self, config: StoreConfig) -> None:
         self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle
-        self.memory: MemoryChunks | ShmChunks = (
-            ShmChunks(config.shm_path, config.capacity, config.eviction) if config.shm_path
-            else MemoryChunks(config.capacity, config.eviction, pool=self.pool))
-        self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction) if config.disk_path else None
+        try:
+            self.memory: MemoryChunks | ShmChunks = (
+                ShmChunks(config.shm_path, config.capacity, config.eviction) if config.shm_path
+                else MemoryChunks(config.capacity, config.eviction, pool=self.pool))
+        except OSError as err:
+            raise StoreDirectoryError("shm", config.shm_path, err.strerror or str(err)) from None
+        try:
+            self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction) if config.disk_path \
+                else None
+        except OSError as err:
+            raise StoreDirectoryError("disk", config.disk_path, err.strerror or str(err)) from None
         if self.disk is not None:
             self.memory.spill = []
         self._lock = threading.Lock()
