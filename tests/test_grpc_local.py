@@ -145,3 +145,12 @@ def test_the_shared_memory_tier_is_rebuilt_from_its_files_and_trimmed_to_its_cap
     assert smaller.memory.num_chunks == 2 and smaller.memory.used_bytes <= 150 << 10
     assert sum(smaller.contains(NS, [m.key]) for m, _ in items) == 2
     assert smaller.shm.instance != store.shm.instance                # a fresh token at every start
+
+
+def test_the_shared_memory_directory_is_private_to_the_servers_user(tmp_path):
+    import stat
+
+    from tiercache.server.store import ChunkStore, StoreConfig
+    shm = tmp_path / "shm"
+    ChunkStore(StoreConfig(1 << 20, shm_path=str(shm)))
+    assert stat.S_IMODE(shm.stat().st_mode) == 0o700

@@ -166,6 +166,7 @@ class ShmChunks(_SpillsOnEviction, DiskChunks):
         shutil.rmtree(self._aside, ignore_errors=True)   # a previous run's half-spilled files
         self._aside.mkdir(parents=True)
         super().__init__(root, capacity_bytes, eviction, name)
+        os.chmod(self.root, 0o700)      # KV of every tenant lies here: the server's user (and its clients) only
         self.instance = secrets.token_hex(16)
         tmp = self.root / f"{INSTANCE_FILE}.tmp"
         tmp.write_text(self.instance)
