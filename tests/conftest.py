@@ -223,6 +223,19 @@ def cache_server(tmp_path):
     server.stop()
 
 
+TOKEN = "s3cret"
+
+
+@pytest.fixture
+def token_server(tmp_path):
+    """`tiercache serve` that requires ``TOKEN`` on every call (read from ``tmp_path / "token"``)."""
+    pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    server = CacheServerProcess(tmp_path, "--auth-token-file", str(tmp_path / "token"))
+    yield server
+    server.stop()
+
+
 @contextmanager
 def engine_after_remote_outage(offload_cfg, stop_server):
     """Engine 1 computes a shared prefix; engine 2 hits it through the remote tier; then the server dies

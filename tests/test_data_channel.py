@@ -6,7 +6,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.conftest import TOKEN, CacheServerProcess  # noqa: E402
 from tests.test_grpc_server import NS, chunks, healthy, raw_call  # noqa: E402
 from tiercache.chunk_format import ChunkFormat  # noqa: E402
 from tiercache.server import data_wire as dw  # noqa: E402
@@ -94,23 +94,17 @@ def test_malformed_frames_close_the_connection_with_a_log_line_and_the_server_st
     good.close()
 
 
-def test_a_wrong_token_is_refused_on_the_data_channel_too(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    server = CacheServerProcess(tmp_path, "--auth-token-file", str(token))
-    try:
-        sock, status = connect(server, "wrong")
-        assert status == dw.HELLO_UNAUTHENTICATED and closed(sock)
-        assert "missing or wrong auth token" in server.log()
-        good = GrpcTier(server.address, NS, auth_token="s3cret")
-        items = chunks(2)
-        assert good.write_chunks(items) == []
-        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
-        assert good.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
-        assert good._known_paths.bulk is not None
-        good.close()
-    finally:
-        server.stop()
+def test_a_wrong_token_is_refused_on_the_data_channel_too(token_server):
+    sock, status = connect(token_server, "wrong")
+    assert status == dw.HELLO_UNAUTHENTICATED and closed(sock)
+    assert "missing or wrong auth token" in token_server.log()
+    good = GrpcTier(token_server.address, NS, auth_token=TOKEN)
+    items = chunks(2)
+    assert good.write_chunks(items) == []
+    bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+    assert good.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+    assert good._known_paths.bulk is not None
+    good.close()
 
 
 def test_without_a_data_channel_the_tier_streams_over_grpc(tmp_path):

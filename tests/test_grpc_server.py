@@ -11,7 +11,7 @@ import torch
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tests.conftest import CacheServerProcess, Stack, free_port  # noqa: E402
+from tests.conftest import TOKEN, CacheServerProcess, Stack, free_port  # noqa: E402
 from tests.test_hierarchy import load, put  # noqa: E402
 from tiercache.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
@@ -245,29 +245,24 @@ def test_a_client_learns_the_servers_message_limit_and_splits_chunks_to_fit(tmp_
         server.stop()
 
 
-def test_a_wrong_or_missing_auth_token_is_refused_and_logged(tmp_path):
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    server = CacheServerProcess(tmp_path, "--auth-token-file", str(token))
+def test_a_wrong_or_missing_auth_token_is_refused_and_logged(token_server, tmp_path):
+    server = token_server
+    items = chunks(1)
+    good = GrpcTier(server.address, NS, auth_token=TOKEN)
+    bad = GrpcTier(server.address, NS, auth_token="guess", retry_interval_s=0.1)
+    assert good.write_chunks(items) == []
+    assert bad.contains([items[0][0].key]) == 0 and bad.counters.errors == 1     # a miss, not an exception
+    with pytest.raises(grpc.RpcError) as err:
+        raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert good.contains([items[0][0].key]) == 1
+    assert server.log().count("UNAUTHENTICATED") >= 2
+    s = make(server, auth_token_file=str(tmp_path / "token"))
     try:
-        items = chunks(1)
-        good = GrpcTier(server.address, NS, auth_token="s3cret")
-        bad = GrpcTier(server.address, NS, auth_token="guess", retry_interval_s=0.1)
-        assert good.write_chunks(items) == []
-        assert bad.contains([items[0][0].key]) == 0 and bad.counters.errors == 1     # a miss, not an exception
-        with pytest.raises(grpc.RpcError) as err:
-            raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString())
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert good.contains([items[0][0].key]) == 1
-        assert server.log().count("UNAUTHENTICATED") >= 2
-        s = make(server, auth_token_file=str(token))
-        try:
-            remote = s.offload.tiers[1]            # the config's token file: calls go through (another namespace: a miss)
-            assert remote.contains([items[0][0].key]) == 0 and remote.counters.errors == 0
-        finally:
-            s.close()
+        remote = s.offload.tiers[1]            # the config's token file: calls go through (another namespace: a miss)
+        assert remote.contains([items[0][0].key]) == 0 and remote.counters.errors == 0
     finally:
-        server.stop()
+        s.close()
 
 
 @pytest.mark.parametrize("bulk", ["auto", "off"])

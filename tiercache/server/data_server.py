@@ -11,6 +11,7 @@ closes that connection; the server and its other connections go on.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import socket
@@ -63,10 +64,8 @@ class DataServer:
             connections = list(self._connections)
         self._listener.close()
         for conn in connections:
-            try:
+            with contextlib.suppress(OSError):      # already closed by its peer
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=5)
 
     def _accept(self) -> None:

@@ -15,6 +15,7 @@ it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -112,7 +113,5 @@ class SharedDirectory:
     def discard(self, names: Sequence[str]) -> None:
         """Remove files of ours the server did not take (a failed ``Adopt``)."""
         for name in names:
-            try:
+            with contextlib.suppress(OSError):
                 (self.incoming / name).unlink(missing_ok=True)
-            except OSError:
-                pass
