@@ -173,3 +173,14 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
         assert "no hello within" in caplog.text and server.counters["data_rejected"] == 1
     finally:
         server.stop()
+
+
+def test_a_closed_channel_opens_no_new_connections(cache_server):
+    from tiercache.tiers.data_client import DataChannel
+    channel = DataChannel("127.0.0.1", data_port(cache_server), NS, None, timeout_s=2.0)
+    assert channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0) == [None]   # a miss, connected
+    channel.close()
+    with pytest.raises(ConnectionError):
+        channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
+    with pytest.raises(ConnectionError, match="closed"):      # and no new connection either
+        channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)

@@ -42,9 +42,12 @@ class DataChannel:
         self._thread = threading.local()
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
+        """Close every thread's connection; a closed channel opens no new ones (the tier asks for another)."""
         with self._lock:
+            self._closed = True
             socks, self._open = list(self._open), set()
         for sock in socks:
             sock.close()
@@ -68,6 +71,9 @@ class DataChannel:
             sock.close()
             raise
         with self._lock:
+            if self._closed:
+                sock.close()
+                raise ConnectionError("the data channel was closed (the server is asked for it again)")
             self._open.add(sock)
         self._thread.conn = (sock, reader)
         self._thread.served = 0
