@@ -13,6 +13,7 @@ length; then it touches what it hit and stores what it missed.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL trace; a malformed line raises ValueError naming the line."""
+    """Read a Mooncake-format JSONL trace (gzip-compressed when the name ends in .gz); a malformed line
+    raises ValueError naming the line."""
     requests = []
-    with open(path) as f:
+    with (gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
