@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +257,18 @@ def engine_after_remote_outage(offload_cfg, stop_server):
         seqs = run_sequential(two, prompts[2:])
         assert [s.output_token_ids for s in seqs] == expect[2:]      # hits from L1, misses from the server
         yield two
+
+
+# The project's shared trace (../shared/data), or the same trace committed gzip-compressed beside the tests, so
+# that the acceptance points measured on it run wherever the repository is checked out.
+SHARED_TRACE = next((p for p in (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl",
+    Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz",
+) if p.exists()), Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def shared_trace():
+    """The shared Mooncake trace, loaded once (always present: a copy is committed under tests/data)."""
+    from tiercache.bench.trace import load_trace
+    return load_trace(SHARED_TRACE)

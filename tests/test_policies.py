@@ -122,12 +122,9 @@ def test_prefix_lru_a_returning_parent_rescues_its_children():
     assert len(p) == 0
 
 
-def test_prefix_lru_in_the_trace_replay_is_never_worse_than_lru():
-    from tests.test_trace import SHARED_TRACE
-    from tiercache.bench.trace import load_trace, replay
-    if not SHARED_TRACE.exists():
-        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
-    trace = load_trace(SHARED_TRACE)[:1500]
+def test_prefix_lru_in_the_trace_replay_is_never_worse_than_lru(shared_trace):
+    from tiercache.bench.trace import replay
+    trace = shared_trace[:1500]
     lru, prefix = replay(trace, 300_000, "lru"), replay(trace, 300_000, "prefix-lru")
     assert prefix.token_hit_ratio >= lru.token_hit_ratio - 1e-9
 
@@ -147,12 +144,9 @@ def test_frequency_admission_counts_requests_and_forgets_slowly():
     assert not a.admit(keys[0], 0)
 
 
-def test_frequency_admission_writes_less_to_l2_on_the_trace():
-    from tests.test_trace import SHARED_TRACE
-    from tiercache.bench.trace import load_trace, replay_hierarchy
-    if not SHARED_TRACE.exists():
-        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
-    trace = load_trace(SHARED_TRACE)[:1500]
+def test_frequency_admission_writes_less_to_l2_on_the_trace(shared_trace):
+    from tiercache.bench.trace import replay_hierarchy
+    trace = shared_trace[:1500]
     always = replay_hierarchy(trace, 200_000, 800_000, "always")
     frequency = replay_hierarchy(trace, 200_000, 800_000, "frequency", 1)
     assert frequency.l2_written_chunks < 0.7 * always.l2_written_chunks
@@ -209,14 +203,11 @@ def test_lfu_da_keeps_reused_keys_over_one_offs_and_ages_them_out():
     assert popular[1] not in drain(p)
 
 
-def test_lfu_da_is_the_default_and_beats_lru_on_the_shared_trace():
-    from tests.test_trace import SHARED_TRACE
-    from tiercache.bench.trace import load_trace, replay
+def test_lfu_da_is_the_default_and_beats_lru_on_the_shared_trace(shared_trace):
+    from tiercache.bench.trace import replay
     from tiercache.policies import DEFAULT_EVICTION
-    if not SHARED_TRACE.exists():
-        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
     assert DEFAULT_EVICTION == "lfu-da"
-    trace = load_trace(SHARED_TRACE)
+    trace = shared_trace
     for capacity in (1_000_000, 3_000_000):                 # the two points
         lru, lfu = replay(trace, capacity, "lru"), replay(trace, capacity, DEFAULT_EVICTION)
         assert lfu.token_hit_ratio > 1.02 * lru.token_hit_ratio, capacity

@@ -8,13 +8,6 @@ import pytest
 
 from tiercache.bench.trace import load_trace, replay, replay_hierarchy, unique_chunks
 
-# The project's shared trace (../shared/data), or the same trace committed gzip-compressed beside the tests, so
-# that the acceptance points measured on it run wherever the repository is checked out.
-SHARED_TRACE = next((p for p in (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_synthetic_trace.jsonl",
-    Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz",
-) if p.exists()), Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz")
-
 
 def write_trace(path: Path, rows) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -38,20 +31,16 @@ def test_prefix_hits_capped_at_input_length_under_lru(tmp_path):
     assert r.input_tokens == 1024 + 1100 + 1024 + 700
 
 
-def test_infinite_capacity_reproduces_the_ceiling_of_the_shared_trace():
-    if not SHARED_TRACE.exists():
-        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
-    trace = load_trace(SHARED_TRACE)
+def test_infinite_capacity_reproduces_the_ceiling_of_the_shared_trace(shared_trace):
+    trace = shared_trace
     ceiling = replay(trace, unique_chunks(trace) * 512)
     assert 0.64 < ceiling.token_hit_ratio < 0.66
     small, large = replay(trace, 1_000_000), replay(trace, 3_000_000)
     assert small.token_hit_ratio < large.token_hit_ratio < ceiling.token_hit_ratio
 
 
-def test_hierarchy_admission_trades_hits_for_disk_writes():
-    if not SHARED_TRACE.exists():
-        pytest.skip(f"shared trace not found at {SHARED_TRACE}")
-    trace = load_trace(SHARED_TRACE)[:1500]
+def test_hierarchy_admission_trades_hits_for_disk_writes(shared_trace):
+    trace = shared_trace[:1500]
     always = replay_hierarchy(trace, 500_000, 2_000_000, "always")
     picky = replay_hierarchy(trace, 500_000, 2_000_000, "min-hits", 1)
     l1_only = replay(trace, 500_000)

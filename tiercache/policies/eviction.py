@@ -319,12 +319,11 @@ class LFUDAPolicy:
         self._clock += 1
         entry = (self._age + self._counts.add(key), self._clock)
         self._priority[key] = entry
-        self._heap.append((*entry, key))
-        if len(self._heap) > 4 * len(self._priority) + 64:
+        if len(self._heap) >= 4 * len(self._priority) + 64:     # mostly stale: rebuild from the live entries
             self._heap = [(*e, k) for k, e in self._priority.items()]
             heapq.heapify(self._heap)
         else:
-            heapq.heappush(self._heap, self._heap.pop())
+            heapq.heappush(self._heap, (*entry, key))
 
     def insert(self, key: Key) -> None:
         self._push(key)
