@@ -20,7 +20,6 @@ from collections import Counter
 
 from tiercache.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server import data_wire as dw
 from tiercache.server.store import ChunkStore, PutOutcome
 from tiercache.server.values import check_value
@@ -141,13 +140,7 @@ class DataServer:
             raise _Refused(f"key of {n} bytes (1..{MAX_KEY_BYTES})")
         return reader.exactly(n)
 
-    @staticmethod
-    def _namespace(namespace: bytes) -> None:
-        if len(namespace) != NAMESPACE_DIGEST_BYTES:   # fixed by the frame; kept in step with the gRPC check
-            raise _Refused(f"namespace must be {NAMESPACE_DIGEST_BYTES} bytes")
-
     def _get(self, conn: socket.socket, reader: StreamReader, namespace: bytes, count: int) -> None:
-        self._namespace(namespace)
         keys = [self._key(reader) for _ in range(count)]
         for key in keys:
             pieces = self.store.get_value(namespace, key)
@@ -162,7 +155,6 @@ class DataServer:
             self.counters["bytes_out"] += total
 
     def _put(self, conn: socket.socket, reader: StreamReader, namespace: bytes, count: int) -> None:
-        self._namespace(namespace)
         outcomes = bytearray()
         for _ in range(count):
             key = self._key(reader)

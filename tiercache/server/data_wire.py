@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import struct
 
+from tiercache.keys import NAMESPACE_DIGEST_BYTES
+
 MAGIC = b"TCDATA" + (1).to_bytes(2, "little")
 HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED = 0, 1, 2
 OP_GET, OP_PUT = 1, 2
 PUT_STORED, PUT_PRESENT, PUT_REJECTED = 0, 1, 2
 
-REQUEST = struct.Struct("<B16sI")      # op, namespace, count
+REQUEST = struct.Struct(f"<B{NAMESPACE_DIGEST_BYTES}sI")      # op, namespace digest, count
 U64 = struct.Struct("<Q")
 U16 = struct.Struct("<H")
 MAX_TOKEN_BYTES = 4096
