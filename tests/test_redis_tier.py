@@ -209,7 +209,7 @@ def _chunk(ns: bytes, i: int, nbytes: int = 1 << 20):
 
 
 def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
-    """Loads read GET replies off the socket into the slots: one pipeline mixing good raw and lz4 values,
+    """Loads read values in GETRANGE pieces off the socket into the slots: one batch mixing good raw and lz4 values,
     a foreign namespace's value, a value shorter than a header and a key of the wrong type gives exactly
     the good chunks, bit-exact, and leaves the connection fit for the next pipeline."""
     from tiercache.chunk_format import ChunkFormat
@@ -237,6 +237,48 @@ def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
     finally:
         for t in (tier, lz4, foreign):
             t.close()
+
+
+def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_step(redis_server, monkeypatch):
+    """A load asks each value's STRLEN, then reads it in GETRANGE pieces. Another client that deletes,
+    shortens, retypes or rewrites a value in between turns that chunk into a miss; the chunk after them
+    arrives bit-exact, and the pooled connection serves the next load."""
+    ns = b"c" * 16
+    tier = RedisTier(redis_server.url, ns)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        chunks = [_chunk(ns, 10 + i) for i in range(5)]
+        assert tier.write_chunks(chunks) == []
+        rkeys = [tier._rkey(m.key) for m, _ in chunks]
+        lengths_read = []
+        strlen = tier._strlen
+
+        def strlen_then_meddle(reader, key):
+            n = strlen(reader, key)
+            lengths_read.append(key)
+            if len(lengths_read) == len(chunks):          # every length known, no range asked for yet
+                client.delete(rkeys[0])
+                client.set(rkeys[1], client.getrange(rkeys[1], 0, 1 << 19))          # shortened mid-piece
+                client.delete(rkeys[2])
+                client.rpush(rkeys[2], b"a list now")                                # WRONGTYPE per range
+                value = bytearray(client.get(rkeys[3]))
+                value[-1] ^= 0xFF
+                client.set(rkeys[3], bytes(value))                                   # same length, other bytes
+            return n
+
+        monkeypatch.setattr(tier, "_strlen", strlen_then_meddle)
+        bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
+        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [None] * 4 + [1 << 20]
+        assert bytes(bufs[4]) == chunks[4][1]
+        monkeypatch.undo()
+        assert tier.write_chunks(chunks[:4]) == []
+        for b in bufs:
+            b[:] = bytes(len(b))
+        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [1 << 20] * 5
+        assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, chunks))
+        assert tier.available and tier.counters.errors == 0
+    finally:
+        tier.close()
 
 
 def test_reply_reader_parses_replies_split_anywhere_and_reports_a_cut_stream():

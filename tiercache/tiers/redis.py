@@ -1,12 +1,14 @@
 """L3 on Redis (or Valkey): one value per chunk in the stored chunk format, shared by every replica.
 
 Redis owns the data, so this tier keeps no index: `contains` asks Redis (one
-pipelined ``EXISTS`` batch), stores and loads are pipelined ``SET`` / ``GET``
-batches on transfer threads. With a standalone server both run on a raw
-socket borrowed from redis-py's pool (`tiercache.tiers.resp`): a ``SET``
-sends header and payload from where they lie, a ``GET`` reply lands
-straight in its L1 slot and is verified there; a cluster's go through
-redis-py's cluster pipeline. Values are keyed
+pipelined ``EXISTS`` batch), stores and loads are pipelined batches on
+transfer threads. With a standalone server both run on a raw socket
+borrowed from redis-py's pool (`tiercache.tiers.resp`): a ``SET`` sends
+header and payload from where they lie; a load asks each value's length
+(``STRLEN``), then reads it in ``GETRANGE`` pieces straight into its L1
+slot, verified as it lands (a whole-value ``GET`` makes redis-server build
+the reply in fresh memory first, at a third of the rate). A cluster's go
+through redis-py's cluster pipeline. Values are keyed
 ``tiercache:<namespace>:<key>``, so models, layouts and tenants never meet;
 an optional TTL bounds their life, and Redis's own ``maxmemory`` policy
 bounds their size.
@@ -30,7 +32,8 @@ from tiercache.codecs import Buffer, copy_into
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteTier
-from tiercache.tiers.resp import ProtocolError, ReplyError, ReplyReader, command, set_command
+from tiercache.tiers.resp import (ProtocolError, RangedReads, RangedValue, ReplyError, ReplyReader, ValueChanged,
+                                  command, set_command)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,9 @@ class RedisTier(RemoteTier):
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._local = threading.local()
         self._direct = not cluster      # raw-socket pipelines (tiers/resp.py); a cluster's go through redis-py
+        # One redis-server is one thread: a batch split over two connections only splits its time (loads
+        # moved 3.5 GB/s as two jobs, 4.7 as one, benchmarks/RESULTS.md); a cluster's nodes work side by side.
+        self.parallel_jobs = cluster
 
     def close(self) -> None:
         self._client.close()
@@ -245,10 +251,14 @@ class RedisTier(RemoteTier):
         return out
 
     def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
-        """Pipelined ``GET``s; each reply taken off the socket by `_receive`."""
+        """Pipelined ``STRLEN``s, then each present value read in ``GETRANGE`` pieces (`RangedReads`)
+        into its buffer, verified as it lands (`receive_value`)."""
         def run(sock: socket.socket, reader: ReplyReader) -> list[int | None]:
-            sock.sendall(b"".join(command(b"GET", self._rkey(key)) for key, _ in items))
-            return [self._receive(reader, key, buf) for key, buf in items]
+            sock.sendall(b"".join(command(b"STRLEN", self._rkey(key)) for key, _ in items))
+            lengths = [self._strlen(reader, key) for key, _ in items]
+            ranges = RangedReads(sock, reader, [(self._rkey(key), n) for (key, _), n in zip(items, lengths) if n])
+            return [self._receive(ranges.value(), n, key, buf) if n else None
+                    for (key, buf), n in zip(items, lengths)]
         return self._on_connection("load", run, [None] * len(items))
 
     def _write_direct(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
@@ -271,15 +281,21 @@ class RedisTier(RemoteTier):
             return failed
         return self._on_connection("store", run, [meta.key for meta, _ in items])
 
-    def _receive(self, reader: ReplyReader, key: BlockHash, buf: memoryview) -> int | None:
-        """Read one ``GET`` reply into ``buf`` (`receive_value`); None for a null, an error or a bad value."""
+    def _strlen(self, reader: ReplyReader, key: BlockHash) -> int:
+        """One ``STRLEN`` reply: 0 for a missing key, or for someone else's value under it (WRONGTYPE)."""
         try:
-            n = reader.bulk_length()
-        except ReplyError as err:                 # e.g. WRONGTYPE: someone else's value under our key
+            return reader.integer()
+        except ReplyError as err:
             self._rejected(key, err)
-            return None
-        if n is None:
-            return None
-        got = self.receive_value(reader, n, self.namespace, key, buf)
-        reader.end_of_bulk()
+            return 0
+
+    def _receive(self, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> int | None:
+        """Read one value into ``buf`` (`receive_value`); None for a bad value or one that changed
+        while it was read (replaced or deleted by another client between its ranges)."""
+        try:
+            got = self.receive_value(value, n, self.namespace, key, buf)
+        except ValueChanged as err:
+            log.info("redis tier %s: chunk %s… changed while it was read: %s", self.name, key.hex()[:16], err)
+            got = None
+        value.drain()      # the last piece's CRLF, or whatever a change left unread
         return got
