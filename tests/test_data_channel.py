@@ -184,3 +184,39 @@ def test_a_closed_channel_opens_no_new_connections(cache_server):
         channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
     with pytest.raises(ConnectionError, match="closed"):      # and no new connection either
         channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
+
+
+def test_a_server_that_stalls_mid_value_times_the_request_out():
+    """The client's sockets block with kernel-kept timeouts (`kernel_timeouts`): a server that accepts,
+    says hello and then stops sending halfway through a value fails the request within about the timeout
+    (the tier turns that into misses), instead of hanging a transfer thread."""
+    import threading
+    import time
+
+    from tiercache.tiers.data_client import DataChannel
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def stall() -> None:
+        conn, _ = listener.accept()
+        conn.recv(1 << 16)                                  # the hello
+        conn.sendall(bytes([dw.HELLO_OK]))
+        conn.recv(1 << 16)                                  # the GET
+        conn.sendall(dw.U64.pack(1 << 20) + b"x" * 1000)    # a value begun, never finished
+        release.wait(10)
+        conn.close()
+
+    server = threading.Thread(target=stall)
+    server.start()
+    channel = DataChannel("127.0.0.1", listener.getsockname()[1], NS, None, timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError):
+            channel.get([(b"\xee" * 32, memoryview(bytearray(1 << 20)))],
+                        lambda reader, n, key, buf: reader.read_into(buf[:n]))
+        assert 0.4 < time.monotonic() - t0 < 3
+    finally:
+        release.set()
+        server.join()
+        channel.close()
+        listener.close()

@@ -10,9 +10,27 @@ it whatever the buffer already holds. Used by the Redis reply parser
 from __future__ import annotations
 
 import socket
+import struct
 
 LINE_BUFFER_BYTES = 64 << 10
+WAIT_FLAGS = socket.MSG_WAITALL
 _CRLF = b"\r\n"
+
+
+def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking, with the kernel bounding each send and receive by ``timeout_s``.
+
+    A Python socket timeout puts the socket in non-blocking mode and waits in
+    ``poll`` before every ``recv``: two system calls and a wakeup per partial
+    read of a large value. ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` bound a blocking
+    call the same way in one; a call that runs out raises `BlockingIOError`
+    (an `OSError`, like `TimeoutError`).
+    """
+    whole = int(timeout_s)
+    limit = struct.pack("ll", whole, int((timeout_s - whole) * 1e6))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 class ProtocolError(Exception):
@@ -69,7 +87,7 @@ class StreamReader:
         self._lo += have
         pos = have
         while pos < n:
-            got = self._sock.recv_into(dest[pos:])
+            got = self._sock.recv_into(dest[pos:], 0, WAIT_FLAGS)
             if got == 0:
                 raise ConnectionError("the peer closed the connection mid-value")
             pos += got

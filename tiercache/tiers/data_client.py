@@ -19,7 +19,7 @@ from typing import TypeVar
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
 from tiercache.server import data_wire as dw
-from tiercache.streams import ProtocolError, StreamReader
+from tiercache.streams import ProtocolError, StreamReader, kernel_timeouts
 
 Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | None"]
 T = TypeVar("T")
@@ -67,6 +67,7 @@ class DataChannel:
                     "another protocol version"
                 raise DataChannelRefused(f"the data channel at {self.address[0]}:{self.address[1]} refused "
                                          f"this client: {reason}")
+            kernel_timeouts(sock, self.timeout_s)
         except BaseException:
             sock.close()
             raise
