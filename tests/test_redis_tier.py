@@ -192,6 +192,15 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
             assert torch.equal(load(s, a), a_kv)                     # over TLS and back, bit-exact
         finally:
             s.close()
+        tier = RedisTier(url, b"t" * 16)                             # values larger than the reply buffer
+        try:
+            chunks = [_chunk(b"t" * 16, i) for i in range(2)]
+            bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
+            assert tier.write_chunks(chunks) == []
+            assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [1 << 20] * 2
+            assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, chunks))
+        finally:
+            tier.close()
         untrusting = RedisTier(f"rediss://127.0.0.1:{port}/0", b"x" * 16, timeout_s=1.0)
         assert untrusting.contains(list(keys)) == 0 and untrusting.counters.errors == 1
     finally:

@@ -10,10 +10,10 @@ it whatever the buffer already holds. Used by the Redis reply parser
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 
 LINE_BUFFER_BYTES = 64 << 10
-WAIT_FLAGS = socket.MSG_WAITALL
 _CRLF = b"\r\n"
 
 
@@ -47,6 +47,9 @@ class StreamReader:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0      # received, not yet consumed: _buf[_lo:_hi]
         self._discard: memoryview | None = None
+        # bulk reads wait for the whole destination in one call (one wakeup) on a blocking socket; a
+        # non-blocking one returns what is there either way, and TLS sockets take no flags
+        self._bulk_flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
 
     @property
     def buffered(self) -> int:
@@ -87,7 +90,7 @@ class StreamReader:
         self._lo += have
         pos = have
         while pos < n:
-            got = self._sock.recv_into(dest[pos:], 0, WAIT_FLAGS)
+            got = self._sock.recv_into(dest[pos:], 0, self._bulk_flags)
             if got == 0:
                 raise ConnectionError("the peer closed the connection mid-value")
             pos += got
