@@ -24,58 +24,44 @@ import redis
 import redis.asyncio as aredis
 
 from tiercache.tiers.redis import fast_client
+from tiercache.tiers.resp import ReplyReader, command, set_command
 
 PIECE = 256 << 10
 
 
-def _cmd(*args: bytes) -> bytes:
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
-
-
 class BareSocket:
-    """SETs sent from the caller's buffer; replies read into pre-faulted buffers, lines through a small buffer."""
+    """SETs sent from the caller's buffer; replies parsed by `ReplyReader` (no checksum, no header) into
+    buffers faulted in once."""
 
     def __init__(self, port: int, keys: list[bytes], size: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
+        self.reader = ReplyReader(self.sock)
         self.keys, self.size = keys, size
         self.bufs = [memoryview(bytearray(size)) for _ in keys]
         for b in self.bufs:
             b[:] = bytes(size)
-        self.pending = b""
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self.pending:
-            self.pending += self.sock.recv(256)
-        line, self.pending = self.pending.split(b"\r\n", 1)
-        return line
-
-    def _into(self, dest: memoryview) -> None:
-        have = min(len(dest), len(self.pending))
-        dest[:have] = self.pending[:have]
-        self.pending = self.pending[have:]
-        while have < len(dest):
-            have += self.sock.recv_into(dest[have:])
 
     def _bulk_into(self, dest: memoryview) -> None:
-        n = int(self._line()[1:])
-        self._into(dest[:n])
-        self._into(memoryview(bytearray(2)))
+        n = self.reader.bulk_length()
+        self.reader.read_into(dest[:n])
+        self.reader.end_of_bulk()
 
     def put(self, value: memoryview) -> None:
         for key in self.keys:
-            self.sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value)))
+            before, after = set_command(key, len(value))
+            self.sock.sendall(before)
             self.sock.sendall(value)
-            self.sock.sendall(b"\r\n")
+            self.sock.sendall(after)
         for _ in self.keys:
-            self._line()
+            self.reader.status()
 
     def get_whole(self) -> None:
-        self.sock.sendall(b"".join(_cmd(b"GET", k) for k in self.keys))
+        self.sock.sendall(b"".join(command(b"GET", k) for k in self.keys))
         for buf in self.bufs:
             self._bulk_into(buf)
 
     def get_ranges(self) -> None:
-        reqs = [(i, _cmd(b"GETRANGE", k, b"%d" % s, b"%d" % (s + PIECE - 1)), s)
+        reqs = [(i, command(b"GETRANGE", k, b"%d" % s, b"%d" % (s + PIECE - 1)), s)
                 for i, k in enumerate(self.keys) for s in range(0, self.size, PIECE)]
         self.sock.sendall(reqs[0][1] + reqs[1][1])
         for j, (i, _, start) in enumerate(reqs):
@@ -104,7 +90,7 @@ def main() -> None:
     async def aio_put() -> None:
         pipe = aio.pipeline(transaction=False)
         for k in keys:
-            pipe.set(k, bytes(value))
+            pipe.set(k, value)
         await pipe.execute()
 
     async def aio_get() -> None:
