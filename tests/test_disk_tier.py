@@ -128,7 +128,7 @@ def test_corrupt_payload_is_detected_on_read_and_deleted(tmp_path):
     tier.prepare_load([key(1)])
     with pytest.raises(ChecksumMismatchError):
         read(tier, 1)
-    tier.complete_load([key(1)], corrupt=[key(1)])
+    tier.complete_load([key(1)], failed=[key(1)])
     assert tier.contains([key(1)]) == 0 and not tier.path(key(1)).exists()
     assert tier.counters.integrity_failures == 1
 

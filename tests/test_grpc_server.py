@@ -111,6 +111,9 @@ def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server, bul
     assert other.contains(keys) == 0
     assert other.read_chunks_into([(keys[0], bufs[0])]) == [None]
     assert tier.delete(keys[:1]) == 1 and tier.contains(keys) == 0
+    assert tier.read_chunks_into([(keys[0], bufs[0])]) == [None]      # gone between a lookup and its load
+    tier.complete_load(keys[:1], keys[:1])
+    assert (tier.counters.load_misses, tier.counters.integrity_failures) == (1, 0)
     stats = pb.StatsReply.FromString(raw_call(cache_server, "Stats", b""))
     assert stats.namespaces == 1 and stats.tiers[0].chunks == 2
     on_channel = 3 if bulk == "auto" else 0
@@ -181,6 +184,8 @@ def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path, bulk):
                 break
             time.sleep(0.1)
         assert got == [None]
+        tier.complete_load([items[0][0].key], [items[0][0].key])
+        assert tier.counters.integrity_failures == 1 and tier.contains([items[0][0].key]) == 0   # and deleted
         assert tier.read_chunks_into([(items[1][0].key, buf)]) == [1 << 16]
     finally:
         server.stop()

@@ -77,6 +77,10 @@ def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
         s.manager.drain()
         remote = s.offload.tiers[1]
         assert remote.counters.errors >= 1 and not remote.available
+        bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
+        assert remote.read_chunks_into(list(zip(keys, bufs))) == [None] * len(keys)
+        remote.complete_load(list(keys), list(keys))            # as after a promotion that found it down
+        assert remote.counters.load_misses == len(keys) and remote.counters.integrity_failures == 0
         redis_server.start()                                     # an empty server on the same port
         time.sleep(0.25)                                         # past retry_interval
         assert remote.available
@@ -251,7 +255,9 @@ def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
 def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_step(redis_server, monkeypatch):
     """A load asks each value's STRLEN, then reads it in GETRANGE pieces. Another client that deletes,
     shortens, retypes or rewrites a value in between turns that chunk into a miss; the chunk after them
-    arrives bit-exact, and the pooled connection serves the next load."""
+    arrives bit-exact, and the pooled connection serves the next load. Only a value that failed its own
+    checks is an integrity failure and deleted — at once, or on the next read that finds it bad — so
+    `SET NX` can store the chunk again."""
     ns = b"c" * 16
     tier = RedisTier(redis_server.url, ns)
     client = redis.Redis.from_url(redis_server.url)
@@ -277,13 +283,26 @@ def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_st
 
         monkeypatch.setattr(tier, "_strlen", strlen_then_meddle)
         bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
-        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [None] * 4 + [1 << 20]
+        keys = [m.key for m, _ in chunks]
+
+        def load() -> list[int | None]:      # as the manager does: read, then complete with what failed
+            got = tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)])
+            tier.complete_load(keys, [k for k, n in zip(keys, got) if n is None])
+            return got
+
+        assert load() == [None] * 4 + [1 << 20]
         assert bytes(bufs[4]) == chunks[4][1]
+        c = tier.counters
+        assert (c.load_misses, c.integrity_failures) == (3, 1)        # only the rewritten one failed its checksum
+        assert [bool(client.exists(k)) for k in rkeys] == [False, True, True, False, True]
         monkeypatch.undo()
+        assert load() == [None] * 4 + [1 << 20]                      # the short value and the list are bad now
+        assert (c.load_misses, c.integrity_failures) == (5, 3)
+        assert not any(client.exists(k) for k in rkeys[:4])
         assert tier.write_chunks(chunks[:4]) == []
         for b in bufs:
             b[:] = bytes(len(b))
-        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [1 << 20] * 5
+        assert load() == [1 << 20] * 5
         assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, chunks))
         assert tier.available and tier.counters.errors == 0
     finally:
@@ -338,6 +357,26 @@ def test_values_are_written_with_the_configured_ttl(redis_server):
     finally:
         tier.close()
         plain.close()
+
+
+def test_a_chunk_already_there_is_kept_not_rewritten(redis_server):
+    """Two replicas may store the same chunk with KV that differs in its last bits; the first copy stays
+    (a rewrite could tear a ranged read on a third replica), and the second store is not a failure."""
+    ns = b"n" * 16
+    first, second = RedisTier(redis_server.url, ns), RedisTier(redis_server.url, ns, ttl_s=100)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        meta, raw = _chunk(ns, 1)
+        other = bytes(b ^ 1 for b in raw[:64]) + raw[64:]
+        assert first.write_chunks([(meta, raw)]) == []
+        before = client.get(first._rkey(meta.key))
+        assert second.write_chunks([(meta, other)]) == []
+        assert client.get(first._rkey(meta.key)) == before and client.ttl(first._rkey(meta.key)) == -1
+        buf = memoryview(bytearray(len(raw)))
+        assert second.read_chunks_into([(meta.key, buf)]) == [len(raw)] and bytes(buf) == raw
+    finally:
+        first.close()
+        second.close()
 
 
 def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):

@@ -269,7 +269,7 @@ class CacheManager:
             elif job.kind is JobKind.PROMOTE:
                 self.l1.complete_store(keys, failed)
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
-                job.lower.complete_load(keys, corrupt=failed)
+                job.lower.complete_load(keys, failed)
                 for key in keys:
                     self._promoting.pop(key, None)
             elif job.kind is JobKind.SPILL:

@@ -29,6 +29,7 @@ class TierCounters:
     stored: int = 0
     store_rejected: int = 0      # no room (everything pinned) or already present
     loaded: int = 0
+    load_misses: int = 0         # asked for, then gone when read (evicted, changed meanwhile, tier down)
     evicted: int = 0
     deleted: int = 0
     integrity_failures: int = 0
@@ -115,7 +116,9 @@ class LowerTier(Tier):
         """Pin ready keys for reading; KeyError for a missing one."""
 
     @abstractmethod
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None: ...
+    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        """Unpin ``keys``; ``failed`` are those whose read did not place a chunk (the tier knows why: only
+        a value that failed verification is an integrity failure, and deleted)."""
 
     @abstractmethod
     def has(self, key: BlockHash) -> bool:

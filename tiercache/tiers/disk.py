@@ -184,9 +184,10 @@ class DiskTier(IndexedTier, LowerTier):
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         self.pin(keys)
 
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
-        """Unpin; chunks that failed verification are deleted (a miss from now on)."""
-        bad = set(corrupt)
+    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        """Unpin; chunks whose file failed to read or verify are deleted (a miss from now on). A pinned
+        file cannot vanish under the reader, so every failure here is the file's."""
+        bad = set(failed)
         self.unpin(keys)
         for key in bad:
             self.counters.integrity_failures += 1

@@ -39,7 +39,7 @@ class MetadataTier(IndexedTier, LowerTier):
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         self.pin(keys)
 
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
+    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
         self.unpin(keys)
         self.touch(keys)
         self.counters.loaded += len(keys)

@@ -3,8 +3,9 @@
 Redis owns the data, so this tier keeps no index: `contains` asks Redis (one
 pipelined ``EXISTS`` batch), stores and loads are pipelined batches on
 transfer threads. With a standalone server both run on a raw socket
-borrowed from redis-py's pool (`tiercache.tiers.resp`): a ``SET`` sends
-header and payload from where they lie; a load asks each value's length
+borrowed from redis-py's pool (`tiercache.tiers.resp`): a ``SET ... NX`` sends
+header and payload from where they lie (a chunk already there is kept, never
+rewritten under a reader); a load asks each value's length
 (``STRLEN``), then reads it in ``GETRANGE`` pieces straight into its L1
 slot, verified as it lands (a whole-value ``GET`` makes redis-server build
 the reply in fresh memory first, at a third of the rate). A cluster's go
@@ -177,13 +178,14 @@ class RedisTier(RemoteTier):
                 value = self._staging(i, len(header) + len(body))
                 value[:len(header)] = header
                 copy_into(value, body, len(header))
-                pipe.set(self._rkey(meta.key), value, ex=self.ttl_s or None)
+                pipe.set(self._rkey(meta.key), value, ex=self.ttl_s or None, nx=True)
             results = pipe.execute(raise_on_error=False)
         except self._errors as err:
             self._failed("store", err)
             return [meta.key for meta, _ in items]
         self._outage.succeeded()
-        return [meta.key for (meta, _), r in zip(items, results) if r is not True]
+        # True: stored; None: NX found the chunk there already (kept); an exception: refused
+        return [meta.key for (meta, _), r in zip(items, results) if isinstance(r, Exception)]
 
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
         """One pipeline of ``GET``; each value is verified and decoded into its buffer.
@@ -262,19 +264,21 @@ class RedisTier(RemoteTier):
         return self._on_connection("load", run, [None] * len(items))
 
     def _write_direct(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
-        """Pipelined ``SET``s, each value sent as header + payload from where they lie; returns failed keys."""
+        """Pipelined ``SET ... NX``s, each value sent as header + payload from where they lie; returns failed
+        keys. A chunk already there is kept: its key names the tokens whose KV it holds, so any replica's
+        copy serves, and a rewrite could tear a ranged read running on another replica."""
         def run(sock: socket.socket, reader: ReplyReader) -> list[BlockHash]:
             for meta, raw in items:
                 header, payload = self.fmt.encode_parts(meta, raw)
                 body = memoryview(payload).cast("B")
-                before, after = set_command(self._rkey(meta.key), len(header) + len(body), self.ttl_s)
+                before, after = set_command(self._rkey(meta.key), len(header) + len(body), self.ttl_s, only_new=True)
                 sock.sendall(before + header)
                 sock.sendall(body)
                 sock.sendall(after)
             failed = []
             for meta, _ in items:
                 try:
-                    reader.status()
+                    reader.set_reply()     # False: the chunk was there already, and is kept
                 except ReplyError as err:      # e.g. OOM under maxmemory noeviction: this chunk only
                     log.warning("redis tier %s: SET refused: %s", self.name, err)
                     failed.append(meta.key)

@@ -57,6 +57,8 @@ class RemoteTier(LowerTier):
         self.fmt = fmt or ChunkFormat()
         self._outage = Outage(name, retry_interval_s, clock=clock)
         self._thread = threading.local()
+        self._unverified: set[BlockHash] = set()    # failed verification on a worker, not yet completed
+        self._unverified_lock = threading.Lock()
 
     # -- availability --------------------------------------------------------
     @property
@@ -115,7 +117,11 @@ class RemoteTier(LowerTier):
         return memoryview(buf)[:nbytes]
 
     def _rejected(self, key: BlockHash, err: Exception) -> None:
+        """A value that is there but must not be served: damaged, foreign, or too large. `complete_load`
+        counts it as an integrity failure and deletes it."""
         log.warning("%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+        with self._unverified_lock:
+            self._unverified.add(key)
 
     # -- Tier ----------------------------------------------------------------
     @property
@@ -140,8 +146,15 @@ class RemoteTier(LowerTier):
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         return None   # no pins on a server: a chunk gone meanwhile is a failed read, hence a miss
 
-    def complete_load(self, keys: Sequence[BlockHash], corrupt: Sequence[BlockHash] = ()) -> None:
-        self.counters.loaded += len(keys) - len(corrupt)
-        if corrupt:
-            self.counters.integrity_failures += len(corrupt)
-            self.delete(list(corrupt))
+    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+        """Of the ``failed`` reads only those that found a bad value (`_rejected`) are integrity failures,
+        and those values are deleted; the rest were plain misses — evicted or deleted between lookup and
+        read, changed under a ranged read, or the server unreachable — and what is there now is left be."""
+        with self._unverified_lock:
+            bad = [key for key in failed if key in self._unverified]
+            self._unverified.difference_update(failed)
+        self.counters.loaded += len(keys) - len(failed)
+        self.counters.load_misses += len(failed) - len(bad)
+        if bad:
+            self.counters.integrity_failures += len(bad)
+            self.delete(bad)

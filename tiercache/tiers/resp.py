@@ -50,9 +50,10 @@ def command(*args: bytes) -> bytes:
     return b"".join([b"*%d\r\n" % len(args), *(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)])
 
 
-def set_command(key: bytes, value_len: int, ttl_s: int = 0) -> tuple[bytes, bytes]:
-    """``SET key <value> [EX ttl]`` around a value sent separately: (what goes before it, what after)."""
-    tail = [b"EX", str(ttl_s).encode()] if ttl_s else []
+def set_command(key: bytes, value_len: int, ttl_s: int = 0, only_new: bool = False) -> tuple[bytes, bytes]:
+    """``SET key <value> [NX] [EX ttl]`` around a value sent separately: (what goes before it, what after).
+    With ``only_new`` (``NX``) an existing value is kept and the reply is a null (`ReplyReader.set_reply`)."""
+    tail = ([b"NX"] if only_new else []) + ([b"EX", str(ttl_s).encode()] if ttl_s else [])
     before = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 + len(tail), len(key), key, value_len)
     after = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in tail)
     return before, after
@@ -69,6 +70,18 @@ class ReplyReader(StreamReader):
         if line[:1] == b"-":
             raise ReplyError(line[1:].decode(errors="replace"))
         raise ProtocolError(f"expected a status reply, got {line[:32]!r}")
+
+    def set_reply(self) -> bool:
+        """A ``SET`` reply: True for ``+OK``, False for the null of ``NX`` finding the key there already;
+        `ReplyError` for an error reply."""
+        line = self._line()
+        if line[:1] == b"+":
+            return True
+        if line in (b"$-1", b"_"):
+            return False
+        if line[:1] == b"-":
+            raise ReplyError(line[1:].decode(errors="replace"))
+        raise ProtocolError(f"expected a SET reply, got {line[:32]!r}")
 
     def integer(self) -> int:
         """An integer reply (``:n``); `ReplyError` for an error reply."""
