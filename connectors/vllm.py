@@ -24,8 +24,15 @@ How it maps onto tiercache's connector API (`tiercache.connector.offload`):
   on them; vLLM's own block hashes may be salted per process.
 - `get_num_new_matched_tokens` never blocks on a slow tier: a hit below L1 is
   promoted in the background and the answer is "ask again" (``None``).
-- Loads complete before the forward reads the cache (in `start_load_kv`);
-  a step's stores (L0 → L1) complete in `wait_for_save`, so vLLM may free or
+- Loads land layer by layer when ``transfer.layerwise`` is on and the copies
+  run on transfer threads (a GPU pool; on a CPU pool they run inline on
+  vLLM's thread unless ``transfer.inline_host_copies`` is ``off``):
+  `start_load_kv` starts them and `wait_for_layer_load` — which vLLM calls
+  before each attention layer — waits for that layer only, so layer l
+  computes while l + 1 copies (`requires_piecewise_for_cudagraph` asks vLLM
+  for piecewise CUDA graphs, between whose pieces those waits run).
+  Otherwise every load completes in `start_load_kv`. A step's stores
+  (L0 → L1) complete in `wait_for_save`, so vLLM may free or
   reuse blocks as soon as the step ends; copies to lower tiers run in the
   background from L1. A failed load reports its blocks through
   `get_block_ids_with_load_errors` (vLLM recomputes them) and cancels the
@@ -185,7 +192,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                               tenant_salt=self.config.keys.tenant_salt)
         stack = build_offload_stack(self.config, kv, namespace)
         inline = self.config.transfer.inline_host_copies
-        worker = OffloadWorker(stack, layerwise=False,
+        worker = OffloadWorker(stack, layerwise=self.config.transfer.layerwise,
                                inline=inline == "on" or (inline == "auto" and kv.device.type == "cpu"))
         shared = _Shared(stack, BlockHasher(namespace, self.config.keys.hash),
                          OffloadScheduler(stack, self.block_size, swap_salt=namespace.digest()), worker)
@@ -203,10 +210,15 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._shared.worker
         worker.bind_connector_meta(meta.inner)
         worker.start_load_kv()
-        worker.wait_for_layer_load(0)   # every load lands before the forward reads the cache
+        if not worker.layerwise:
+            worker.wait_for_layer_load(0)   # whole-chunk loads land before the forward reads the cache
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None   # loads completed in start_load_kv
+        """Called by vLLM before each attention layer: wait until that layer of this step's loads landed
+        (a layer tiercache does not know waits for all of them)."""
+        worker = self._shared.worker
+        if worker.layerwise:
+            worker.wait_for_layer_load(self._layer_index.get(layer_name, len(self._layer_index) - 1))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None   # stores are whole chunks across all layers, taken in wait_for_save
@@ -303,7 +315,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return events
 
     def stats(self) -> dict[str, object]:
-        return self._shared.scheduler.stats()
+        shared = self._shared
+        return {**shared.scheduler.stats(), "layerwise_loads": shared.worker.layerwise_loads}
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.role != KVConnectorRole.SCHEDULER or self._engine_id not in _ENGINES:
@@ -313,6 +326,12 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         delta = {name: value - self._reported.get(name, 0) for name, value in now.items()}
         self._reported = now
         return TierCacheStats(data=delta)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-by-layer loads wait inside the forward, which a whole-graph CUDA graph replay would skip."""
+        transfer = offload_config(extra_config, 1).transfer
+        return transfer.layerwise and transfer.inline_host_copies != "on"
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

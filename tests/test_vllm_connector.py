@@ -97,6 +97,21 @@ def test_a_second_prompt_loads_the_shared_prefix_from_l1(env, baseline, tmp_path
     same_outputs(got, baseline)
 
 
+def test_loads_land_layer_by_layer_while_vllm_computes(env, baseline, tmp_path):
+    """With the copies on transfer threads, vLLM waits for each layer of a load before that layer's
+    attention reads it. The host-device link is throttled, so the prefix lands seconds after the forward
+    has started: a layer read before its wait would change the logprobs."""
+    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
+    rng = random.Random(1)
+    other = [rng.randrange(3, 150) for _ in range(len(env["prompts"][0]))]
+    # the unrelated prompt in between overwrites the blocks vLLM hands the second one (it reuses freed
+    # blocks), so what the second one's attention reads is the load's or garbage, never left-over prefix KV
+    got = run(env, tmp_path, [env["prompts"][0], other, env["prompts"][1]], connector(**slow))
+    assert got["num_cached_tokens"] == [0, 0, 2 * CHUNK]
+    assert got["connector"]["layerwise_loads"] >= 1 and got["connector"]["loaded_tokens"] == 2 * CHUNK
+    same_outputs({k: [v[0], v[2]] for k, v in got.items() if k in ("outputs", "logprobs")}, baseline)
+
+
 def test_a_fresh_process_loads_the_prefix_from_disk(env, baseline, tmp_path):
     disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
     first = run(env, tmp_path, env["prompts"][:1], connector(**disk))
@@ -150,3 +165,10 @@ def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
     merged = a.aggregate(b).reduce()
     assert merged["hit_tokens"] == 768 and merged["failed_loads"] == 1 and merged["tiercache_load_ratio"] == 0.6667
     assert not a.is_empty() and TierCacheStats(data={"lookups": 0}).is_empty()
+
+
+def test_piecewise_cuda_graphs_are_asked_for_only_when_loads_wait_inside_the_forward():
+    from tiercache.connectors.vllm import TierCacheConnector
+    assert TierCacheConnector.requires_piecewise_for_cudagraph({})                    # layerwise by default
+    assert not TierCacheConnector.requires_piecewise_for_cudagraph({"transfer": {"layerwise": False}})
+    assert not TierCacheConnector.requires_piecewise_for_cudagraph({"transfer": {"inline_host_copies": "on"}})

@@ -45,7 +45,7 @@ def main(spec_path: str, out_path: str) -> None:
         connector.take_events()
         from tiercache.connectors.vllm import _ENGINES
         (shared,) = _ENGINES.values()
-        stats = json.loads(json.dumps(shared.scheduler.stats(), default=str))
+        stats = json.loads(json.dumps(connector.stats(), default=str))
         shared.stack.close()
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "logprobs": logprobs, "num_cached_tokens": cached, "connector": stats,

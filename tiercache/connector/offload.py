@@ -223,6 +223,7 @@ class OffloadWorker(WorkerConnector):
         self._step_load_jobs: list[JobId] = []
         self._results: list[TransferResult] = []
         self._failed_this_step: set[str] = set()
+        self.layerwise_loads = 0   # load jobs that landed layer by layer (waited for per layer)
 
     def register_kv_caches(self, kv: PagedKVCache) -> None:
         self.kv = kv
@@ -245,6 +246,7 @@ class OffloadWorker(WorkerConnector):
                 self.engine.submit(plan, progress)
             if progress is not None:
                 self._progress.append(progress)
+                self.layerwise_loads += 1
             self._loads_in_flight[self._owners[plan.job_id]].add(plan.job_id)
             self._step_load_jobs.append(plan.job_id)
 
