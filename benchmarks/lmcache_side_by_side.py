@@ -79,12 +79,16 @@ def tiercache_run(tier: str, chunks: int, reps: int, *extra: str) -> dict:
 
 
 def compare(name: str, lmcache: list[dict], tc: dict) -> dict:
+    """Ratios to LMCache, and the same for the tier's raw baseline (its transport with nothing of ours:
+    for ``grpc`` bare TCP on as many connections): the ceiling any client on that transport had."""
     nbytes = lmcache[0]["bytes"]
     put = nbytes / statistics.median([t for r in lmcache for t in r["put"]]) / 1e9
     get = nbytes / statistics.median([t for r in lmcache for t in r["get"]]) / 1e9
     return {f"lmcache_{name}_put_gbps": round(put, 3), f"lmcache_{name}_get_gbps": round(get, 3),
             "tiercache_put_gbps": tc["put_gbps"], "tiercache_get_gbps": tc["get_gbps"],
-            "put_vs_lmcache": round(tc["put_gbps"] / put, 3), "get_vs_lmcache": round(tc["get_gbps"] / get, 3)}
+            "put_vs_lmcache": round(tc["put_gbps"] / put, 3), "get_vs_lmcache": round(tc["get_gbps"] / get, 3),
+            "raw_put_vs_lmcache": round(tc["raw_put_gbps"] / put, 3),
+            "raw_get_vs_lmcache": round(tc["raw_get_gbps"] / get, 3)}
 
 
 def main() -> None:
