@@ -37,8 +37,12 @@ How it maps onto tiercache's connector API (`tiercache.connector.offload`):
   background from L1. A failed load reports its blocks through
   `get_block_ids_with_load_errors` (vLLM recomputes them) and cancels the
   request's stores, so KV computed over missing context is never offloaded.
-- KV events (`take_events`): ``BlockStored`` per chunk that reaches a tier,
-  with the tier's medium (CPU, DISK, REMOTE); the block hash is the chunk key.
+- KV events (`take_events`): ``BlockStored`` for the chunks that reached a
+  tier and ``BlockRemoved`` for those that left one (evicted, or deleted as
+  corrupt), in the order they happened, with the tier's medium (CPU, DISK,
+  REMOTE); the block hash is the chunk key. A shared server's or Redis's own
+  evictions are not seen by a client, so REMOTE removals are only this
+  process's deletes.
 - Stats (`get_kv_connector_stats`, logged by vLLM with its other stats):
   counter deltas since the last call — lookups, "ask again" answers, hit and
   loaded tokens, failed loads, planned stores; `stats()` has everything.
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA,
 )
@@ -191,6 +195,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         namespace = Namespace(model.model, geometry, self.block_size, revision=model.revision or "",
                               tenant_salt=self.config.keys.tenant_salt)
         stack = build_offload_stack(self.config, kv, namespace)
+        for tier in stack.tiers:
+            tier.watch_removals()      # drained into KV events every step (`take_events`)
         inline = self.config.transfer.inline_host_copies
         worker = OffloadWorker(stack, layerwise=self.config.transfer.layerwise,
                                inline=inline == "on" or (inline == "auto" and kv.device.type == "cpu"))
@@ -291,13 +297,23 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         with shared.lock:
             outputs, shared.outputs = shared.outputs, []
         for output in outputs:
+            self._take_removals()      # what left a tier before these stores were published
             shared.scheduler.update_connector_output(output)
             for result in output.results:
-                if result.ok and result.plan.dst is not Medium.DEVICE:
+                failed = set(result.failed_keys)
+                stored = [bytes(k) for k in result.plan.keys if k not in failed]
+                if result.plan.dst is not Medium.DEVICE and stored:
                     self._events.append(BlockStored(
-                        block_hashes=[bytes(k) for k in result.plan.keys], parent_block_hash=None, token_ids=[],
+                        block_hashes=stored, parent_block_hash=None, token_ids=[],
                         block_size=self.config.keys.chunk_tokens, lora_id=None,
                         medium=result.plan.dst.value.upper(), lora_name=None))
+
+    def _take_removals(self) -> None:
+        for tier in self._shared.stack.tiers:
+            gone = tier.take_removed()
+            if gone:
+                self._events.append(BlockRemoved(block_hashes=[bytes(k) for k in gone],
+                                                 medium=tier.medium.value.upper()))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -311,6 +327,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, block_ids[0])
 
     def take_events(self):
+        if self._engine_id in _ENGINES:
+            self._apply_outputs()
+            self._take_removals()
         events, self._events = self._events, []
         return events
 

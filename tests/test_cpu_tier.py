@@ -81,3 +81,16 @@ def test_oversized_chunk_is_rejected_loudly():
 def test_capacity_must_hold_a_slot():
     with pytest.raises(ValueError, match="holds no"):
         CpuTier(100, 1024)
+
+
+def test_a_watched_tier_reports_what_left_it_in_order_and_only_what_was_there():
+    tier = CpuTier(2 * 1024, 1024, prefault=False)
+    stored(tier, [k(1)])
+    assert tier.take_removed() == []                       # not watched: nothing kept
+    tier.watch_removals()
+    stored(tier, [k(2)])
+    tier.prepare_store([k(3)], [1024])                     # evicts k1 (the oldest) ...
+    tier.complete_store([k(3)], failed=[k(3)])             # ... and a write that failed was never there
+    tier.delete([k(2)])
+    assert tier.take_removed() == [k(1), k(2)]
+    assert tier.take_removed() == []

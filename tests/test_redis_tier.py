@@ -56,8 +56,10 @@ def test_corrupt_or_foreign_values_are_misses_and_are_deleted(redis_server):
         value[-1] ^= 0xFF
         client.set(rkey, bytes(value))
         s.cpu.delete(list(keys))
+        remote.watch_removals()
         assert load(s, a) is None                     # never served
         assert remote.counters.integrity_failures >= 1 and not client.exists(rkey)
+        assert remote.take_removed() == [keys[0]]     # a KV event can say it left
         other = RedisTier(redis_server.url, b"x" * 16)   # another namespace sees nothing
         assert other.contains(list(keys)) == 0
     finally:

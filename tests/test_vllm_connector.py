@@ -112,6 +112,22 @@ def test_loads_land_layer_by_layer_while_vllm_computes(env, baseline, tmp_path):
     same_outputs({k: [v[0], v[2]] for k, v in got.items() if k in ("outputs", "logprobs")}, baseline)
 
 
+def test_kv_events_announce_what_leaves_a_tier_after_what_reached_it(env, tmp_path):
+    """L1 holds two chunks: another prefix evicts the first one's, and the connector says so (BlockRemoved,
+    CPU) after it had announced them stored, so a router's view of the tier stays true."""
+    rng = random.Random(2)
+    other = [rng.randrange(3, 150) for _ in range(len(env["prompts"][0]))]
+    got = run(env, tmp_path, [env["prompts"][0], other, env["prompts"][0]], connector(cpu={"capacity": "512KiB"}))
+    assert got["num_cached_tokens"] == [0, 0, 0]            # the first prefix had been evicted when it came back
+    first_stored: dict[str, int] = {}
+    first_removed: dict[str, int] = {}
+    for i, (kind, _, *keys) in enumerate(got["event_order"]):
+        for key in keys:
+            (first_stored if kind == "stored" else first_removed).setdefault(key, i)
+    assert len(first_removed) >= 2 and all(first_stored[k] < i for k, i in first_removed.items())
+    assert {medium for medium, _ in got["removed_events"]} == {"CPU"}
+
+
 def test_a_fresh_process_loads_the_prefix_from_disk(env, baseline, tmp_path):
     disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
     first = run(env, tmp_path, env["prompts"][:1], connector(**disk))

@@ -5,7 +5,8 @@
 SPEC: {"model": dir, "prompts": [[ids...]], "max_tokens": n, "kv_transfer_config": {...} or null}.
 OUT: {"outputs": [[ids...]], "logprobs": [[chosen token's logprob...]], "num_cached_tokens": [n...],
 "connector": stats or null,
-"stored_events": [[medium, chunks]...] for each BlockStored event the connector emitted}.
+"stored_events" / "removed_events": [[medium, chunks]...] for each BlockStored / BlockRemoved event the connector
+emitted, "event_order": [["stored" | "removed", medium, chunk key hex...]...]}.
 A script, so that vLLM (which may start processes) runs under a __main__ guard.
 """
 import json
@@ -14,6 +15,7 @@ import sys
 
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     spec = json.loads(open(spec_path).read())
     kwargs = {}
@@ -49,7 +51,10 @@ def main(spec_path: str, out_path: str) -> None:
         shared.stack.close()
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "logprobs": logprobs, "num_cached_tokens": cached, "connector": stats,
-                   "stored_events": [[e.medium, len(e.block_hashes)] for e in events]}, f)
+                   "stored_events": [[e.medium, len(e.block_hashes)] for e in events if isinstance(e, BlockStored)],
+                   "removed_events": [[e.medium, len(e.block_hashes)] for e in events if isinstance(e, BlockRemoved)],
+                   "event_order": [["stored" if isinstance(e, BlockStored) else "removed", e.medium,
+                                    *(bytes(h).hex() for h in e.block_hashes)] for e in events]}, f)
 
 
 if __name__ == "__main__":

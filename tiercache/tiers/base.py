@@ -45,6 +45,24 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.counters = TierCounters()
+        self._removals: list[BlockHash] | None = None   # kept only while watched (`watch_removals`)
+
+    def watch_removals(self) -> None:
+        """Keep the keys that leave this tier from now on — evicted, or deleted — for `take_removed`
+        (a connector turns them into KV events, so that a router's view of the tier stays true)."""
+        if self._removals is None:
+            self._removals = []
+
+    def take_removed(self) -> list[BlockHash]:
+        """The keys removed since the last call, in order (empty when not watched)."""
+        if not self._removals:
+            return []
+        out, self._removals = self._removals, []
+        return out
+
+    def _removed(self, keys: Sequence[BlockHash]) -> None:
+        if self._removals is not None:
+            self._removals.extend(keys)
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockHash]) -> int:

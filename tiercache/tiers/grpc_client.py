@@ -196,6 +196,8 @@ class GrpcTier(RemoteTier):
             self._failed("delete", err)
             return 0
         self.counters.deleted += reply.deleted
+        if reply.deleted:
+            self._removed(keys)     # the reply counts them; a key that was gone already is removed all the same
         return reply.deleted
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:

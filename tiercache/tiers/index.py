@@ -179,8 +179,10 @@ class IndexedTier(Tier):
         return victim
 
     def _drop(self, key: BlockHash, entry: Entry, in_policy: bool = True) -> None:
-        if in_policy and entry.ready:
-            self.policy.remove(key)
+        if entry.ready:
+            if in_policy:
+                self.policy.remove(key)
+            self._removed((key,))     # a reservation that never became ready was never announced
         del self.entries[key]
         self._used -= entry.nbytes
         self._release(key, entry)

@@ -126,12 +126,13 @@ class RedisTier(RemoteTier):
         if not keys or not self.available:
             return 0
         try:
-            removed = sum(int(self._client.delete(self._rkey(k))) for k in keys)   # keys may live on other nodes
+            gone = [k for k in keys if self._client.delete(self._rkey(k))]   # keys may live on other nodes
         except self._errors as err:
             self._failed("delete", err)
             return 0
-        self.counters.deleted += removed
-        return removed
+        self.counters.deleted += len(gone)
+        self._removed(gone)
+        return len(gone)
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         ok = self.available
