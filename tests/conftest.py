@@ -20,14 +20,15 @@ CHUNK = 16  # 4 blocks a chunk
 class Stack:
     """A paged pool, its block manager and an offload stack over it."""
 
-    def __init__(self, num_blocks: int = 64, cpu_chunks: int = 8, geometry: KVGeometry = SMALL, **cfg) -> None:
+    def __init__(self, num_blocks: int = 64, cpu_chunks: int = 8, geometry: KVGeometry = SMALL,
+                 chunk_tokens: int = CHUNK, **cfg) -> None:
         self.geometry = geometry
         self.kv = PagedKVCache(geometry, num_blocks, BLOCK, "cpu")
         self.pool = BlockPool(num_blocks)
         self.blocks = BlockManager(self.pool, BLOCK)
-        chunk_bytes = (CHUNK // BLOCK) * self.kv.block_bytes
+        chunk_bytes = (chunk_tokens // BLOCK) * self.kv.block_bytes
         config = TierCacheConfig().replace(
-            keys={"block_size": BLOCK, "chunk_tokens": CHUNK},
+            keys={"block_size": BLOCK, "chunk_tokens": chunk_tokens},
             cpu={"capacity": cpu_chunks * chunk_bytes, "prefault": False},
             **cfg,
         )

@@ -82,3 +82,9 @@ def test_chunk_keys_are_last_block_hashes():
     hashes = BlockHasher(NS).hash_blocks(list(range(16 * 10)))
     assert chunk_keys(hashes, 4) == [hashes[3], hashes[7]]
     assert chunk_keys(hashes, 4, include_partial=True) == [hashes[3], hashes[7], hashes[9]]
+
+
+def test_chunks_of_other_sizes_are_filed_apart():
+    """A 512-token chunk and the second 256-token chunk of one prompt end at the same block (one key)."""
+    digests = {NS.storage_digest(n) for n in (256, 512)} | {NS.digest()}
+    assert len(digests) == 3 and NS.storage_digest(256) == NS.storage_digest(256)

@@ -66,6 +66,28 @@ def test_corrupt_or_foreign_values_are_misses_and_are_deleted(redis_server):
         s.close()
 
 
+def test_deployments_with_other_chunk_sizes_never_read_each_others_chunks(redis_server):
+    """A chunk's key is its last block's hash: one prompt's 32-token chunk and its second 16-token chunk
+    share one. Filed under a namespace that names the chunk size, each deployment keeps and loads its own
+    (before, the second store was refused as present and the load deleted the other's chunk as foreign)."""
+    big = Stack(num_blocks=64, cpu_chunks=2, chunk_tokens=2 * CHUNK,
+                redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 0.5})
+    small = make(redis_server)
+    try:
+        a, a_kv = put(big, "a", seed=1)
+        big.manager.drain()
+        assert put(small, "a", seed=1)[1].equal(a_kv)                 # the same prompt, the same KV
+        small.manager.drain()
+        for s in (big, small):
+            s.cpu.delete(list(s.manager.lookup(a).runs[0].keys))      # only Redis has them now
+            assert torch.equal(load(s, a), a_kv)
+            remote = s.offload.tiers[1]
+            assert remote.counters.integrity_failures == 0 and remote.counters.load_misses == 0
+    finally:
+        big.close()
+        small.close()
+
+
 def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
     s = make(redis_server)
     try:

@@ -60,20 +60,21 @@ class OffloadStack:
                 tier.close()
 
 
-# Lower tiers in hierarchy order (fastest first); each is built when its config section says ``enabled``.
-LowerTierBuilder = Callable[[TierCacheConfig, Namespace], LowerTier]
+# Lower tiers in hierarchy order (fastest first); each is built when its config section says ``enabled``,
+# given the digest its chunks are filed under (`Namespace.storage_digest`).
+LowerTierBuilder = Callable[[TierCacheConfig, bytes], LowerTier]
 LOWER_TIER_ORDER = ("disk", "redis", "grpc")
 lower_tiers: Registry[LowerTierBuilder] = Registry("lower tier")
 
 
 @lower_tiers.register("disk")
-def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+def _disk_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
     from tiercache.tiers.disk import DiskTier
 
     d = config.disk
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     try:
-        return DiskTier(d.path, d.capacity, namespace.digest(), fmt, eviction=d.eviction, fsync=d.fsync,
+        return DiskTier(d.path, d.capacity, storage, fmt, eviction=d.eviction, fsync=d.fsync,
                         o_direct=d.o_direct)
     except OSError as err:
         field = "disk.o_direct" if "O_DIRECT" in str(err) else "disk.path"
@@ -82,13 +83,13 @@ def _disk_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
 
 
 @lower_tiers.register("redis")
-def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+def _redis_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
     from tiercache.tiers.redis import RedisTier
 
     r = config.redis
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     try:
-        return RedisTier(r.url, namespace.digest(), fmt, ttl_s=r.ttl, timeout_s=r.timeout,
+        return RedisTier(r.url, storage, fmt, ttl_s=r.ttl, timeout_s=r.timeout,
                          retry_interval_s=r.retry_interval, cluster=r.cluster)
     except ImportError:
         raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
@@ -99,7 +100,7 @@ def _redis_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
 
 
 @lower_tiers.register("grpc")
-def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
+def _grpc_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
     import grpc
 
     from tiercache.tiers.grpc_client import GrpcTier
@@ -107,7 +108,7 @@ def _grpc_tier(config: TierCacheConfig, namespace: Namespace) -> LowerTier:
     g = config.grpc
     token = read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
-    tier = GrpcTier(g.address, namespace.digest(), fmt, auth_token=token, timeout_s=g.timeout,
+    tier = GrpcTier(g.address, storage, fmt, auth_token=token, timeout_s=g.timeout,
                     retry_interval_s=g.retry_interval, max_message_bytes=g.max_message, local=g.local,
                     bulk=g.bulk)
     try:
@@ -141,12 +142,12 @@ def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache | LayerTensors
     cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
                   pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
     enabled = [name for name in LOWER_TIER_ORDER if getattr(config, name).enabled]
-    lower = [lower_tiers.get(name)(config, namespace) for name in enabled]
+    digest = namespace.storage_digest(config.keys.chunk_tokens)
+    lower = [lower_tiers.get(name)(config, digest) for name in enabled]
 
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
     handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
     handlers(kv, cpu, bpc).register(engine)
-    digest = namespace.digest()
 
     def chunk_meta(key: BlockHash, chunk_blocks: int) -> ChunkMeta:
         return ChunkMeta(digest, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks))

@@ -76,6 +76,14 @@ class Namespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"tiercache-namespace-v1\0" + canonical).digest()[:NAMESPACE_DIGEST_BYTES]
 
+    def storage_digest(self, chunk_tokens: int) -> bytes:
+        """What stored chunks are filed under (Redis key prefix, server namespace, L2 directory, chunk
+        headers): the namespace and the chunk size. A chunk's key is the hash of its last block, so a
+        512-token chunk and the second 256-token chunk of the same prompt share a key; deployments with
+        different chunk sizes must not read (and, failing to, delete) each other's chunks."""
+        return hashlib.sha256(b"tiercache-chunks-v1\0" + self.digest()
+                              + chunk_tokens.to_bytes(4, "little")).digest()[:NAMESPACE_DIGEST_BYTES]
+
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(token_ids)
