@@ -170,3 +170,25 @@ def test_priorities_loads_before_stores():
         assert order == [Priority.STORE, Priority.LOAD, Priority.PREFETCH, Priority.STORE]
     finally:
         engine.close()
+
+
+def test_the_most_served_chunks_are_reported_with_their_load_counts(stack):
+    from tests.test_hierarchy import load, put
+    a, _ = put(stack, "a", seed=1)
+    b, _ = put(stack, "b", seed=2, chunks=1)
+    for hashes, times in ((a, 3), (b, 1)):
+        for _ in range(times):
+            assert load(stack, hashes) is not None
+    hot = stack.manager.stats()["hot_chunks"]
+    a_keys = {k.hex() for k in stack.manager.lookup(a).runs[0].keys}
+    assert {h["key"] for h in hot[:2]} == a_keys and [h["loads"] for h in hot] == [3, 3, 1]
+
+
+def test_hot_chunk_counts_stay_bounded_and_exact_for_the_hot_ones():
+    from tiercache.hot_chunks import HotChunks
+    hot = HotChunks(keep=4)
+    for i in range(1000):
+        hot.add([b"system-prompt", b"doc-%d" % (i % 3), b"one-off-%d" % i])
+    assert len(hot._counts) <= 16 * 4
+    assert hot.top(4)[0] == (b"system-prompt", 1000)
+    assert sorted(n for _, n in hot.top(4)[1:]) == [333, 333, 334]

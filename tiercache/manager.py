@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 
+from tiercache.hot_chunks import HotChunks
 from tiercache.keys import BlockHash, chunk_keys
 from tiercache.lookup import PrefixFinder, PrefixLookup
 from tiercache.policies import AdmissionPolicy
@@ -93,6 +94,7 @@ class CacheManager:
         self._in_flight: dict[JobId, _InFlight] = {}
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
+        self.hot = HotChunks()
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
 
@@ -258,6 +260,8 @@ class CacheManager:
             keys, failed = job.plan.keys, result.failed_keys
             if job.kind is JobKind.LOAD:
                 self.l1.complete_load(keys)
+                if result.ok:
+                    self.hot.add(keys)
             elif job.kind is JobKind.STORE:
                 self.l1.complete_store(keys, failed)
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
@@ -339,4 +343,5 @@ class CacheManager:
             "tiers": {t.name: t.stats() for t in self.tiers},
             "transfers": self.engine.stats(),
             "in_flight_jobs": len(self._in_flight),
+            "hot_chunks": [{"key": key.hex(), "loads": n} for key, n in self.hot.top()],
         }
