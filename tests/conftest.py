@@ -55,6 +55,15 @@ def stack():
     s.close()
 
 
+def eventually(predicate, seconds: float = 10.0, what: str = "the condition") -> None:
+    """Poll ``predicate`` until it holds (a tier coming back is noticed by a background probe)."""
+    import time
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not hold within {seconds} s"
+        time.sleep(0.05)
+
+
 def wait_for_redis(port: int, proc, log_path, seconds: float = 10.0) -> None:
     """Ping until the server answers; fail fast (with its log) if it exits, or after ``seconds``."""
     import time

@@ -11,7 +11,7 @@ import torch
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tests.conftest import TOKEN, CacheServerProcess, Stack, free_port  # noqa: E402
+from tests.conftest import TOKEN, CacheServerProcess, Stack, eventually, free_port  # noqa: E402
 from tests.test_hierarchy import load, put  # noqa: E402
 from tiercache.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
@@ -153,8 +153,7 @@ def test_the_server_bounds_memory_and_spills_to_disk_across_a_restart(tmp_path):
         server.start()
         bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
         assert tier.contains(keys) in (0, 8)            # the first call may find the channel reconnecting
-        time.sleep(0.3)
-        assert tier.contains(keys) == 8
+        eventually(lambda: tier.contains(keys) == 8, 10, "the restarted server's chunks")
         assert tier.read_chunks_into(list(zip(keys, bufs))) == [len(raw) for _, raw in items]
         assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
     finally:
@@ -421,3 +420,24 @@ def test_an_engine_starts_while_the_server_is_down_and_picks_it_up_later(tmp_pat
         s.close()
         if server is not None:
             server.stop()
+
+
+def test_a_hung_server_holds_a_lookup_for_lookup_timeout_once_then_misses_at_once():
+    """A host that accepts connections and never speaks: the scheduler's first lookup waits its short
+    lookup timeout, not the transfer timeout; the next ones answer at once while a prober knocks."""
+    import socket
+    hole = socket.create_server(("127.0.0.1", 0), backlog=64)
+    tier = GrpcTier(f"127.0.0.1:{hole.getsockname()[1]}", NS, timeout_s=5.0, lookup_timeout_s=0.2,
+                    retry_interval_s=0.05)
+    keys = [m.key for m, _ in chunks(2)]
+    try:
+        t = time.monotonic()
+        assert tier.contains(keys) == 0
+        assert time.monotonic() - t < 1.0
+        t = time.monotonic()
+        assert all(tier.contains(keys) == 0 for _ in range(50)) and time.monotonic() - t < 0.2
+        eventually(lambda: tier._outage.probes >= 1, 10, "a background probe")
+        assert not tier.available
+    finally:
+        tier.close()
+        hole.close()

@@ -1,10 +1,9 @@
 """L3 on a real redis-server: shared chunks, verification, namespaces, and outages that become misses."""
-import time
 
 import redis
 import torch
 
-from tests.conftest import BLOCK, CHUNK, Stack
+from tests.conftest import BLOCK, CHUNK, Stack, eventually
 from tests.test_hierarchy import load, put
 from tiercache.tiers.redis import RedisTier
 
@@ -106,8 +105,7 @@ def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
         remote.complete_load(list(keys), list(keys))            # as after a promotion that found it down
         assert remote.counters.load_misses == len(keys) and remote.counters.integrity_failures == 0
         redis_server.start()                                     # an empty server on the same port
-        time.sleep(0.25)                                         # past retry_interval
-        assert remote.available
+        eventually(lambda: remote.available, 5, "recovery")      # a PING every retry_interval brings it back
         c, c_kv = put(s, "c", seed=3)
         s.manager.drain()
         assert remote.contains(s.manager.lookup(c).runs[0].keys) == 2   # recovered without a restart
@@ -421,3 +419,31 @@ def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):
     finally:
         client.config_set("maxmemory", "0")
         tier.close()
+
+
+def test_a_server_that_hangs_costs_one_timeout_then_misses_at_once_while_probed_in_the_background():
+    """A Redis that accepts connections and never answers (a hung process, a blackholed host): the first
+    lookup waits out its short lookup timeout (not the transfer timeout), then the tier answers misses
+    without touching the network, and only the outage's own thread keeps knocking."""
+    import socket
+    import time
+
+    from tiercache.keys import BlockHash
+    hole = socket.create_server(("127.0.0.1", 0), backlog=64)     # connects, never answers
+    url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+    tier = RedisTier(url, b"h" * 16, timeout_s=5.0, lookup_timeout_s=0.3, retry_interval_s=0.05)
+    keys = [BlockHash(bytes([i]) * 32) for i in range(4)]
+    try:
+        t = time.monotonic()
+        assert tier.contains(keys) == 0
+        assert 0.25 < time.monotonic() - t < 2.0                     # one timeout
+        t = time.monotonic()
+        for _ in range(50):
+            assert tier.contains(keys) == 0
+            assert tier.read_chunks_into([(keys[0], memoryview(bytearray(8)))]) == [None]
+        assert time.monotonic() - t < 0.2                            # 100 calls, no network
+        eventually(lambda: tier._outage.probes >= 2, 5, "background probes")
+        assert not tier.available and tier._outage.outages == 1
+    finally:
+        tier.close()
+        hole.close()

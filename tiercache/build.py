@@ -89,7 +89,7 @@ def _redis_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
     r = config.redis
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
     try:
-        return RedisTier(r.url, storage, fmt, ttl_s=r.ttl, timeout_s=r.timeout,
+        return RedisTier(r.url, storage, fmt, ttl_s=r.ttl, timeout_s=r.timeout, lookup_timeout_s=r.lookup_timeout,
                          retry_interval_s=r.retry_interval, cluster=r.cluster)
     except ImportError:
         raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
@@ -101,23 +101,17 @@ def _redis_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
 
 @lower_tiers.register("grpc")
 def _grpc_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
-    import grpc
-
     from tiercache.tiers.grpc_client import GrpcTier
 
     g = config.grpc
     token = read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
     fmt = ChunkFormat(config.format.codec, config.format.checksum)
-    tier = GrpcTier(g.address, storage, fmt, auth_token=token, timeout_s=g.timeout,
+    tier = GrpcTier(g.address, storage, fmt, auth_token=token, timeout_s=g.timeout, lookup_timeout_s=g.lookup_timeout,
                     retry_interval_s=g.retry_interval, max_message_bytes=g.max_message, local=g.local,
                     bulk=g.bulk)
-    try:
-        health = tier.health()
-    except grpc.RpcError as err:   # a server that is down at start is an outage, not a config error
-        log.warning("tiercache server %s is not answering (%s); starting with it down", g.address, err)
-    else:
-        if health.max_message_bytes and health.max_message_bytes < g.max_message:
-            tier.max_message_bytes = health.max_message_bytes
+    health = tier.check_health()   # None: down at start, an outage (probed in the background), not a config error
+    if health is not None and health.max_message_bytes and health.max_message_bytes < g.max_message:
+        tier.max_message_bytes = health.max_message_bytes
     return tier
 
 

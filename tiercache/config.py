@@ -131,7 +131,9 @@ class RedisTierConfig:
     cluster: bool = _opt(False, "talk to a Redis Cluster through redis-py's cluster client")
     ttl: int = _opt(0, "seconds a chunk lives in Redis (0: until Redis evicts it)")
     timeout: float = _opt(2.0, "seconds a Redis call may take before the tier counts as down")
-    retry_interval: float = _opt(1.0, "seconds a down tier answers misses before it tries the server again")
+    lookup_timeout: float = _opt(0.25, "seconds a lookup (on the engine's scheduling path) may take before the "
+                                       "tier counts as down")
+    retry_interval: float = _opt(1.0, "seconds between background probes of a down tier")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
 
     def __post_init__(self) -> None:
@@ -143,6 +145,7 @@ class RedisTierConfig:
 
 def _remote_checks(cfg: Any) -> None:
     _check(cfg.timeout > 0, "timeout", cfg.timeout, "must be positive")
+    _check(cfg.lookup_timeout > 0, "lookup_timeout", cfg.lookup_timeout, "must be positive")
     _check(cfg.retry_interval >= 0, "retry_interval", cfg.retry_interval, "must be >= 0")
     _check(cfg.write_mode in ("write-back", "write-through"), "write_mode", cfg.write_mode,
            "expected write-back or write-through")
@@ -154,7 +157,9 @@ class GrpcTierConfig:
     address: str = _opt("127.0.0.1:7070", "host:port of the server")
     auth_token_file: str = _opt("", "file holding the server's auth token (empty: no token)")
     timeout: float = _opt(2.0, "seconds a call may take (plus transfer time) before the tier counts as down")
-    retry_interval: float = _opt(1.0, "seconds a down tier answers misses before it tries the server again")
+    lookup_timeout: float = _opt(0.25, "seconds a lookup (on the engine's scheduling path) may take before the "
+                                       "tier counts as down")
+    retry_interval: float = _opt(1.0, "seconds between background probes of a down tier")
     max_message: int = _size(128 << 20, "largest chunk message; match the server's --max-message")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
     local: str = _opt("auto", "auto: read and write the server's memory tier as files when it offers them "

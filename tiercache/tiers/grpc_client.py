@@ -22,14 +22,14 @@ and again after any outage (`_Paths`):
 Faults: every call has a deadline; a server that is gone, slow or refusing
 (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, a closed data
 connection, ...) turns into misses and failed stores, and the tier goes
-quiet for a backoff (`Outage`) while the gRPC channel reconnects in the
-background (its reconnect backoff is capped at ``retry_interval`` too, so a
-restarted server is seen within seconds).
+quiet (`Outage`) while a background thread asks ``Health`` every
+``retry_interval`` seconds and the gRPC channel reconnects (its reconnect
+backoff is capped near ``retry_interval`` too, so a restarted server is
+seen within seconds).
 """
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -83,15 +83,15 @@ class GrpcTier(RemoteTier):
 
     def __init__(self, address: str, namespace: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
-                 name: str = "grpc", clock: Callable[[], float] = time.monotonic, local: str = "auto",
-                 bulk: str = "auto") -> None:
-        super().__init__(name, fmt, retry_interval_s, clock)
+                 name: str = "grpc", local: str = "auto", bulk: str = "auto", lookup_timeout_s: float = 0.25) -> None:
+        super().__init__(name, fmt, retry_interval_s)
         for what, mode in (("local", local), ("bulk", bulk)):
             if mode not in PATH_MODES:
                 raise ValueError(f"grpc tier {what} must be auto or off, got {mode!r}")
         self.address = address
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.lookup_timeout_s = min(lookup_timeout_s, timeout_s)   # Contains runs on the engine's scheduling path
         self.max_message_bytes = max_message_bytes
         self._token = auth_token
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
@@ -114,14 +114,27 @@ class GrpcTier(RemoteTier):
         self._put = self._channel.stream_unary(method("Put"), _identity, _identity)
 
     def close(self) -> None:
+        super().close()
         self._forget_paths()
         self._channel.close()
 
-    def health(self) -> pb.HealthReply:
+    def check_health(self) -> pb.HealthReply | None:
+        """`health`, or None — and the tier down, probed until it answers — when the server is away."""
+        try:
+            return self.health()
+        except grpc.RpcError as err:
+            self._failed("health check", err)
+            return None
+
+    def _probe(self) -> None:
+        if self.health(self.lookup_timeout_s).status != pb.HealthReply.SERVING:
+            raise ConnectionError(f"tiercache server {self.address} is not serving (shutting down)")
+
+    def health(self, timeout_s: float | None = None) -> pb.HealthReply:
         """The server's health (raises grpc.RpcError when it cannot be reached)."""
         reply = pb.HealthReply()
-        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=self.timeout_s,
-                                           metadata=self._metadata))
+        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(),
+                                           timeout=timeout_s or self.timeout_s, metadata=self._metadata))
         return reply
 
     def _failed(self, what: str, err: Exception) -> None:
@@ -162,7 +175,7 @@ class GrpcTier(RemoteTier):
     def _present(self, keys: Sequence[BlockHash]) -> int:
         request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
         reply = pb.ContainsReply()
-        reply.ParseFromString(self._contains(request, timeout=self.timeout_s, metadata=self._metadata))
+        reply.ParseFromString(self._contains(request, timeout=self.lookup_timeout_s, metadata=self._metadata))
         return min(reply.present, len(keys))
 
     def contains(self, keys: Sequence[BlockHash]) -> int:

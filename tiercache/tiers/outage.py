@@ -1,54 +1,79 @@
-"""Availability of a remote tier: a failure marks it down, and it answers misses until the next retry.
+"""Availability of a remote tier: a failure marks it down, and a background probe brings it back.
 
-Shared by the Redis and gRPC tiers. The first failure logs one warning and
-keeps the tier down for ``retry_interval_s``; each further failure in a row
-doubles the wait, up to ``max_retry_interval_s``, so a server that stays away
-costs one probe every few seconds, not one timeout per engine step. The first
-success after an outage logs the recovery and resets the wait.
+Shared by the Redis and gRPC tiers. The first failed call logs one warning
+and marks the tier down: from then on every call answers misses at once,
+without touching the network, so a dead or hanging server costs the engine
+at most the one call that found it so. A daemon thread probes the server
+(``PING``, ``Health``) every ``retry_interval_s`` — never on the engine's
+threads — and the first probe that succeeds logs the recovery and marks the
+tier up again. ``close`` stops the probing.
 """
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+MIN_PROBE_INTERVAL_S = 0.05
+
 
 class Outage:
-    def __init__(self, name: str, retry_interval_s: float = 1.0, max_retry_interval_s: float = 8.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, retry_interval_s: float, probe: Callable[[], object]) -> None:
         self.name = name
-        self.retry_interval_s = retry_interval_s
-        self.max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
-        self._clock = clock
-        self._down_until = 0.0
-        self._failures = 0      # in a row
-        self.outages = 0        # times the tier went down
+        self.retry_interval_s = max(retry_interval_s, MIN_PROBE_INTERVAL_S)
+        self._probe = probe             # raises while the server is away
+        self._lock = threading.Lock()
+        self._down = False
+        self._closed = threading.Event()
+        self._prober: threading.Thread | None = None
+        self.outages = 0                # times the tier went down
+        self.probes = 0                 # probes sent while down
 
     @property
     def available(self) -> bool:
-        return self._clock() >= self._down_until
-
-    @property
-    def down(self) -> bool:
-        """Down, or failed last time and not yet proven back."""
-        return self._failures > 0
+        return not self._down
 
     def failed(self, what: str, err: BaseException) -> None:
-        wait = min(self.retry_interval_s * 2 ** self._failures, self.max_retry_interval_s)
-        if self._failures == 0:
+        """A call failed: mark the tier down (once) and make sure a prober is at work."""
+        with self._lock:
+            if self._down or self._closed.is_set():
+                return
+            self._down = True
             self.outages += 1
-            log.warning("tier %s: %s failed (%s); answering misses, retrying in %.1fs", self.name, what,
-                        _short(err), wait)
-        self._failures += 1
-        self._down_until = self._clock() + wait
+            log.warning("tier %s: %s failed (%s); answering misses, probing every %.2gs", self.name, what,
+                        _short(err), self.retry_interval_s)
+            if self._prober is None or not self._prober.is_alive():
+                self._prober = threading.Thread(target=self._probe_until_back, name=f"tiercache-probe-{self.name}",
+                                                daemon=True)
+                self._prober.start()
 
     def succeeded(self) -> None:
-        if self._failures:
-            log.warning("tier %s: back after %d failed attempt(s)", self.name, self._failures)
-            self._failures = 0
-            self._down_until = 0.0
+        """A call or a probe went through: the tier is up."""
+        with self._lock:
+            if self._down:
+                log.warning("tier %s: back after %d probe(s)", self.name, self.probes)
+                self._down = False
+
+    def close(self) -> None:
+        self._closed.set()
+        prober = self._prober
+        if prober is not None and prober is not threading.current_thread():
+            prober.join(timeout=1.0)
+
+    def _probe_until_back(self) -> None:
+        while not self._closed.wait(self.retry_interval_s):
+            if not self._down:
+                return        # a call that was already in flight proved it back
+            self.probes += 1
+            try:
+                self._probe()
+            except Exception as err:  # whatever the client raises while the server is away
+                log.debug("tier %s: probe failed: %s", self.name, _short(err))
+                continue
+            self.succeeded()
+            return
 
 
 def _short(err: BaseException) -> str:

@@ -15,17 +15,16 @@ an optional TTL bounds their life, and Redis's own ``maxmemory`` policy
 bounds their size.
 
 A Redis that does not answer turns into misses, never into errors in the
-engine: a failure marks the tier down (`Outage`: ``retry_interval`` seconds,
-doubling while failures go on), during which every call answers "absent"
-without touching the network; then the next call tries again (redis-py
-reconnects), and the tier recovers on its own when the server is back.
+engine: a failure marks the tier down (`Outage`), during which every call
+answers "absent" without touching the network, while a background thread
+sends ``PING`` every ``retry_interval`` seconds (redis-py reconnects); the
+first answer brings the tier back, without restarting anything.
 """
 from __future__ import annotations
 
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
@@ -71,16 +70,21 @@ def fast_client(url: str, cluster: bool = False, **kwargs):
 
 class RedisTier(RemoteTier):
     def __init__(self, url: str, namespace: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
-                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False,
+                 name: str = "redis", lookup_timeout_s: float = 0.25) -> None:
         import redis
 
-        super().__init__(name, fmt, retry_interval_s, clock)
+        super().__init__(name, fmt, retry_interval_s)
         self.namespace = namespace
         self.ttl_s = ttl_s
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, OSError, ProtocolError)
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # lookups run on the engine's scheduling path: their own connections, with a short timeout, so a
+        # hung server holds the scheduler for lookup_timeout_s once (then the tier is down), not timeout_s
+        lookup_timeout_s = min(lookup_timeout_s, timeout_s)
+        self._lookups = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
+                                    socket_connect_timeout=lookup_timeout_s)
         self._prefix = f"tiercache:{namespace.hex()}:".encode()
         self._local = threading.local()
         self._direct = not cluster      # raw-socket pipelines (tiers/resp.py); a cluster's go through redis-py
@@ -89,7 +93,12 @@ class RedisTier(RemoteTier):
         self.parallel_jobs = cluster
 
     def close(self) -> None:
+        super().close()
         self._client.close()
+        self._lookups.close()
+
+    def _probe(self) -> None:
+        self._lookups.ping()      # the short timeout: a hung server does not hold the prober for long
 
     def _rkey(self, key: BlockHash) -> bytes:
         return self._prefix + key.hex().encode()
@@ -98,7 +107,7 @@ class RedisTier(RemoteTier):
         if not keys or not self.available:
             return self._count_lookup(len(keys), 0)
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._lookups.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(self._rkey(key))
             present = pipe.execute()
@@ -117,7 +126,7 @@ class RedisTier(RemoteTier):
         if not self.available:
             return False
         try:
-            return bool(self._client.exists(self._rkey(key)))
+            return bool(self._lookups.exists(self._rkey(key)))
         except self._errors as err:
             self._failed("lookup", err)
             return False

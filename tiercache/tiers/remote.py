@@ -3,7 +3,8 @@
 The server owns the data, so a remote tier keeps no index and cannot pin: a
 chunk evicted between lookup and read is a failed read, hence a miss.
 Availability follows `Outage`: a failed call marks the tier down, and while
-it is down every call answers "absent" without touching the network.
+it is down every call answers "absent" without touching the network, until
+a background probe (`_probe`) finds the server back.
 Chunks travel in the stored chunk format, so the reservation a chunk needs is
 its header plus the codec's worst case.
 
@@ -20,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, check_header, verify_payload
@@ -50,12 +50,11 @@ class RemoteTier(LowerTier):
     medium = Medium.REMOTE
     indexed = False
 
-    def __init__(self, name: str, fmt: ChunkFormat | None, retry_interval_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, fmt: ChunkFormat | None, retry_interval_s: float) -> None:
         super().__init__()
         self.name = name
         self.fmt = fmt or ChunkFormat()
-        self._outage = Outage(name, retry_interval_s, clock=clock)
+        self._outage = Outage(name, retry_interval_s, probe=self._probe)
         self._thread = threading.local()
         self._unverified: set[BlockHash] = set()    # failed verification on a worker, not yet completed
         self._unverified_lock = threading.Lock()
@@ -68,6 +67,13 @@ class RemoteTier(LowerTier):
     def _failed(self, what: str, err: Exception) -> None:
         self._outage.failed(what, err)
         self.counters.errors += 1
+
+    def _probe(self) -> None:
+        """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._outage.close()
 
     # -- reading one value (worker side) ----------------------------------------
     def receive_value(self, source: ValueSource, n: int, namespace: bytes, key: BlockHash,
