@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -68,9 +69,9 @@ class RemoteTier(LowerTier):
         self._outage.failed(what, err)
         self.counters.errors += 1
 
+    @abstractmethod
     def _probe(self) -> None:
         """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
-        raise NotImplementedError
 
     def close(self) -> None:
         self._outage.close()
