@@ -263,11 +263,20 @@ def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
         client.rpush(tier._rkey(chunks[2][0].key), b"not a chunk")                # WRONGTYPE on GET
         client.set(tier._rkey(chunks[3][0].key), b"short")
         bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
+
+        def getranges() -> int:
+            return int(client.info("commandstats").get("cmdstat_getrange", {}).get("calls", 0))
+
+        from tiercache.tiers.resp import RANGE_PIECE, RANGE_WINDOW
+        pieces = [-(-client.strlen(tier._rkey(m.key)) // RANGE_PIECE) for m, _ in chunks if m.key != chunks[2][0].key]
         for _ in range(2):                                    # twice: the pooled connection is still in step
+            before = getranges()
             got = tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)])
             assert got == [1 << 20, None, None, None, 1 << 20, 1 << 20]
             for i in (0, 4, 5):
                 assert bytes(bufs[i]) == chunks[i][1]
+            # the foreign value's pieces past those in flight when its header failed are never asked for
+            assert getranges() - before == sum(pieces) - (pieces[1] - RANGE_WINDOW)
         assert tier.available and tier.counters.errors == 0
     finally:
         for t in (tier, lz4, foreign):

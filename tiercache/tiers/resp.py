@@ -133,14 +133,22 @@ class RangedReads:
                  piece: int = RANGE_PIECE, window: int = RANGE_WINDOW) -> None:
         self._sock, self._reader = sock, reader
         self._pieces = [(key, start, min(piece, n - start)) for key, n in values for start in range(0, n, piece)]
-        self._counts = [-(-n // piece) for _, n in values]
+        self._values = [(-(-n // piece), n) for _, n in values]       # (pieces, bytes) per value
         self._window = window
-        self._sent = self._opened = self._values = 0
+        self._sent = self._opened = self._next_value = 0
 
     def value(self) -> RangedValue:
-        count = self._counts[self._values]
-        self._values += 1
-        return RangedValue(self, self._reader, count)
+        pieces, nbytes = self._values[self._next_value]
+        self._next_value += 1
+        return RangedValue(self, self._reader, pieces, nbytes)
+
+    def forget(self, pieces: int) -> int:
+        """The value being read needs none of its next ``pieces`` pieces: drop those not asked for yet
+        (the server never sends them); returns how many were dropped. The ones in flight are still read."""
+        first_unsent = max(self._sent, self._opened)
+        end = self._opened + pieces
+        del self._pieces[first_unsent:end]
+        return max(0, end - first_unsent)
 
     def open_piece(self) -> int:
         """Read the next piece's length line (asking for more pieces first); `ValueChanged` if it is not
@@ -168,9 +176,10 @@ class RangedReads:
 class RangedValue:
     """One value's bytes across its ``GETRANGE`` replies, read like a stream (`tiercache.tiers.remote.ValueSource`)."""
 
-    def __init__(self, ranges: RangedReads, reader: ReplyReader, pieces: int) -> None:
+    def __init__(self, ranges: RangedReads, reader: ReplyReader, pieces: int, nbytes: int) -> None:
         self._ranges, self._reader = ranges, reader
         self._unopened = pieces
+        self._unread = nbytes    # bytes of the value not yet read or skipped
         self._left = 0           # bytes of the open piece not yet read
         self._open = False
 
@@ -197,6 +206,7 @@ class RangedValue:
                 self._next_piece()
             take = min(self._left, n)
             self._left -= take
+            self._unread -= take
             n -= take
             yield take
 
@@ -212,6 +222,12 @@ class RangedValue:
         return bytes(out)
 
     def skip(self, n: int) -> None:
+        """Drop the next ``n`` bytes. Dropping the rest of the value (one that failed its header check)
+        reads only the pieces already asked for; the others are never asked for."""
+        if n and n == self._unread:
+            self._unopened -= self._ranges.forget(self._unopened)
+            self._unread = 0
+            return          # `drain` consumes the open piece and those in flight
         for take in self._spans(n):
             self._reader.skip(take)
 
