@@ -441,3 +441,36 @@ def test_a_hung_server_holds_a_lookup_for_lookup_timeout_once_then_misses_at_onc
     finally:
         tier.close()
         hole.close()
+
+
+def _stats_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiercache.cli", "stats", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize("bulk", ["auto", "off"])
+def test_tiercache_stats_names_the_most_read_chunks(cache_server, bulk):
+    tier = GrpcTier(cache_server.address, NS, bulk=bulk)
+    items = chunks(3)
+    assert tier.write_chunks(items) == []
+    bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
+    for reads in (3, 1):                                  # chunk 0 four times, chunks 1 and 2 once
+        for _ in range(reads):
+            assert tier.read_chunks_into(list(zip([m.key for m, _ in items], bufs))[:1 if reads == 3 else 3])
+    tier.close()
+    proc = _stats_cli("--server", cache_server.address)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    hot = stats["hot_chunks"]
+    assert (hot[0]["namespace"], hot[0]["key"], hot[0]["hits"]) == (NS.hex(), items[0][0].key.hex(), 4)
+    assert sorted(h["hits"] for h in hot) == [1, 1, 4]
+    assert stats["counters"]["get_hits"] == 6 and stats["tiers"][0]["chunks"] == 3
+
+
+def test_tiercache_stats_errors_are_one_line(token_server, tmp_path):
+    bad = _stats_cli("--server", "no-port")
+    assert bad.returncode == 2 and "--server" in bad.stderr and "Traceback" not in bad.stderr
+    refused = _stats_cli("--server", token_server.address)                 # the server wants a token
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
+    ok = _stats_cli("--server", token_server.address, "--auth-token-file", str(tmp_path / "token"))
+    assert ok.returncode == 0 and json.loads(ok.stdout)["hot_chunks"] == []

@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
     v.add_argument("--log-format", choices=["json", "text"], default="json")
     v.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("stats", help="a running `tiercache serve`: its tiers, counters and most read chunks (JSON)")
+    st.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's gRPC address")
+    st.add_argument("--auth-token-file", default="", help="the server's auth token, when it requires one")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.set_defaults(func=cmd_stats)
     return parser
 
 
@@ -273,6 +279,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          metrics_port=args.metrics_port)
     return run(config, args.log_format)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tiercache.config import read_secret
+    from tiercache.server import tiercache_pb2 as pb
+    from tiercache.server.wire import AUTH_HEADER, method
+
+    host, sep, port = args.server.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError("--server", args.server, "expected host:port")
+    token = read_secret(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
+    with grpc.insecure_channel(args.server) as channel:
+        call = channel.unary_unary(method("Stats"), lambda b: b, lambda b: b)
+        try:
+            raw = call(pb.StatsRequest().SerializeToString(), timeout=args.timeout,
+                       metadata=((AUTH_HEADER, f"Bearer {token}"),) if token else ())
+        except grpc.RpcError as err:
+            print(f"tiercache: error: {args.server}: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    reply = pb.StatsReply.FromString(raw)
+    print(json.dumps({
+        "namespaces": reply.namespaces,
+        "counters": dict(sorted(reply.counters.items())),
+        "tiers": [{"name": t.name, "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes,
+                   "chunks": t.chunks, "counters": dict(sorted(t.counters.items()))} for t in reply.tiers],
+        "hot_chunks": [{"namespace": h.namespace.hex(), "key": h.key.hex(), "hits": h.hits} for h in reply.hot_chunks],
+    }, indent=2))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -203,6 +203,8 @@ class CacheService:
             reply.tiers.add(name=name, capacity_bytes=t["capacity_bytes"], used_bytes=t["used_bytes"],
                             chunks=t["chunks"], counters=counters)
         reply.counters.update({k: int(v) for k, v in s["server"].items()})
+        for namespace, key, hits in s["hot_chunks"]:
+            reply.hot_chunks.add(namespace=namespace, key=key, hits=hits)
         return reply.SerializeToString()
 
     def health(self, request: bytes, context: grpc.ServicerContext) -> bytes:

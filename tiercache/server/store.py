@@ -40,6 +40,7 @@ from enum import Enum
 
 from tiercache.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
+from tiercache.hot_chunks import HotChunks
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.tiers import DiskChunks, MemoryChunks, ShmChunks
@@ -95,6 +96,7 @@ class ChunkStore:
         self._lock = threading.Lock()
         self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for t in self._file_tiers for k in t.entries}
         self.counters: Counter[str] = Counter()
+        self.hot = HotChunks()      # store keys (namespace + key) by reads served
 
     @property
     def tiers(self) -> list[IndexedTier]:
@@ -139,6 +141,7 @@ class ChunkStore:
         with self._lock:
             if isinstance(self.memory, MemoryChunks) and (stored := self.memory.get(k)) is not None:
                 self.counters["get_hits"] += 1
+                self.hot.add((k,))
                 return stored
             tier = next((t for t in self._file_tiers if t.has(k)), None)
             if tier is None:
@@ -156,6 +159,7 @@ class ChunkStore:
             tier.touch([k])
             tier.counters.loaded += 1
             self.counters["get_hits"] += 1
+            self.hot.add((k,))
             if tier is self.memory:
                 return value
             reserved = self._reserve_in_memory(k, value)
@@ -264,6 +268,7 @@ class ChunkStore:
         with self._lock:
             ks = [k for k in (store_key(namespace, key) for key in keys) if self.memory.has(k)]
             self.memory.touch(ks)
+            self.hot.add(ks)
             self.memory.counters.loaded += len(ks)
             self.counters["get_hits"] += len(ks)
             self.counters["local_get_hits"] += len(ks)
@@ -329,4 +334,5 @@ class ChunkStore:
                 "tiers": {t.name: t.stats() for t in self.tiers},
                 "namespaces": len(self._namespaces),
                 "server": dict(self.counters),
+                "hot_chunks": [(k[:NAMESPACE_DIGEST_BYTES], k[NAMESPACE_DIGEST_BYTES:], n) for k, n in self.hot.top()],
             }

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftiercache.proto\x12\x0ctiercache.v1\"2\n\x0f\x43ontainsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"I\n\x05\x43hunk\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x11\n\tvalue_len\x18\x04 \x01(\x04\"=\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x03(\x0c\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbf\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x37\n\x08\x63ounters\x18\x05 \x03(\x0b\x32%.tiercache.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xb3\x01\n\nStatsReply\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12\x12\n\nnamespaces\x18\x02 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x03 \x03(\x0b\x32&.tiercache.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0f\n\rHealthRequest\"\xb3\x01\n\x0bHealthReply\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .tiercache.v1.HealthReply.Status\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x11\n\tdata_port\x18\x04 \x01(\r\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x0e\n\x0cLocalRequest\"1\n\nLocalReply\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\">\n\x0c\x41\x64optRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"/\n\x0cTouchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1d\n\nTouchReply\x12\x0f\n\x07touched\x18\x01 \x01(\r2\xc1\x04\n\x0b\x43\x61\x63heServer\x12\x46\n\x08\x43ontains\x12\x1d.tiercache.v1.ContainsRequest\x1a\x1b.tiercache.v1.ContainsReply\x12\x36\n\x03Get\x12\x18.tiercache.v1.GetRequest\x1a\x13.tiercache.v1.Chunk0\x01\x12\x34\n\x03Put\x12\x13.tiercache.v1.Chunk\x1a\x16.tiercache.v1.PutReply(\x01\x12@\n\x06\x44\x65lete\x12\x1b.tiercache.v1.DeleteRequest\x1a\x19.tiercache.v1.DeleteReply\x12=\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x18.tiercache.v1.StatsReply\x12@\n\x06Health\x12\x1b.tiercache.v1.HealthRequest\x1a\x19.tiercache.v1.HealthReply\x12=\n\x05Local\x12\x1a.tiercache.v1.LocalRequest\x1a\x18.tiercache.v1.LocalReply\x12;\n\x05\x41\x64opt\x12\x1a.tiercache.v1.AdoptRequest\x1a\x16.tiercache.v1.PutReply\x12=\n\x05Touch\x12\x1a.tiercache.v1.TouchRequest\x1a\x18.tiercache.v1.TouchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftiercache.proto\x12\x0ctiercache.v1\"2\n\x0f\x43ontainsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\" \n\rContainsReply\x12\x0f\n\x07present\x18\x01 \x01(\r\"-\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"I\n\x05\x43hunk\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x11\n\tvalue_len\x18\x04 \x01(\x04\"=\n\x08PutReply\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07present\x18\x02 \x01(\r\x12\x10\n\x08rejected\x18\x03 \x03(\x0c\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1e\n\x0b\x44\x65leteReply\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbf\x01\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x04 \x01(\x04\x12\x37\n\x08\x63ounters\x18\x05 \x03(\x0b\x32%.tiercache.v1.TierStats.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"8\n\x08HotChunk\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x0c\n\x04hits\x18\x03 \x01(\x04\"\xdf\x01\n\nStatsReply\x12&\n\x05tiers\x18\x01 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12\x12\n\nnamespaces\x18\x02 \x01(\x04\x12\x38\n\x08\x63ounters\x18\x03 \x03(\x0b\x32&.tiercache.v1.StatsReply.CountersEntry\x12*\n\nhot_chunks\x18\x04 \x03(\x0b\x32\x16.tiercache.v1.HotChunk\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0f\n\rHealthRequest\"\xb3\x01\n\x0bHealthReply\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .tiercache.v1.HealthReply.Status\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\x12\x11\n\tdata_port\x18\x04 \x01(\r\"3\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\"\x0e\n\x0cLocalRequest\"1\n\nLocalReply\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\">\n\x0c\x41\x64optRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"/\n\x0cTouchRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"\x1d\n\nTouchReply\x12\x0f\n\x07touched\x18\x01 \x01(\r2\xc1\x04\n\x0b\x43\x61\x63heServer\x12\x46\n\x08\x43ontains\x12\x1d.tiercache.v1.ContainsRequest\x1a\x1b.tiercache.v1.ContainsReply\x12\x36\n\x03Get\x12\x18.tiercache.v1.GetRequest\x1a\x13.tiercache.v1.Chunk0\x01\x12\x34\n\x03Put\x12\x13.tiercache.v1.Chunk\x1a\x16.tiercache.v1.PutReply(\x01\x12@\n\x06\x44\x65lete\x12\x1b.tiercache.v1.DeleteRequest\x1a\x19.tiercache.v1.DeleteReply\x12=\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x18.tiercache.v1.StatsReply\x12@\n\x06Health\x12\x1b.tiercache.v1.HealthRequest\x1a\x19.tiercache.v1.HealthReply\x12=\n\x05Local\x12\x1a.tiercache.v1.LocalRequest\x1a\x18.tiercache.v1.LocalReply\x12;\n\x05\x41\x64opt\x12\x1a.tiercache.v1.AdoptRequest\x1a\x16.tiercache.v1.PutReply\x12=\n\x05Touch\x12\x1a.tiercache.v1.TouchRequest\x1a\x18.tiercache.v1.TouchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,26 +55,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERSTATS']._serialized_end=594
   _globals['_TIERSTATS_COUNTERSENTRY']._serialized_start=547
   _globals['_TIERSTATS_COUNTERSENTRY']._serialized_end=594
-  _globals['_STATSREPLY']._serialized_start=597
-  _globals['_STATSREPLY']._serialized_end=776
+  _globals['_HOTCHUNK']._serialized_start=596
+  _globals['_HOTCHUNK']._serialized_end=652
+  _globals['_STATSREPLY']._serialized_start=655
+  _globals['_STATSREPLY']._serialized_end=878
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=547
   _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=594
-  _globals['_HEALTHREQUEST']._serialized_start=778
-  _globals['_HEALTHREQUEST']._serialized_end=793
-  _globals['_HEALTHREPLY']._serialized_start=796
-  _globals['_HEALTHREPLY']._serialized_end=975
-  _globals['_HEALTHREPLY_STATUS']._serialized_start=924
-  _globals['_HEALTHREPLY_STATUS']._serialized_end=975
-  _globals['_LOCALREQUEST']._serialized_start=977
-  _globals['_LOCALREQUEST']._serialized_end=991
-  _globals['_LOCALREPLY']._serialized_start=993
-  _globals['_LOCALREPLY']._serialized_end=1042
-  _globals['_ADOPTREQUEST']._serialized_start=1044
-  _globals['_ADOPTREQUEST']._serialized_end=1106
-  _globals['_TOUCHREQUEST']._serialized_start=1108
-  _globals['_TOUCHREQUEST']._serialized_end=1155
-  _globals['_TOUCHREPLY']._serialized_start=1157
-  _globals['_TOUCHREPLY']._serialized_end=1186
-  _globals['_CACHESERVER']._serialized_start=1189
-  _globals['_CACHESERVER']._serialized_end=1766
+  _globals['_HEALTHREQUEST']._serialized_start=880
+  _globals['_HEALTHREQUEST']._serialized_end=895
+  _globals['_HEALTHREPLY']._serialized_start=898
+  _globals['_HEALTHREPLY']._serialized_end=1077
+  _globals['_HEALTHREPLY_STATUS']._serialized_start=1026
+  _globals['_HEALTHREPLY_STATUS']._serialized_end=1077
+  _globals['_LOCALREQUEST']._serialized_start=1079
+  _globals['_LOCALREQUEST']._serialized_end=1093
+  _globals['_LOCALREPLY']._serialized_start=1095
+  _globals['_LOCALREPLY']._serialized_end=1144
+  _globals['_ADOPTREQUEST']._serialized_start=1146
+  _globals['_ADOPTREQUEST']._serialized_end=1208
+  _globals['_TOUCHREQUEST']._serialized_start=1210
+  _globals['_TOUCHREQUEST']._serialized_end=1257
+  _globals['_TOUCHREPLY']._serialized_start=1259
+  _globals['_TOUCHREPLY']._serialized_end=1288
+  _globals['_CACHESERVER']._serialized_start=1291
+  _globals['_CACHESERVER']._serialized_end=1868
 # @@protoc_insertion_point(module_scope)

@@ -90,8 +90,18 @@ class TierStats(_message.Message):
     counters: _containers.ScalarMap[str, int]
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., chunks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
+class HotChunk(_message.Message):
+    __slots__ = ("namespace", "key", "hits")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    key: bytes
+    hits: int
+    def __init__(self, namespace: _Optional[bytes] = ..., key: _Optional[bytes] = ..., hits: _Optional[int] = ...) -> None: ...
+
 class StatsReply(_message.Message):
-    __slots__ = ("tiers", "namespaces", "counters")
+    __slots__ = ("tiers", "namespaces", "counters", "hot_chunks")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,10 +112,12 @@ class StatsReply(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    HOT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: int
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    hot_chunks: _containers.RepeatedCompositeFieldContainer[HotChunk]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., hot_chunks: _Optional[_Iterable[_Union[HotChunk, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
