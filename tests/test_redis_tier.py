@@ -150,18 +150,23 @@ def test_bench_tiers_redis_reports_ratios_against_raw_pipelines(redis_server, tm
 def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
     url = f"redis://127.0.0.1:{redis_cluster[0].port}/0"
     s = Stack(num_blocks=64, cpu_chunks=4,
-              redis={"enabled": True, "url": url, "cluster": True, "timeout": 2.0})
+              redis={"enabled": True, "url": url, "cluster": True, "timeout": 2.0, "ttl": 100})
     try:
         a, a_kv = put(s, "a", seed=1, chunks=3)
         s.manager.drain()
         remote = s.offload.tiers[1]
         keys = s.manager.lookup(a).runs[0].keys
         assert remote.contains(keys) == 3
-        per_node = [len(redis.Redis(port=n.port).keys(b"tiercache:*")) for n in redis_cluster]
-        assert sum(per_node) == 3          # each chunk lives on exactly the node that owns its slot
+        nodes = [redis.Redis(port=n.port) for n in redis_cluster]
+        per_node = [node.keys(b"tiercache:*") for node in nodes]
+        assert sum(map(len, per_node)) == 3          # each chunk lives on exactly the node that owns its slot
+        for node, rkeys in zip(nodes, per_node):
+            for rkey in rkeys:
+                node.expire(rkey, 5)                 # as if written long ago
         s.cpu.delete(list(keys))
         assert torch.equal(load(s, a), a_kv)
         assert remote.counters.loaded == 3
+        assert all(node.ttl(rkey) > 90 for node, rkeys in zip(nodes, per_node) for rkey in rkeys)   # read: renewed
     finally:
         s.close()
 
@@ -384,7 +389,11 @@ def test_values_are_written_with_the_configured_ttl(redis_server):
         assert 0 < client.ttl(tier._rkey(meta.key)) <= 100
         assert client.ttl(plain._rkey(meta2.key)) == -1           # no TTL: kept until maxmemory says
         buf = memoryview(bytearray(len(raw)))
+        client.expire(tier._rkey(meta.key), 5)                      # as if written long ago
         assert tier.read_chunks_into([(meta.key, buf)]) == [len(raw)] and bytes(buf) == raw
+        assert client.ttl(tier._rkey(meta.key)) > 90                # a read gives it a full TTL again
+        assert plain.read_chunks_into([(meta2.key, buf)]) == [len(raw2)]
+        assert client.ttl(plain._rkey(meta2.key)) == -1
     finally:
         tier.close()
         plain.close()

@@ -129,7 +129,8 @@ class RedisTierConfig:
     enabled: bool = _opt(False, "keep an L3 tier in Redis / Valkey, shared by every replica")
     url: str = _opt("redis://127.0.0.1:6379/0", "redis://, rediss:// or unix:// URL (any node, with cluster)")
     cluster: bool = _opt(False, "talk to a Redis Cluster through redis-py's cluster client")
-    ttl: int = _opt(0, "seconds a chunk lives in Redis (0: until Redis evicts it)")
+    ttl: int = _opt(0, "seconds a chunk lives in Redis after it was last written or read (0: until Redis "
+                       "evicts it)")
     timeout: float = _opt(2.0, "seconds a Redis call may take before the tier counts as down")
     lookup_timeout: float = _opt(0.25, "seconds a lookup (on the engine's scheduling path) may take before the "
                                        "tier counts as down")

@@ -11,8 +11,9 @@ slot, verified as it lands (a whole-value ``GET`` makes redis-server build
 the reply in fresh memory first, at a third of the rate). A cluster's go
 through redis-py's cluster pipeline. Values are keyed
 ``tiercache:<namespace>:<key>``, so models, layouts and tenants never meet;
-an optional TTL bounds their life, and Redis's own ``maxmemory`` policy
-bounds their size.
+an optional TTL ends a chunk nobody has read for that long (every load
+gives the chunks it read a full TTL again), and Redis's own ``maxmemory``
+policy bounds their size.
 
 A Redis that does not answer turns into misses, never into errors in the
 engine: a failure marks the tier down (`Outage`), during which every call
@@ -233,7 +234,19 @@ class RedisTier(RemoteTier):
             except ChunkFormatError as err:
                 self._rejected(key, err)
                 out.append(None)
+        if self.ttl_s:
+            self._refresh_ttl([key for (key, _), got in zip(items, out) if got is not None])
         return out
+
+    def _refresh_ttl(self, keys: Sequence[BlockHash]) -> None:
+        """Give chunks just read a full TTL again, so the TTL ends a chunk nobody reads, not a hot one."""
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.expire(self._rkey(key), self.ttl_s)
+            pipe.execute(raise_on_error=False)
+        except self._errors as err:
+            self._failed("ttl refresh", err)
 
     def _on_connection(self, what: str, run: Callable[[socket.socket, ReplyReader], list], failed: list) -> list:
         """``run`` a pipeline on a connection borrowed from redis-py's pool (so URL, TLS, AUTH and SELECT
@@ -269,8 +282,13 @@ class RedisTier(RemoteTier):
             sock.sendall(b"".join(command(b"STRLEN", self._rkey(key)) for key, _ in items))
             lengths = [self._strlen(reader, key) for key, _ in items]
             ranges = RangedReads(sock, reader, [(self._rkey(key), n) for (key, _), n in zip(items, lengths) if n])
-            return [self._receive(ranges.value(), n, key, buf) if n else None
-                    for (key, buf), n in zip(items, lengths)]
+            out = [self._receive(ranges.value(), n, key, buf) if n else None for (key, buf), n in zip(items, lengths)]
+            if self.ttl_s:
+                hits = [self._rkey(key) for (key, _), got in zip(items, out) if got is not None]
+                sock.sendall(b"".join(command(b"EXPIRE", rkey, b"%d" % self.ttl_s) for rkey in hits))
+                for _ in hits:
+                    reader.integer()     # 0: gone since; nothing to do
+            return out
         return self._on_connection("load", run, [None] * len(items))
 
     def _write_direct(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
