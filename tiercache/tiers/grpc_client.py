@@ -91,7 +91,7 @@ class GrpcTier(RemoteTier):
         self.address = address
         self.namespace = namespace
         self.timeout_s = timeout_s
-        self.lookup_timeout_s = min(lookup_timeout_s, timeout_s)   # Contains runs on the engine's scheduling path
+        self.lookup_timeout_s = min(lookup_timeout_s, timeout_s)   # Contains and Delete: the scheduling path
         self.max_message_bytes = max_message_bytes
         self._token = auth_token
         self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
@@ -204,7 +204,7 @@ class GrpcTier(RemoteTier):
         try:
             reply = pb.DeleteReply()
             reply.ParseFromString(self._delete(pb.DeleteRequest(namespace=self.namespace, keys=keys).SerializeToString(),
-                                               timeout=self.timeout_s, metadata=self._metadata))
+                                               timeout=self.lookup_timeout_s, metadata=self._metadata))
         except grpc.RpcError as err:
             self._failed("delete", err)
             return 0

@@ -81,8 +81,9 @@ class RedisTier(RemoteTier):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                         redis.exceptions.ClusterError, OSError, ProtocolError)
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        # lookups run on the engine's scheduling path: their own connections, with a short timeout, so a
-        # hung server holds the scheduler for lookup_timeout_s once (then the tier is down), not timeout_s
+        # lookups (and the rare deletes) run on the engine's scheduling path: their own connections, with a
+        # short timeout, so a hung server holds the scheduler for lookup_timeout_s once (then the tier is
+        # down), not timeout_s
         lookup_timeout_s = min(lookup_timeout_s, timeout_s)
         self._lookups = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                     socket_connect_timeout=lookup_timeout_s)
@@ -136,7 +137,7 @@ class RedisTier(RemoteTier):
         if not keys or not self.available:
             return 0
         try:
-            gone = [k for k in keys if self._client.delete(self._rkey(k))]   # keys may live on other nodes
+            gone = [k for k in keys if self._lookups.delete(self._rkey(k))]   # keys may live on other nodes
         except self._errors as err:
             self._failed("delete", err)
             return 0
