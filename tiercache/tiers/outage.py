@@ -29,7 +29,8 @@ class Outage:
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
         self.outages = 0                # times the tier went down
-        self.probes = 0                 # probes sent while down
+        self.probes = 0                 # probes sent while down, over every outage
+        self._probes_at_down = 0
 
     @property
     def available(self) -> bool:
@@ -42,6 +43,7 @@ class Outage:
                 return
             self._down = True
             self.outages += 1
+            self._probes_at_down = self.probes
             log.warning("tier %s: %s failed (%s); answering misses, probing every %.2gs", self.name, what,
                         _short(err), self.retry_interval_s)
             if self._prober is None or not self._prober.is_alive():
@@ -53,7 +55,7 @@ class Outage:
         """A call or a probe went through: the tier is up."""
         with self._lock:
             if self._down:
-                log.warning("tier %s: back after %d probe(s)", self.name, self.probes)
+                log.warning("tier %s: back after %d probe(s)", self.name, self.probes - self._probes_at_down)
                 self._down = False
 
     def close(self) -> None:
