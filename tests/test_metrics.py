@@ -26,6 +26,7 @@ def test_metrics_endpoint_reports_tiers_links_blocks_and_connector():
         assert m['tiercache_tier_hit_keys_total{tier="cpu"}'] == 9          # 3 chunks × 3 later requests
         assert m['tiercache_tier_stored_total{tier="cpu"}'] >= 3
         assert m['tiercache_tier_capacity_bytes{tier="cpu"}'] == 64 << 20
+        assert m['tiercache_tier_available{tier="cpu"}'] == 1 and m['tiercache_tier_outages_total{tier="cpu"}'] == 0
         assert m['tiercache_connector_loaded_tokens_total'] == 3 * 192      # prefill tokens saved
         assert m['tiercache_link_bytes_total{link="device_host"}'] > 0
         assert m['tiercache_link_dropped_total{link="device_host"}'] == 0

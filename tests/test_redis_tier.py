@@ -100,6 +100,7 @@ def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
         s.manager.drain()
         remote = s.offload.tiers[1]
         assert remote.counters.errors >= 1 and not remote.available
+        assert (remote.stats()["available"], remote.stats()["outages"]) == (0, 1)   # a gauge to alert on
         bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
         assert remote.read_chunks_into(list(zip(keys, bufs))) == [None] * len(keys)
         remote.complete_load(list(keys), list(keys))            # as after a promotion that found it down

@@ -90,11 +90,17 @@ class Tier(ABC):
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
 
+    @property
+    def available(self) -> bool:
+        """Whether the tier answers at all (a remote tier in an outage answers misses without asking)."""
+        return True
+
     def stats(self) -> dict[str, object]:
         c = self.counters
         return {
             "name": self.name,
             "medium": self.medium.value,
+            "available": int(self.available),
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes,
             "chunks": self.num_chunks,

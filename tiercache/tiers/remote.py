@@ -69,6 +69,9 @@ class RemoteTier(LowerTier):
         self._outage.failed(what, err)
         self.counters.errors += 1
 
+    def stats(self) -> dict[str, object]:
+        return {**super().stats(), "outages": self._outage.outages}
+
     @abstractmethod
     def _probe(self) -> None:
         """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
