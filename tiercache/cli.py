@@ -284,12 +284,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import grpc
 
-    from tiercache.config import read_secret
+    from tiercache.config import is_host_port, read_secret
     from tiercache.server import tiercache_pb2 as pb
     from tiercache.server.wire import AUTH_HEADER, method
 
-    host, sep, port = args.server.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    if not is_host_port(args.server):
         raise ConfigError("--server", args.server, "expected host:port")
     token = read_secret(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
     with grpc.insecure_channel(args.server) as channel:

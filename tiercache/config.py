@@ -171,9 +171,7 @@ class GrpcTierConfig:
     def __post_init__(self) -> None:
         _check(self.local in ("auto", "off"), "local", self.local, "expected auto or off")
         _check(self.bulk in ("auto", "off"), "bulk", self.bulk, "expected auto or off")
-        host, sep, port = self.address.rpartition(":")
-        _check(bool(sep and host and port.isdigit() and 0 < int(port) < 65536), "address", self.address,
-               "expected host:port")
+        _check(is_host_port(self.address), "address", self.address, "expected host:port")
         _check(1 << 16 <= self.max_message <= 1 << 30, "max_message", self.max_message, "must be between 64 KiB and 1 GiB")
         _remote_checks(self)
 
@@ -324,6 +322,12 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("--config", str(path), "top level must be a table of sections")
     return data
+
+
+def is_host_port(address: str) -> bool:
+    """``host:port`` with a port in 1..65535 (``[v6]:port`` too)."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def read_secret(path: str, field_name: str) -> str:
