@@ -168,6 +168,15 @@ def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
         assert torch.equal(load(s, a), a_kv)
         assert remote.counters.loaded == 3
         assert all(node.ttl(rkey) > 90 for node, rkeys in zip(nodes, per_node) for rkey in rkeys)   # read: renewed
+        node, rkey = next((n, k[0]) for n, k in zip(nodes, per_node) if k)
+        value = bytearray(node.get(rkey))
+        value[-1] ^= 0xFF
+        node.set(rkey, bytes(value))                 # damaged on its node: a miss, counted and deleted
+        bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
+        got = remote.read_chunks_into(list(zip(keys, bufs)))
+        assert got.count(None) == 1
+        remote.complete_load(list(keys), [k for k, n in zip(keys, got) if n is None])
+        assert remote.counters.integrity_failures == 1 and not node.exists(rkey)
     finally:
         s.close()
 

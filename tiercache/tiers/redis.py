@@ -28,10 +28,10 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, check_header, verify_payload
+from tiercache.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.codecs import Buffer, copy_into
-from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
+from tiercache.server.wire import ChunkPieces
 from tiercache.tiers.remote import RemoteTier
 from tiercache.tiers.resp import (ProtocolError, RangedReads, RangedValue, ReplyError, ReplyReader, ValueChanged,
                                   command, set_command)
@@ -200,15 +200,22 @@ class RedisTier(RemoteTier):
         return [meta.key for (meta, _), r in zip(items, results) if isinstance(r, Exception)]
 
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
-        """One pipeline of ``GET``; each value is verified and decoded into its buffer.
+        """One pipelined batch of reads; each value is verified and decoded into its buffer
+        (`receive_value`), and with a TTL the chunks read get a full one again.
 
         Returns the raw length placed per item, or None for a miss, a corrupt
         or foreign value, or an unreachable server.
         """
         if not self.available:
             return [None] * len(items)
-        if self._direct:
-            return self._read_direct(items)
+        out = self._read_direct(items) if self._direct else self._read_pipelined(items)
+        hits = [key for (key, _), got in zip(items, out) if got is not None]
+        if self.ttl_s and hits:
+            self._refresh_ttl(hits)
+        return out
+
+    def _read_pipelined(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+        """redis-py's pipelined ``GET``s (a cluster's client routes each to its node)."""
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, _ in items:
@@ -218,26 +225,9 @@ class RedisTier(RemoteTier):
             self._failed("load", err)
             return [None] * len(items)
         self._outage.succeeded()
-        out: list[int | None] = []
-        for (key, buf), value in zip(items, values):
-            if value is None:
-                out.append(None)
-                continue
-            try:
-                view = memoryview(value)
-                parsed = check_header(view[:HEADER_BYTES], self.namespace, key)
-                meta = parsed[0]
-                if meta.raw_len > len(buf):
-                    raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-                data = verify_payload(parsed, view[HEADER_BYTES:])
-                copy_into(buf, data)
-                out.append(meta.raw_len)
-            except ChunkFormatError as err:
-                self._rejected(key, err)
-                out.append(None)
-        if self.ttl_s:
-            self._refresh_ttl([key for (key, _), got in zip(items, out) if got is not None])
-        return out
+        return [None if value is None else
+                self.receive_value(ChunkPieces([memoryview(value)]), len(value), self.namespace, key, buf)
+                for (key, buf), value in zip(items, values)]
 
     def _refresh_ttl(self, keys: Sequence[BlockHash]) -> None:
         """Give chunks just read a full TTL again, so the TTL ends a chunk nobody reads, not a hot one."""
@@ -283,13 +273,8 @@ class RedisTier(RemoteTier):
             sock.sendall(b"".join(command(b"STRLEN", self._rkey(key)) for key, _ in items))
             lengths = [self._strlen(reader, key) for key, _ in items]
             ranges = RangedReads(sock, reader, [(self._rkey(key), n) for (key, _), n in zip(items, lengths) if n])
-            out = [self._receive(ranges.value(), n, key, buf) if n else None for (key, buf), n in zip(items, lengths)]
-            if self.ttl_s:
-                hits = [self._rkey(key) for (key, _), got in zip(items, out) if got is not None]
-                sock.sendall(b"".join(command(b"EXPIRE", rkey, b"%d" % self.ttl_s) for rkey in hits))
-                for _ in hits:
-                    reader.integer()     # 0: gone since; nothing to do
-            return out
+            return [self._receive(ranges.value(), n, key, buf) if n else None
+                    for (key, buf), n in zip(items, lengths)]
         return self._on_connection("load", run, [None] * len(items))
 
     def _write_direct(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
