@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tiercache.chunk_format import ChunkFormat, ChunkMeta, decode
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, decode
 from tiercache.codecs import codecs
 
 

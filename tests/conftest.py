@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiercache.build import build_offload_stack
 from tiercache.config import TierCacheConfig
+from tiercache.connectors.reference import ReferenceConnector
 from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 
@@ -18,31 +18,48 @@ CHUNK = 16  # 4 blocks a chunk
 
 
 class Stack:
-    """A paged pool, its block manager and an offload stack over it."""
+    """A paged pool, its block manager and an offload stack over it: one scheduler side and one worker side
+    per rank (``num_ranks`` simulated ranks, each holding its share of the KV heads), in this process."""
 
     def __init__(self, num_blocks: int = 64, cpu_chunks: int = 8, geometry: KVGeometry = SMALL,
-                 chunk_tokens: int = CHUNK, **cfg) -> None:
+                 chunk_tokens: int = CHUNK, num_ranks: int = 1, **cfg) -> None:
         self.geometry = geometry
-        self.kv = PagedKVCache(geometry, num_blocks, BLOCK, "cpu")
+        self.kv = PagedKVCache(geometry, num_blocks, BLOCK, "cpu", num_shards=num_ranks)
         self.pool = BlockPool(num_blocks)
         self.blocks = BlockManager(self.pool, BLOCK)
         chunk_bytes = (chunk_tokens // BLOCK) * self.kv.block_bytes
-        config = TierCacheConfig().replace(
-            keys={"block_size": BLOCK, "chunk_tokens": chunk_tokens},
-            cpu={"capacity": cpu_chunks * chunk_bytes, "prefault": False},
-            **cfg,
-        )
+        cfg.setdefault("cpu", {})
+        cfg["cpu"] = {"capacity": cpu_chunks * chunk_bytes, "prefault": False, **cfg["cpu"]}
+        config = TierCacheConfig().replace(keys={"block_size": BLOCK, "chunk_tokens": chunk_tokens}, **cfg)
         self.config = config
         self.namespace = Namespace("test-model", geometry, BLOCK)
-        self.offload = build_offload_stack(config, self.kv, self.namespace)
-        self.manager = self.offload.manager
-        self.cpu = self.offload.tiers[0]
+        self.offload = ReferenceConnector(config, self.namespace, self.kv)
+        self.manager = self.offload.scheduler.manager
+        self.cpu = self.manager.l1
+        self.slab = self.offload.workers[0].stack.slab      # rank 0's L1 bytes
         self.hasher = BlockHasher(self.namespace)
+
+    @property
+    def pool_tensor(self) -> torch.Tensor:
+        return self.kv.kv
+
+    def transport(self, name: str, rank: int = 0):
+        """Rank ``rank``'s transport of lower tier ``name`` (its files, its connections)."""
+        return self.offload.workers[rank].stack.transports[name]
+
+    def lower(self, name: str):
+        """The scheduler's index of lower tier ``name``."""
+        return self.manager.by_name[name]
+
+    def run(self, plans):
+        """Run plans on every rank, wait, apply: the jobs' outcomes."""
+        return self.offload.run(plans if isinstance(plans, (list, tuple)) else [plans])
 
     def fill(self, req: str, block_ids: list[int], seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        for b in block_ids:
-            self.kv.kv[:, :, b].copy_(torch.randn(self.kv.kv[:, :, b].shape, generator=g))
+        for part in self.kv.parts:
+            for b in block_ids:
+                part[:, :, b].copy_(torch.randn(part[:, :, b].shape, generator=g))
 
     def close(self) -> None:
         self.offload.close()

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode
 from tiercache.codecs import checksums, codecs
 from tiercache.errors import (
     ChecksumMismatchError, ChunkFormatError, CodecError, CorruptHeaderError, KeyMismatchError,
@@ -104,7 +104,7 @@ def test_lz4_garbage_with_matching_checksums_is_a_codec_error():
 
     import xxhash
 
-    from tiercache.chunk_format import _BODY, _CRC
+    from tiercache.wire.chunk_format import _BODY, _CRC
     m = meta()
     blob = bytearray(ChunkFormat("lz4").encode(m, payload(m)))
     garbage = b"\xff" * (len(blob) - HEADER_BYTES)

@@ -1,22 +1,22 @@
-"""L1 tier: two-phase lifecycle, capacity bound, eviction order and pins."""
+"""L1's index (scheduler side): two-phase lifecycle, capacity bound, eviction order and pins."""
 import pytest
 
 from tiercache.keys import BlockHash
-from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.cpu import CpuIndex
 
 
 def k(i: int) -> BlockHash:
     return BlockHash(bytes([i]) * 32)
 
 
-def stored(tier: CpuTier, keys) -> None:
+def stored(tier: CpuIndex, keys) -> None:
     slots = tier.prepare_store(keys, [tier.slot_bytes] * len(keys))
     assert all(s is not None for s in slots)
     tier.complete_store(keys)
 
 
 def test_write_is_invisible_until_complete():
-    tier = CpuTier(4 * 1024, 1024, prefault=False)
+    tier = CpuIndex(4, 1024)
     slots = tier.prepare_store([k(1)], [1024])
     assert slots == [0]
     assert tier.contains([k(1)]) == 0          # being written
@@ -26,21 +26,21 @@ def test_write_is_invisible_until_complete():
 
 
 def test_failed_write_releases_its_slot():
-    tier = CpuTier(1024, 1024, prefault=False)
+    tier = CpuIndex(1, 1024)
     tier.prepare_store([k(1)], [1024])
     tier.complete_store([k(1)], failed=[k(1)])
-    assert tier.contains([k(1)]) == 0 and tier.used_bytes == 0 and tier.slab.num_free == 1
+    assert tier.contains([k(1)]) == 0 and tier.used_bytes == 0 and tier.slots.num_free == 1
 
 
 def test_contains_counts_the_leading_run():
-    tier = CpuTier(8 * 1024, 1024, prefault=False)
+    tier = CpuIndex(8, 1024)
     stored(tier, [k(1), k(2), k(4)])
     assert tier.contains([k(1), k(2), k(3), k(4)]) == 2
     assert tier.contains([k(3), k(1)]) == 0
 
 
 def test_capacity_is_never_exceeded_and_lru_evicts_oldest_tail_first():
-    tier = CpuTier(3 * 1024 + 100, 1024, prefault=False)   # room for 3 slots only
+    tier = CpuIndex(3, 1024)   # room for 3 slots only
     assert tier.capacity_bytes == 3 * 1024
     stored(tier, [k(1), k(2), k(3)])                       # one chain: head k1 ... tail k3
     stored(tier, [k(9)])                                   # must evict: the chain's tail goes first
@@ -53,7 +53,7 @@ def test_capacity_is_never_exceeded_and_lru_evicts_oldest_tail_first():
 
 
 def test_pinned_chunks_are_never_evicted_and_no_room_is_a_value():
-    tier = CpuTier(2 * 1024, 1024, prefault=False)
+    tier = CpuIndex(2, 1024)
     stored(tier, [k(1), k(2)])
     tier.prepare_load([k(1), k(2)])                        # both pinned by in-flight loads
     assert tier.prepare_store([k(3)], [1024]) == [None]    # no room, not an exception
@@ -64,7 +64,7 @@ def test_pinned_chunks_are_never_evicted_and_no_room_is_a_value():
 
 
 def test_prepare_load_of_a_missing_key_unpins_what_it_took():
-    tier = CpuTier(2 * 1024, 1024, prefault=False)
+    tier = CpuIndex(2, 1024)
     stored(tier, [k(1)])
     with pytest.raises(KeyError):
         tier.prepare_load([k(1), k(2)])
@@ -73,18 +73,18 @@ def test_prepare_load_of_a_missing_key_unpins_what_it_took():
 
 
 def test_oversized_chunk_is_rejected_loudly():
-    tier = CpuTier(2 * 1024, 1024, prefault=False)
+    tier = CpuIndex(2, 1024)
     with pytest.raises(ValueError, match="does not fit"):
         tier.prepare_store([k(1)], [2048])
 
 
-def test_capacity_must_hold_a_slot():
-    with pytest.raises(ValueError, match="holds no"):
-        CpuTier(100, 1024)
+def test_the_index_needs_a_slot():
+    with pytest.raises(ValueError, match="at least one slot"):
+        CpuIndex(0, 1024)
 
 
 def test_a_watched_tier_reports_what_left_it_in_order_and_only_what_was_there():
-    tier = CpuTier(2 * 1024, 1024, prefault=False)
+    tier = CpuIndex(2, 1024)
     stored(tier, [k(1)])
     assert tier.take_removed() == []                       # not watched: nothing kept
     tier.watch_removals()

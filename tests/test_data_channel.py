@@ -7,11 +7,11 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import TOKEN, CacheServerProcess  # noqa: E402
-from tests.test_grpc_server import NS, chunks, healthy, raw_call  # noqa: E402
-from tiercache.chunk_format import ChunkFormat  # noqa: E402
-from tiercache.server import data_wire as dw  # noqa: E402
-from tiercache.server import tiercache_pb2 as pb  # noqa: E402
-from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
+from tests.test_grpc_server import NS, Client, chunks, healthy, raw_call  # noqa: E402
+from tiercache.transfer.plan import Failure  # noqa: E402
+from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
+from tiercache.wire import data_frames as dw  # noqa: E402
+from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 
 
 def data_port(server) -> int:
@@ -32,10 +32,11 @@ def closed(sock: socket.socket) -> bool:
 
 
 def test_values_go_over_the_data_channel_and_bad_values_are_rejected_in_stream(cache_server):
-    tier = GrpcTier(cache_server.address, NS)
+    tier = Client(cache_server.address, NS)
     items = chunks(2)
-    assert tier.write_chunks(items[:1]) == []
-    assert tier._known_paths.bulk is not None and tier.parallel_jobs
+    assert tier.write_chunks(items[:1]) == ()
+    tier.index.check_health()
+    assert tier.transport._known_paths.bulk is not None and tier.index.parallel_jobs   # jobs split across workers
     sock, status = connect(cache_server)
     assert status == dw.HELLO_OK
     meta, raw = items[1]
@@ -98,12 +99,12 @@ def test_a_wrong_token_is_refused_on_the_data_channel_too(token_server):
     sock, status = connect(token_server, "wrong")
     assert status == dw.HELLO_UNAUTHENTICATED and closed(sock)
     assert "missing or wrong auth token" in token_server.log()
-    good = GrpcTier(token_server.address, NS, auth_token=TOKEN)
+    good = Client(token_server.address, NS, auth_token=TOKEN)
     items = chunks(2)
-    assert good.write_chunks(items) == []
+    assert good.write_chunks(items) == ()
     bufs = [memoryview(bytearray(1 << 16)) for _ in items]
     assert good.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
-    assert good._known_paths.bulk is not None
+    assert good.transport._known_paths.bulk is not None
     good.close()
 
 
@@ -111,12 +112,13 @@ def test_without_a_data_channel_the_tier_streams_over_grpc(tmp_path):
     server = CacheServerProcess(tmp_path, "--data-port", "-1")
     try:
         assert data_port(server) == 0
-        tier = GrpcTier(server.address, NS)
+        tier = Client(server.address, NS)
         items = chunks(2)
-        assert tier.write_chunks(items) == []
+        assert tier.write_chunks(items) == ()
         bufs = [memoryview(bytearray(1 << 16)) for _ in items]
         assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
-        assert tier._known_paths.bulk is None and not tier.parallel_jobs
+        tier.index.check_health()
+        assert tier.transport._known_paths.bulk is None and not tier.index.parallel_jobs
         stats = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
         assert stats.counters["data_put_chunks"] == 0
         tier.close()
@@ -178,7 +180,7 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
 def test_a_closed_channel_opens_no_new_connections(cache_server):
     from tiercache.tiers.data_client import DataChannel
     channel = DataChannel("127.0.0.1", data_port(cache_server), NS, None, timeout_s=2.0)
-    assert channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0) == [None]   # a miss, connected
+    assert channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0) == [Failure.MISS]   # a miss, connected
     channel.close()
     with pytest.raises(ConnectionError):
         channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)

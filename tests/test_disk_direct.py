@@ -4,50 +4,41 @@ import os
 import pytest
 
 from tests.test_disk_tier import FILE, NS, RAW, data, key, meta
-from tiercache.chunk_format import HEADER_BYTES
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChecksumMismatchError
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk import DiskTransport
 
 
 @pytest.fixture
 def direct_tier(tmp_path):
     try:
-        return DiskTier(tmp_path, 10 * FILE, NS, o_direct=True)
+        return DiskTransport(tmp_path, NS, o_direct=True)
     except OSError as err:
         pytest.skip(f"O_DIRECT is not supported on {tmp_path}: {err}")
 
 
 def test_direct_round_trip_has_the_exact_file_size(direct_tier):
-    keys = [key(1), key(2)]
-    assert all(direct_tier.prepare_store(keys, [FILE, FILE]))
     for i in (1, 2):
         direct_tier.write_chunk(meta(i), data(i))
-    direct_tier.complete_store(keys)
     assert os.path.getsize(direct_tier.path(key(1))) == FILE      # padding truncated away
     out = bytearray(RAW)
     assert direct_tier.read_chunk_into(key(2), memoryview(out)) == RAW and bytes(out) == data(2)
 
 
 def test_direct_and_buffered_tiers_read_each_others_files(direct_tier, tmp_path):
-    direct_tier.prepare_store([key(1)], [FILE])
     direct_tier.write_chunk(meta(1), data(1))
-    direct_tier.complete_store([key(1)])
-    buffered = DiskTier(tmp_path, 10 * FILE, NS)
+    buffered = DiskTransport(tmp_path, NS)
     out = bytearray(RAW)
     buffered.read_chunk_into(key(1), memoryview(out))
     assert bytes(out) == data(1)
-    buffered.prepare_store([key(2)], [FILE])
     buffered.write_chunk(meta(2), data(2))
-    buffered.complete_store([key(2)])
-    again = DiskTier(tmp_path, 10 * FILE, NS, o_direct=True)
+    again = DiskTransport(tmp_path, NS, o_direct=True)
     again.read_chunk_into(key(2), memoryview(out))
     assert bytes(out) == data(2)
 
 
 def test_direct_reads_verify_checksums(direct_tier):
-    direct_tier.prepare_store([key(1)], [FILE])
     direct_tier.write_chunk(meta(1), data(1))
-    direct_tier.complete_store([key(1)])
     with open(direct_tier.path(key(1)), "r+b") as f:
         f.seek(HEADER_BYTES + 7)
         b = f.read(1)
@@ -73,6 +64,6 @@ def test_o_direct_refused_by_the_file_system_is_a_config_error(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "open", no_direct)
     with pytest.raises(OSError, match="O_DIRECT"):
-        DiskTier(tmp_path, 10 * FILE, NS, o_direct=True)
+        DiskTransport(tmp_path, NS, o_direct=True)
     with pytest.raises(ConfigError, match="disk.o_direct"):
         Stack(disk={"enabled": True, "path": str(tmp_path), "o_direct": True})

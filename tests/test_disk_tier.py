@@ -1,4 +1,5 @@
-"""L2 on real files: crash-safe writes, restart, capacity, corruption, full disks and killed writers."""
+"""L2 on real files: the scheduler's `DiskIndex` over ranks' `DiskTransport`s — crash-safe writes, restart,
+capacity, corruption, full disks, killed writers and chunks that only some ranks hold."""
 import errno
 import os
 import signal
@@ -10,10 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk import DiskIndex, DiskTransport
+from tiercache.transfer.plan import Failure
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 
 NS = b"n" * 16
 SHAPE = (2, 2, 4, 4, 2, 8)        # a chunk of 4 blocks × 4 tokens, float16
@@ -33,35 +35,47 @@ def data(i: int) -> bytes:
     return np.random.default_rng(i).standard_normal(RAW // 2).astype(np.float16).tobytes()
 
 
-def store(tier: DiskTier, ids) -> None:
-    keys = [key(i) for i in ids]
-    assert all(tier.prepare_store(keys, [tier.reserve_bytes(RAW)] * len(keys)))
-    for i in ids:
-        tier.write_chunk(meta(i), data(i))
-    tier.complete_store(keys)
+class Disk:
+    """One rank's files and the scheduler's index over them, with the delete step between them made explicit."""
 
+    def __init__(self, root, capacity: int, ns: bytes = NS, fmt: ChunkFormat | None = None) -> None:
+        self.files = DiskTransport(root, ns, fmt)
+        self.index = DiskIndex(capacity, fmt)
+        self.index.rebuild([self.files.scan()])
+        self.settle()
 
-def read(tier: DiskTier, i: int) -> bytes:
-    out = bytearray(RAW)
-    n = tier.read_chunk_into(key(i), memoryview(out))
-    return bytes(out[:n])
+    def settle(self) -> None:
+        """Run the deletes the index asked for (what the workers do with a delete plan)."""
+        self.files.delete_chunks(self.index.take_deletes())
+
+    def store(self, ids) -> None:
+        keys = [key(i) for i in ids]
+        assert all(self.index.prepare_store(keys, [self.index.reserve_bytes(RAW)] * len(keys)))
+        self.settle()
+        assert self.files.write_chunks([(meta(i, self.files.storage), data(i)) for i in ids]) == ()
+        self.index.complete_store(keys)
+
+    def read(self, i: int) -> bytes:
+        out = bytearray(RAW)
+        n = self.files.read_chunk_into(key(i), memoryview(out))
+        return bytes(out[:n])
 
 
 def test_round_trip_and_invisible_until_complete(tmp_path):
-    tier = DiskTier(tmp_path, 10 * FILE, NS)
-    assert tier.prepare_store([key(1)], [FILE]) == [True]
-    tier.write_chunk(meta(1), data(1))
-    assert tier.contains([key(1)]) == 0            # written but not yet published
-    tier.complete_store([key(1)])
-    assert tier.contains([key(1)]) == 1 and read(tier, 1) == data(1)
-    assert tier.used_bytes == FILE == os.path.getsize(tier.path(key(1)))
+    d = Disk(tmp_path, 10 * FILE)
+    assert d.index.prepare_store([key(1)], [FILE]) == [True]
+    d.files.write_chunk(meta(1), data(1))
+    assert d.index.contains([key(1)]) == 0            # written but not yet published
+    d.index.complete_store([key(1)])
+    assert d.index.contains([key(1)]) == 1 and d.read(1) == data(1)
+    assert d.index.used_bytes == FILE == os.path.getsize(d.files.path(key(1)))
 
 
 @pytest.mark.parametrize("codec", ["raw", "lz4", "lz4-shuffle"])
 def test_every_codec_reads_back(tmp_path, codec):
-    tier = DiskTier(tmp_path, 10 * tier_size(codec), NS, ChunkFormat(codec))
-    store(tier, [1, 2])
-    assert read(tier, 1) == data(1) and read(tier, 2) == data(2)
+    d = Disk(tmp_path, 10 * tier_size(codec), fmt=ChunkFormat(codec))
+    d.store([1, 2])
+    assert d.read(1) == data(1) and d.read(2) == data(2)
 
 
 def tier_size(codec):
@@ -69,92 +83,104 @@ def tier_size(codec):
 
 
 def test_index_survives_a_restart_and_other_namespaces_are_left_alone(tmp_path):
-    store(DiskTier(tmp_path, 10 * FILE, NS), [1, 2, 3])
-    other = DiskTier(tmp_path, 10 * FILE, b"o" * 16)
-    other.prepare_store([key(9)], [FILE])
-    other.write_chunk(meta(9, b"o" * 16), data(9))
-    other.complete_store([key(9)])
+    Disk(tmp_path, 10 * FILE).store([1, 2, 3])
+    Disk(tmp_path, 10 * FILE, ns=b"o" * 16).store([9])
 
-    again = DiskTier(tmp_path, 10 * FILE, NS)
-    assert again.contains([key(1), key(2), key(3)]) == 3 and again.used_bytes == 3 * FILE
-    assert again.contains([key(9)]) == 0
-    assert DiskTier(tmp_path, 10 * FILE, b"o" * 16).contains([key(9)]) == 1
-    assert read(again, 2) == data(2)
+    again = Disk(tmp_path, 10 * FILE)
+    assert again.index.contains([key(1), key(2), key(3)]) == 3 and again.index.used_bytes == 3 * FILE
+    assert again.index.contains([key(9)]) == 0
+    assert Disk(tmp_path, 10 * FILE, ns=b"o" * 16).index.contains([key(9)]) == 1
+    assert again.read(2) == data(2)
 
 
 def test_capacity_counts_headers_and_evicts_lru(tmp_path):
-    tier = DiskTier(tmp_path, 3 * FILE + 10, NS)
-    store(tier, [1, 2, 3])                         # one chain, published tail first: 3 is the oldest
-    store(tier, [4])
-    assert tier.used_bytes <= tier.capacity_bytes
-    assert [tier.contains([key(i)]) for i in (1, 2, 3, 4)] == [1, 1, 0, 1]
-    assert not tier.path(key(3)).exists()
-    tier.prepare_load([key(2)])
-    tier.complete_load([key(2)])                  # 2 is now the most recently used: 1 goes next
-    store(tier, [5])
-    assert [tier.contains([key(i)]) for i in (1, 2, 4, 5)] == [0, 1, 1, 1]
-    # A restart with a smaller capacity trims to fit.
-    smaller = DiskTier(tmp_path, 2 * FILE, NS)
-    assert smaller.num_chunks == 2 and smaller.used_bytes <= 2 * FILE
+    d = Disk(tmp_path, 3 * FILE + 10)
+    d.store([1, 2, 3])                             # one chain, published tail first: 3 is the oldest
+    d.store([4])
+    assert d.index.used_bytes <= d.index.capacity_bytes
+    assert [d.index.contains([key(i)]) for i in (1, 2, 3, 4)] == [1, 1, 0, 1]
+    assert not d.files.path(key(3)).exists()       # the evicted chunk's file went with the delete step
+    d.index.prepare_load([key(2)])
+    d.index.complete_load([key(2)])                # 2 is now the most recently used: 1 goes next
+    d.store([5])
+    assert [d.index.contains([key(i)]) for i in (1, 2, 4, 5)] == [0, 1, 1, 1]
+    # A restart with a smaller capacity trims to fit, and deletes what it trimmed.
+    smaller = Disk(tmp_path, 2 * FILE)
+    assert smaller.index.num_chunks == 2 and smaller.index.used_bytes <= 2 * FILE
+    assert len(list(tmp_path.rglob("*.chunk"))) == 2
 
 
 def test_restart_deletes_temp_truncated_and_foreign_files(tmp_path):
-    tier = DiskTier(tmp_path, 10 * FILE, NS)
-    store(tier, [1, 2, 3])
-    p1, p2 = tier.path(key(1)), tier.path(key(2))
+    d = Disk(tmp_path, 10 * FILE)
+    d.store([1, 2, 3])
+    p1, p2 = d.files.path(key(1)), d.files.path(key(2))
     with open(p1, "r+b") as f:
         f.truncate(FILE - 7)                       # torn write
     p2.write_bytes(b"garbage" * 10)                # not a chunk at all
     (p1.parent / "deadbeef.chunk.tmp").write_bytes(b"partial")
-    wrong = tier.path(key(7))                      # right format, but holds key 3's chunk
+    wrong = d.files.path(key(7))                   # right format, but holds key 3's chunk
     wrong.parent.mkdir(exist_ok=True)
-    wrong.write_bytes(tier.path(key(3)).read_bytes())
+    wrong.write_bytes(d.files.path(key(3)).read_bytes())
 
-    again = DiskTier(tmp_path, 10 * FILE, NS)
-    assert again.contains([key(3)]) == 1
-    assert again.num_chunks == 1 and again.counters.integrity_failures == 3
+    scan = DiskTransport(tmp_path, NS).scan()
+    assert [c.key for c in scan.found] == [key(3)] and scan.bad == 3 and scan.temp == 1
     assert not p1.exists() and not p2.exists() and not wrong.exists()
     assert not list(tmp_path.rglob("*.tmp"))
+    again = DiskIndex(10 * FILE)
+    again.rebuild([scan])
+    assert again.contains([key(3)]) == 1 and again.num_chunks == 1 and again.counters.integrity_failures == 3
+
+
+def test_a_chunk_only_some_ranks_hold_is_dropped_and_deleted_on_the_others(tmp_path):
+    """Rank 1 died before writing chunk 2: at the next start only chunks every rank holds count, and rank 0's
+    copy of chunk 2 goes (a scheduler reading it would fail on rank 1 every time)."""
+    ranks = [Disk(tmp_path, 10 * FILE, ns=bytes([r]) * 16) for r in (0, 1)]
+    for d in ranks:
+        d.store([1])
+    ranks[0].store([2])
+    index = DiskIndex(10 * FILE)
+    assert index.rebuild([d.files.scan() for d in ranks]) == 1
+    assert index.contains([key(1)]) == 1 and index.contains([key(2)]) == 0
+    assert index.take_deletes() == [key(2)]
 
 
 def test_corrupt_payload_is_detected_on_read_and_deleted(tmp_path):
-    tier = DiskTier(tmp_path, 10 * FILE, NS)
-    store(tier, [1])
-    with open(tier.path(key(1)), "r+b") as f:
+    d = Disk(tmp_path, 10 * FILE)
+    d.store([1])
+    with open(d.files.path(key(1)), "r+b") as f:
         f.seek(HEADER_BYTES + 100)
         byte = f.read(1)
         f.seek(HEADER_BYTES + 100)
         f.write(bytes([byte[0] ^ 0x10]))
-    tier.prepare_load([key(1)])
+    d.index.prepare_load([key(1)])
     with pytest.raises(ChecksumMismatchError):
-        read(tier, 1)
-    tier.complete_load([key(1)], failed=[key(1)])
-    assert tier.contains([key(1)]) == 0 and not tier.path(key(1)).exists()
-    assert tier.counters.integrity_failures == 1
+        d.read(1)
+    assert d.files.read_chunks_into([(key(1), memoryview(bytearray(RAW)))]) == [Failure.CORRUPT]
+    d.index.complete_load([key(1)], failed={key(1): Failure.CORRUPT})
+    assert d.index.contains([key(1)]) == 0 and d.index.counters.integrity_failures == 1
+    d.settle()
+    assert not d.files.path(key(1)).exists()
 
 
 def test_injected_enospc_and_eacces_fail_the_write_cleanly(tmp_path, monkeypatch):
-    tier = DiskTier(tmp_path, 10 * FILE, NS)
-    tier.prepare_store([key(1), key(2)], [FILE, FILE])
+    d = Disk(tmp_path, 10 * FILE)
+    d.index.prepare_store([key(1), key(2)], [FILE, FILE])
 
     def full(fd, parts):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "writev", full)
-    with pytest.raises(OSError) as err:
-        tier.write_chunk(meta(1), data(1))
-    assert err.value.errno == errno.ENOSPC
+    assert d.files.write_chunks([(meta(1), data(1))]) == ((key(1), Failure.IO),)
     monkeypatch.undo()
 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
     monkeypatch.setattr(os, "open", denied)
-    with pytest.raises(PermissionError):
-        tier.write_chunk(meta(2), data(2))
+    assert d.files.write_chunks([(meta(2), data(2))]) == ((key(2), Failure.IO),)
     monkeypatch.undo()
-    tier.complete_store([key(1), key(2)], failed=[key(1), key(2)])
-    assert tier.num_chunks == 0 and tier.used_bytes == 0 and not list(tmp_path.rglob("*.tmp"))
+    d.index.complete_store([key(1), key(2)], failed={key(1): Failure.IO, key(2): Failure.IO})
+    assert d.index.num_chunks == 0 and d.index.used_bytes == 0 and not list(tmp_path.rglob("*.tmp"))
 
 
 def test_a_real_full_filesystem(tmp_path):
@@ -164,22 +190,22 @@ def test_a_real_full_filesystem(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs is not permitted here")
     try:
-        tier = DiskTier(mnt, 1 << 30, NS)        # configured far larger than the device
+        d = Disk(mnt, 1 << 30)        # configured far larger than the device
         written = failed = 0
         for i in range(100):
-            assert tier.prepare_store([key(i)], [FILE]) == [True]
-            try:
-                tier.write_chunk(meta(i), data(i))
-                tier.complete_store([key(i)])
-                written += 1
-            except OSError as err:
-                assert err.errno == errno.ENOSPC
-                tier.complete_store([key(i)], failed=[key(i)])
+            assert d.index.prepare_store([key(i)], [FILE]) == [True]
+            bad = dict(d.files.write_chunks([(meta(i), data(i))]))
+            d.index.complete_store([key(i)], bad)
+            d.settle()
+            if bad:
+                assert bad == {key(i): Failure.IO}
                 failed += 1
+            else:
+                written += 1
         assert written > 0 and failed > 0
         assert not list(mnt.rglob("*.tmp"))
-        again = DiskTier(mnt, 1 << 30, NS)
-        assert again.num_chunks == written and all(read(again, i) == data(i) for i in range(written))
+        again = Disk(mnt, 1 << 30)
+        assert again.index.num_chunks == written and all(again.read(i) == data(i) for i in range(written))
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
@@ -196,14 +222,12 @@ def test_a_writer_killed_mid_write_never_leaves_a_servable_corrupt_chunk(tmp_pat
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_disk_tier import key, big, BIG_SHAPE
-        from tiercache.chunk_format import ChunkMeta
-        from tiercache.tiers.disk import DiskTier
-        tier = DiskTier({str(tmp_path)!r}, 1 << 34, {NS!r})
+        from tiercache.wire.chunk_format import ChunkMeta
+        from tiercache.tiers.disk import DiskTransport
+        files = DiskTransport({str(tmp_path)!r}, {NS!r})
         i = 0
         while True:
-            tier.prepare_store([key(i)], [tier.reserve_bytes(len(big(i)))])
-            tier.write_chunk(ChunkMeta({NS!r}, key(i), 256, "float16", BIG_SHAPE), big(i))
-            tier.complete_store([key(i)])
+            files.write_chunk(ChunkMeta({NS!r}, key(i), 256, "float16", BIG_SHAPE), big(i))
             i += 1
             if i == 5:
                 print("ready", flush=True)
@@ -213,19 +237,24 @@ def test_a_writer_killed_mid_write_never_leaves_a_servable_corrupt_chunk(tmp_pat
     time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    tier = DiskTier(tmp_path, 1 << 34, NS)
-    assert tier.num_chunks >= 5
+    files = DiskTransport(tmp_path, NS)
+    scan = files.scan()
+    assert len(scan.found) >= 5
     out = bytearray(len(big(0)))
-    for k in list(tier.entries):
-        n = tier.read_chunk_into(k, memoryview(out))  # every indexed chunk verifies...
-        assert bytes(out[:n]) == big(int.from_bytes(k, "big"))   # ...and holds what was written
+    for chunk in scan.found:
+        n = files.read_chunk_into(chunk.key, memoryview(out))  # every chunk found verifies...
+        assert bytes(out[:n]) == big(int.from_bytes(chunk.key, "big"))   # ...and holds what was written
     assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_wrong_namespace_or_key_is_refused(tmp_path):
-    tier = DiskTier(tmp_path, 10 * FILE, NS)
-    store(tier, [1])
-    os.rename(tier.path(key(1)), tier.path(key(2)).parent / (key(2).hex() + ".chunk"))
-    tier.entries[key(2)] = tier.entries.pop(key(1))
+    d = Disk(tmp_path, 10 * FILE)
+    d.store([1])
+    d.files.path(key(2)).parent.mkdir(parents=True, exist_ok=True)
+    os.rename(d.files.path(key(1)), d.files.path(key(2)))
     with pytest.raises(ChunkFormatError):
-        read(tier, 2)
+        d.read(2)
+    foreign = DiskTransport(tmp_path, b"o" * 16)
+    foreign.path(key(2)).parent.mkdir(parents=True, exist_ok=True)
+    os.rename(d.files.path(key(2)), foreign.path(key(2)))
+    assert foreign.read_chunks_into([(key(2), memoryview(bytearray(RAW)))]) == [Failure.CORRUPT]

@@ -36,7 +36,7 @@ def assert_back_to_baseline(engine: LLMEngine):
     assert stats.used == 0 and stats.pinned == 0, stats
     assert not engine.scheduler.held and not engine.blocks.tables
     if engine.connector is not None:
-        manager = engine.connector.stack.manager
+        manager = engine.connector.scheduler.manager
         assert manager.num_in_flight == 0
         for tier in manager.tiers:
             assert all(e.pins == 0 and e.ready for e in tier.entries.values())
@@ -156,14 +156,12 @@ def test_recompute_preemption_without_tiers():
 @pytest.mark.parametrize("inline", ["on", "off"])
 def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs, inline):
     """Fault injected at the transfer boundary: the load fails, the request recomputes, output unchanged."""
-    from tiercache.tiers.base import Medium
-
     cfg = offload(transfer={"inline_host_copies": inline})
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
         prompts = shared_prompts()
         run_sequential(engine, prompts[:1])
-        handlers = engine.connector.stack.engine._handlers
-        real = handlers[(Medium.CPU, Medium.DEVICE)]
+        handlers = engine.connector.workers[0].stack.engine._handlers
+        real = handlers[("cpu", "device")]
         calls = []
 
         def flaky(plan, progress=None):
@@ -172,7 +170,7 @@ def test_a_failed_load_is_recomputed_not_served(monkeypatch, reference_outputs, 
                 raise OSError("injected load failure")
             real(plan, progress)
 
-        monkeypatch.setitem(handlers, (Medium.CPU, Medium.DEVICE), flaky)
+        monkeypatch.setitem(handlers, ("cpu", "device"), flaky)
         (seq,) = run_sequential(engine, prompts[1:2])
         assert seq.output_token_ids == reference_outputs[tuple(prompts[1])]
         stats = engine.stats()["connector"]

@@ -7,11 +7,11 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import CacheServerProcess  # noqa: E402
-from tests.test_grpc_server import NS, chunks, raw_call  # noqa: E402
-from tiercache.chunk_format import HEADER_BYTES  # noqa: E402
-from tiercache.server import tiercache_pb2 as pb  # noqa: E402
-from tiercache.tiers.disk import chunk_path  # noqa: E402
-from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
+from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tiercache.transfer.plan import Failure  # noqa: E402
+from tiercache.wire.chunk_format import HEADER_BYTES  # noqa: E402
+from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
+from tiercache.wire.chunk_files import chunk_path  # noqa: E402
 
 
 def stats(server) -> pb.StatsReply:
@@ -27,11 +27,11 @@ def read_all(tier, items):
 def test_a_colocated_client_moves_chunks_as_files_and_grpc_clients_see_them(tmp_path):
     shm = tmp_path / "shm"
     server = CacheServerProcess(tmp_path, "--capacity", "8MiB", "--shm-dir", str(shm))
-    local, remote = GrpcTier(server.address, NS), GrpcTier(server.address, NS, local="off")
+    local, remote = Client(server.address, NS), Client(server.address, NS, local="off")
     try:
         mine, theirs = chunks(3, seed=1), chunks(2, seed=2)
-        assert local.write_chunks(mine) == []
-        assert remote.write_chunks(theirs) == []                       # streamed Put: the server writes the files
+        assert local.write_chunks(mine) == ()
+        assert remote.write_chunks(theirs) == ()                       # streamed Put: the server writes the files
         for meta, raw in mine + theirs:
             data = chunk_path(shm / NS.hex(), meta.key).read_bytes()   # in place, in the stored chunk format
             assert data[HEADER_BYTES:] == raw
@@ -45,7 +45,7 @@ def test_a_colocated_client_moves_chunks_as_files_and_grpc_clients_see_them(tmp_
         s = stats(server)
         assert s.counters["local_get_hits"] == 5                       # the local reads were reported (Touch)
         assert s.counters["put_stored"] == 5 and s.tiers[0].chunks == 5
-        assert local.write_chunks(mine[:1]) == [] and stats(server).counters["put_present"] == 1
+        assert local.write_chunks(mine[:1]) == () and stats(server).counters["put_present"] == 1
     finally:
         local.close()
         remote.close()
@@ -55,10 +55,10 @@ def test_a_colocated_client_moves_chunks_as_files_and_grpc_clients_see_them(tmp_
 def test_local_chunks_spill_to_disk_are_fetched_over_grpc_and_survive_a_restart(tmp_path):
     shm, disk = tmp_path / "shm", tmp_path / "disk"
     server = CacheServerProcess(tmp_path, "--capacity", "300KiB", "--shm-dir", str(shm), "--disk", str(disk))
-    tier = GrpcTier(server.address, NS, retry_interval_s=0.2)
+    tier = Client(server.address, NS, retry_interval_s=0.2)
     try:
         items = chunks(8)                                 # 8 x 64 KiB: 4 fit in the shared memory, 4 spill
-        assert tier.write_chunks(items) == []
+        assert tier.write_chunks(items) == ()
         memory, on_disk = stats(server).tiers
         assert memory.used_bytes <= 300 << 10 and on_disk.chunks >= 4
         in_files = sum(chunk_path(shm / NS.hex(), m.key).exists() for m, _ in items)
@@ -81,16 +81,16 @@ def test_local_chunks_spill_to_disk_are_fetched_over_grpc_and_survive_a_restart(
 def test_damaged_files_and_bad_adopts_are_misses_and_clean_errors(tmp_path):
     shm = tmp_path / "shm"
     server = CacheServerProcess(tmp_path, "--capacity", "8MiB", "--shm-dir", str(shm))
-    tier = GrpcTier(server.address, NS)
+    tier = Client(server.address, NS)
     try:
         items = chunks(2)
-        assert tier.write_chunks(items) == []
+        assert tier.write_chunks(items) == ()
         path = chunk_path(shm / NS.hex(), items[0][0].key)
         data = bytearray(path.read_bytes())
         data[-5] ^= 0xFF                                  # payload damage: only the reader's checksum sees it
         path.write_bytes(bytes(data))
         got, _ = read_all(tier, items)
-        assert got == [None, 1 << 16]                     # never served
+        assert got == [Failure.CORRUPT, 1 << 16]          # never served
         incoming = shm / NS.hex() / "incoming"
         (incoming / ("0" * 32 + ".tmp")).write_bytes(b"not a chunk")
         (incoming / ("1" * 32 + ".tmp")).write_bytes(path.read_bytes())   # a chunk under another key
@@ -106,10 +106,10 @@ def test_damaged_files_and_bad_adopts_are_misses_and_clean_errors(tmp_path):
                          .SerializeToString())
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         (shm / ".instance").write_text("another host's directory")
-        blind = GrpcTier(server.address, NS)              # a client that does not see the server's directory
+        blind = Client(server.address, NS)              # a client that does not see the server's directory
         got, data = read_all(blind, items[1:])
         assert got == [1 << 16] and data == [items[1][1]]  # over gRPC
-        assert blind._known_paths.local is None
+        assert blind.transport._known_paths.local is None
         blind.close()
     finally:
         tier.close()
@@ -122,18 +122,18 @@ def test_without_shm_dir_the_server_offers_no_local_path(cache_server):
         raw_call(cache_server, "Adopt", pb.AdoptRequest(namespace=NS, keys=[b"k" * 32], files=["0" * 32 + ".tmp"])
                  .SerializeToString())
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    tier = GrpcTier(cache_server.address, NS)
+    tier = Client(cache_server.address, NS)
     items = chunks(2)
-    assert tier.write_chunks(items) == []
+    assert tier.write_chunks(items) == ()
     got, data = read_all(tier, items)
-    assert got == [1 << 16] * 2 and tier._known_paths.local is None
+    assert got == [1 << 16] * 2 and tier.transport._known_paths.local is None
     tier.close()
 
 
 def test_the_shared_memory_tier_is_rebuilt_from_its_files_and_trimmed_to_its_capacity(tmp_path):
-    from tiercache.chunk_format import ChunkFormat
+    from tiercache.wire.chunk_format import ChunkFormat
     from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
-    from tiercache.server.wire import split_chunk
+    from tiercache.wire.grpc_messages import split_chunk
     shm = str(tmp_path / "shm")
     store = ChunkStore(StoreConfig(8 << 20, shm_path=shm))
     items = chunks(4)

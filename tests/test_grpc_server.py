@@ -12,16 +12,58 @@ import torch
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import TOKEN, CacheServerProcess, Stack, eventually, free_port  # noqa: E402
-from tests.test_hierarchy import load, put  # noqa: E402
-from tiercache.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
+from tests.test_hierarchy import load, lookup, put  # noqa: E402
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
-from tiercache.server import tiercache_pb2 as pb  # noqa: E402
-from tiercache.server.wire import (  # noqa: E402
+from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
+from tiercache.wire.grpc_messages import (  # noqa: E402
     WireError, encode_chunk, method, parse_chunk, read_chunk, split_chunk,
 )
-from tiercache.tiers.grpc_client import GrpcTier  # noqa: E402
+from tiercache.tiers.grpc_client import GrpcIndex, GrpcTransport  # noqa: E402
+from tiercache.transfer.plan import Failure  # noqa: E402
 
 NS = bytes(range(16))
+
+
+class Client:
+    """What a deployment of one rank does with a server, for tests that talk to it directly: `contains` is the
+    scheduler's index asking (the query its lookup thread runs), the rest is the rank's transport; a completed
+    load's deletes are run by the rank, as a delete plan would."""
+
+    def __init__(self, address: str, namespace: bytes, auth_token: str | None = None, timeout_s: float = 2.0,
+                 lookup_timeout_s: float = 0.25, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
+                 local: str = "auto", bulk: str = "auto") -> None:
+        self.index = GrpcIndex(address, auth_token=auth_token, lookup_timeout_s=lookup_timeout_s,
+                               retry_interval_s=retry_interval_s, max_message_bytes=max_message_bytes)
+        self.index.attach([namespace])
+        self.transport = GrpcTransport(address, namespace, auth_token=auth_token, timeout_s=timeout_s,
+                                       retry_interval_s=retry_interval_s, max_message_bytes=max_message_bytes,
+                                       local=local, bulk=bulk, probe_timeout_s=lookup_timeout_s)
+        self.write_chunks = self.transport.write_chunks
+        self.read_chunks_into = self.transport.read_chunks_into
+        self.health = self.transport.health
+
+    def contains(self, keys) -> int:
+        return self.index.present(keys)
+
+    def delete(self, keys) -> None:
+        self.transport.delete_chunks(keys)
+
+    def complete_load(self, keys, failed) -> None:
+        self.index.complete_load(keys, failed)
+        self.transport.delete_chunks(self.index.take_deletes())
+
+    @property
+    def counters(self):
+        return self.index.counters
+
+    @property
+    def available(self) -> bool:
+        return self.transport.available
+
+    def close(self) -> None:
+        self.index.close()
+        self.transport.close()
 
 
 def make(server, **grpc_cfg) -> Stack:
@@ -69,7 +111,7 @@ def test_committed_stubs_match_the_proto(tmp_path):
                       f"--pyi_out={tmp_path}", str(root / "proto" / "tiercache.proto")])
     assert rc == 0
     for name in ("tiercache_pb2.py", "tiercache_pb2.pyi"):
-        assert (tmp_path / name).read_text() == (root / "tiercache" / "server" / name).read_text(), \
+        assert (tmp_path / name).read_text() == (root / "tiercache" / "wire" / name).read_text(), \
             f"{name} is stale: regenerate it (see proto/README.md)"
 
 
@@ -98,21 +140,22 @@ def test_the_hand_built_chunk_is_protobufs_chunk_both_ways():
 
 @pytest.mark.parametrize("bulk", ["auto", "off"])   # bytes on the data channel, or on gRPC streams
 def test_put_contains_get_round_trip_and_namespaces_never_meet(cache_server, bulk):
-    tier = GrpcTier(cache_server.address, NS, bulk=bulk)
+    tier = Client(cache_server.address, NS, bulk=bulk)
     items = chunks(3)
-    assert tier.write_chunks(items) == []
+    assert tier.write_chunks(items) == ()
     keys = [m.key for m, _ in items]
     assert tier.contains(keys) == 3
     assert tier.contains([keys[0], BlockHash(b"z" * 32), keys[2]]) == 1    # a leading run, like every tier
     bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
     assert tier.read_chunks_into(list(zip(keys, bufs))) == [len(raw) for _, raw in items]
     assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
-    other = GrpcTier(cache_server.address, b"\xff" * 16)
+    other = Client(cache_server.address, b"\xff" * 16)
     assert other.contains(keys) == 0
-    assert other.read_chunks_into([(keys[0], bufs[0])]) == [None]
-    assert tier.delete(keys[:1]) == 1 and tier.contains(keys) == 0
-    assert tier.read_chunks_into([(keys[0], bufs[0])]) == [None]      # gone between a lookup and its load
-    tier.complete_load(keys[:1], keys[:1])
+    assert other.read_chunks_into([(keys[0], bufs[0])]) == [Failure.MISS]
+    tier.delete(keys[:1])
+    assert tier.contains(keys) == 0
+    assert tier.read_chunks_into([(keys[0], bufs[0])]) == [Failure.MISS]      # gone between a lookup and its load
+    tier.complete_load(keys[:1], {keys[0]: Failure.MISS})
     assert (tier.counters.load_misses, tier.counters.integrity_failures) == (1, 0)
     stats = pb.StatsReply.FromString(raw_call(cache_server, "Stats", b""))
     assert stats.namespaces == 1 and stats.tiers[0].chunks == 2
@@ -124,12 +167,12 @@ def test_chunks_go_to_the_server_and_come_back_bit_exact(cache_server):
     s = make(cache_server)
     try:
         a, a_kv = put(s, "a", seed=1)                  # write-through: L1 and the server
-        s.manager.drain()
-        remote = s.offload.tiers[1]
+        s.offload.drain()
+        remote = s.lower("grpc")
         keys = s.manager.lookup(a).runs[0].keys
-        assert remote.contains(keys) == 2 and remote.counters.stored == 2
+        assert remote.present(keys) == 2 and remote.counters.stored == 2
         s.cpu.delete(list(keys))
-        assert [r.tier for r in s.manager.lookup(a).runs] == ["grpc"]
+        assert [r.tier for r in lookup(s, a).runs] == ["grpc"]
         assert torch.equal(load(s, a), a_kv)
         assert remote.counters.loaded == 2
     finally:
@@ -140,9 +183,9 @@ def test_the_server_bounds_memory_and_spills_to_disk_across_a_restart(tmp_path):
     disk = tmp_path / "server-l2"
     server = CacheServerProcess(tmp_path, "--capacity", "300KiB", "--disk", str(disk), "--disk-capacity", "10MiB")
     try:
-        tier = GrpcTier(server.address, NS)
+        tier = Client(server.address, NS)
         items = chunks(8)                               # 8 x 64 KiB: 4 fit in memory, the rest spill
-        assert tier.write_chunks(items) == []
+        assert tier.write_chunks(items) == ()
         stats = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
         memory, on_disk = stats.tiers
         assert memory.used_bytes <= 300 << 10 and on_disk.chunks >= 4
@@ -165,9 +208,9 @@ def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path, bulk):
     disk = tmp_path / "server-l2"
     server = CacheServerProcess(tmp_path, "--capacity", "100KiB", "--disk", str(disk))
     try:
-        tier = GrpcTier(server.address, NS, bulk=bulk)
+        tier = Client(server.address, NS, bulk=bulk)
         items = chunks(3)
-        assert tier.write_chunks(items) == []
+        assert tier.write_chunks(items) == ()
         server.stop(graceful=True)
         files = sorted(disk.rglob("*.chunk"))
         assert len(files) == 3
@@ -182,8 +225,8 @@ def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path, bulk):
             if tier.available:
                 break
             time.sleep(0.1)
-        assert got == [None]
-        tier.complete_load([items[0][0].key], [items[0][0].key])
+        assert got == [Failure.CORRUPT]
+        tier.complete_load([items[0][0].key], {items[0][0].key: Failure.CORRUPT})
         assert tier.counters.integrity_failures == 1 and tier.contains([items[0][0].key]) == 0   # and deleted
         assert tier.read_chunks_into([(items[1][0].key, buf)]) == [1 << 16]
     finally:
@@ -223,7 +266,7 @@ def test_malformed_and_oversized_rpcs_get_clean_statuses_and_the_server_stays_up
         log = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
         codes = [r["code"] for r in log if r.get("event") == "rpc_rejected"]
         assert codes.count("INVALID_ARGUMENT") == 5 and codes.count("RESOURCE_EXHAUSTED") == 1
-        tier = GrpcTier(server.address, NS, max_message_bytes=8 << 20)
+        tier = Client(server.address, NS, max_message_bytes=8 << 20)
         assert tier.health().max_message_bytes == 1 << 20
     finally:
         server.stop()
@@ -235,10 +278,10 @@ def test_a_client_learns_the_servers_message_limit_and_splits_chunks_to_fit(tmp_
         s = Stack(num_blocks=64, cpu_chunks=2, geometry=KVGeometry(4, 8, 64, "float32"),   # 256 KiB chunks
                   grpc={"enabled": True, "address": server.address, "bulk": "off"})   # on gRPC streams
         try:
-            remote = s.offload.tiers[1]
-            assert remote.max_message_bytes == 64 << 10 and remote.part_bytes < 64 << 10
+            remote, values = s.lower("grpc"), s.transport("grpc")
+            assert values.max_message_bytes == 64 << 10 and values.part_bytes < 64 << 10
             a, a_kv = put(s, "a", seed=1)
-            s.manager.drain()
+            s.offload.drain()
             keys = s.manager.lookup(a).runs[0].keys
             assert remote.counters.stored == 2 and remote.counters.errors == 0
             s.cpu.delete(list(keys))
@@ -252,10 +295,10 @@ def test_a_client_learns_the_servers_message_limit_and_splits_chunks_to_fit(tmp_
 def test_a_wrong_or_missing_auth_token_is_refused_and_logged(token_server, tmp_path):
     server = token_server
     items = chunks(1)
-    good = GrpcTier(server.address, NS, auth_token=TOKEN)
-    bad = GrpcTier(server.address, NS, auth_token="guess", retry_interval_s=0.1)
-    assert good.write_chunks(items) == []
-    assert bad.contains([items[0][0].key]) == 0 and bad.counters.errors == 1     # a miss, not an exception
+    good = Client(server.address, NS, auth_token=TOKEN)
+    bad = Client(server.address, NS, auth_token="guess", retry_interval_s=0.1)
+    assert good.write_chunks(items) == ()
+    assert bad.contains([items[0][0].key]) == 0 and bad.index.stats()["errors"] == 1   # a miss, not an exception
     with pytest.raises(grpc.RpcError) as err:
         raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString())
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -263,8 +306,8 @@ def test_a_wrong_or_missing_auth_token_is_refused_and_logged(token_server, tmp_p
     assert server.log().count("UNAUTHENTICATED") >= 2
     s = make(server, auth_token_file=str(tmp_path / "token"))
     try:
-        remote = s.offload.tiers[1]            # the config's token file: calls go through (another namespace: a miss)
-        assert remote.contains([items[0][0].key]) == 0 and remote.counters.errors == 0
+        remote = s.lower("grpc")            # the config's token file: calls go through (another namespace: a miss)
+        assert remote.present([items[0][0].key]) == 0 and remote.stats()["errors"] == 0
     finally:
         s.close()
 
@@ -275,23 +318,23 @@ def test_a_killed_server_is_a_run_of_misses_and_the_tier_recovers_when_it_return
     s = make(server, bulk=bulk)
     try:
         a, a_kv = put(s, "a", seed=1)
-        s.manager.drain()
+        s.offload.drain()
         keys = s.manager.lookup(a).runs[0].keys
         server.stop()                                              # SIGKILL mid-run
         s.cpu.delete(list(keys))
         t0 = time.monotonic()
-        assert s.manager.lookup(a).num_hit_blocks == 0             # a miss, not an exception
+        assert lookup(s, a).num_hit_blocks == 0                    # a miss, not an exception
         b, _ = put(s, "b", seed=2)
-        s.manager.drain()
+        s.offload.drain()
         assert time.monotonic() - t0 < 3.0                         # no stall on a dead server
-        remote = s.offload.tiers[1]
-        assert remote.counters.errors >= 1
+        remote = s.lower("grpc")
+        assert remote.stats()["errors"] >= 1
         server.start()                                             # an empty server on the same port
         deadline = time.monotonic() + 10
         while True:
             c, _ = put(s, "c" + str(time.monotonic()), seed=3 + int(time.monotonic() * 1000) % 1000)
-            s.manager.drain()
-            if remote.contains(s.manager.lookup(c).runs[0].keys) == 2:
+            s.offload.drain()
+            if remote.present(s.manager.lookup(c).runs[0].keys) == 2:
                 break                                              # recovered without restarting the client
             assert time.monotonic() < deadline, "the tier did not recover within 10 s"
             time.sleep(0.2)
@@ -330,7 +373,9 @@ def test_the_metrics_endpoint_exports_the_servers_tiers(tmp_path):
     port = free_port()
     server = CacheServerProcess(tmp_path, "--metrics-port", str(port))
     try:
-        GrpcTier(server.address, NS).write_chunks(chunks(2))
+        client = Client(server.address, NS)
+        client.write_chunks(chunks(2))
+        client.close()
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'tiercache_tier_chunks{tier="memory"} 2.0' in body
         assert "tiercache_server_put_stored_total 2.0" in body
@@ -402,17 +447,17 @@ def test_an_engine_starts_while_the_server_is_down_and_picks_it_up_later(tmp_pat
               grpc={"enabled": True, "address": f"127.0.0.1:{port}", "retry_interval": 0.2, "timeout": 0.5})
     server = None
     try:
-        a, _ = put(s, "a", seed=1)                       # stores go on; copies to the absent server fail
-        s.manager.drain()
+        a, _ = put(s, "a", seed=1)                       # stores go on; none go to the absent server
+        s.offload.drain()
         assert s.manager.lookup(a).runs[0].tier == "cpu"
-        remote = s.offload.tiers[1]
-        assert remote.counters.errors >= 1
+        remote = s.lower("grpc")
+        assert not remote.available and remote.counters.store_rejected == 2
         server = CacheServerProcess(tmp_path, port=port)
         deadline = time.monotonic() + 10
         while True:
             b, _ = put(s, f"b{time.monotonic()}", seed=2 + int(time.monotonic() * 1000) % 1000)
-            s.manager.drain()
-            if remote.contains(s.manager.lookup(b).runs[0].keys) == 2:
+            s.offload.drain()
+            if remote.present(s.manager.lookup(b).runs[0].keys) == 2:
                 break
             assert time.monotonic() < deadline, "the tier did not pick the server up within 10 s"
             time.sleep(0.2)
@@ -422,24 +467,30 @@ def test_an_engine_starts_while_the_server_is_down_and_picks_it_up_later(tmp_pat
             server.stop()
 
 
-def test_a_hung_server_holds_a_lookup_for_lookup_timeout_once_then_misses_at_once():
-    """A host that accepts connections and never speaks: the scheduler's first lookup waits its short
-    lookup timeout, not the transfer timeout; the next ones answer at once while a prober knocks."""
+def test_a_hung_server_never_holds_the_scheduler_and_then_answers_misses_at_once():
+    """A host that accepts connections and never speaks: the scheduler's lookups answer at once ("ask again"
+    while the one query waits out its short lookup timeout on the lookup thread), then misses without asking
+    while a prober knocks."""
     import socket
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)
-    tier = GrpcTier(f"127.0.0.1:{hole.getsockname()[1]}", NS, timeout_s=5.0, lookup_timeout_s=0.2,
-                    retry_interval_s=0.05)
+    index = GrpcIndex(f"127.0.0.1:{hole.getsockname()[1]}", lookup_timeout_s=0.2, retry_interval_s=0.05)
+    index.attach([NS])
     keys = [m.key for m, _ in chunks(2)]
     try:
         t = time.monotonic()
-        assert tier.contains(keys) == 0
-        assert time.monotonic() - t < 1.0
+        slowest, answer = 0.0, None
+        while answer is None:
+            asked = time.monotonic()
+            answer = index.contains(keys)
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.001)
+        assert answer == 0 and slowest < 0.05 and time.monotonic() - t < 1.0
         t = time.monotonic()
-        assert all(tier.contains(keys) == 0 for _ in range(50)) and time.monotonic() - t < 0.2
-        eventually(lambda: tier._outage.probes >= 1, 10, "a background probe")
-        assert not tier.available
+        assert all(index.contains(keys) == 0 for _ in range(50)) and time.monotonic() - t < 0.2
+        eventually(lambda: index._outage.probes >= 1, 10, "a background probe")
+        assert not index.available
     finally:
-        tier.close()
+        index.close()
         hole.close()
 
 
@@ -450,9 +501,9 @@ def _stats_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("bulk", ["auto", "off"])
 def test_tiercache_stats_names_the_most_read_chunks(cache_server, bulk):
-    tier = GrpcTier(cache_server.address, NS, bulk=bulk)
+    tier = Client(cache_server.address, NS, bulk=bulk)
     items = chunks(3)
-    assert tier.write_chunks(items) == []
+    assert tier.write_chunks(items) == ()
     bufs = [memoryview(bytearray(len(raw))) for _, raw in items]
     for reads in (3, 1):                                  # chunk 0 four times, chunks 1 and 2 once
         for _ in range(reads):

@@ -1,4 +1,6 @@
 """L1 over L2 on real files: spills, write-through, admission, promotion, and corrupt chunks as misses."""
+import time
+
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
@@ -17,25 +19,36 @@ def put(s: Stack, req: str, seed: int, chunks: int = 2):
     s.blocks.allocate(req, len(tokens))
     ids = s.blocks.block_ids(req)
     s.fill(req, ids, seed)
-    s.manager.wait(s.manager.submit([s.manager.plan_store(hashes, ids)]))
+    s.run(s.manager.plan_store(hashes, ids))
     expect = s.kv.kv[:, :, ids].clone()
     s.blocks.free(req)
     return hashes, expect
 
 
+def lookup(s: Stack, hashes):
+    """A lookup asked until no tier's answer is still on its way (a remote index looks up on its own thread)."""
+    deadline = time.monotonic() + 10
+    found = s.manager.lookup(hashes)
+    while found.pending:
+        assert time.monotonic() < deadline, "a remote lookup never answered"
+        time.sleep(0.002)
+        found = s.manager.lookup(hashes)
+    return found
+
+
 def load(s: Stack, hashes) -> torch.Tensor | None:
     """Bring a request's prefix back into fresh L0 blocks through whatever tiers hold it."""
-    lookup = s.manager.lookup(hashes)
-    if s.manager.promote(lookup):
-        s.manager.drain()
-        lookup = s.manager.lookup(hashes)
-    lookup = s.manager.in_l1(lookup)
-    if lookup.num_hit_blocks < len(hashes):
+    found = lookup(s, hashes)
+    if s.manager.promote(found):
+        s.offload.drain()
+        found = lookup(s, hashes)
+    found = s.manager.in_l1(found)
+    if found.num_hit_blocks < len(hashes):
         return None
     s.blocks.allocate("load", len(hashes) * BLOCK)
     ids = s.blocks.block_ids("load")
     s.kv.kv[:, :, ids] = 0
-    s.manager.wait(s.manager.submit(s.manager.plan_load(lookup, ids)))
+    s.run(s.manager.plan_load(found, ids))
     got = s.kv.kv[:, :, ids].clone()
     s.blocks.free("load")
     return got
@@ -45,10 +58,10 @@ def test_write_back_spills_what_l1_evicts_and_promotes_it_back(tmp_path):
     s = make(tmp_path)
     try:
         a, a_kv = put(s, "a", seed=1)
-        assert s.offload.tiers[1].num_chunks == 0          # write-back: nothing on disk yet
+        assert s.lower("disk").num_chunks == 0          # write-back: nothing on disk yet
         b, b_kv = put(s, "b", seed=2)                      # L1 holds two chunks: a's are evicted...
-        s.manager.drain()
-        disk = s.offload.tiers[1]
+        s.offload.drain()
+        disk = s.lower("disk")
         assert disk.contains(s.manager.lookup(a).runs[0].keys) == 2   # ...and spilled, tail first
         assert [r.tier for r in s.manager.lookup(a).runs] == ["disk"]
         got = load(s, a)                                   # promoted to L1, then loaded to L0
@@ -62,11 +75,11 @@ def test_write_through_copies_every_store_down_at_once(tmp_path):
     s = make(tmp_path, write_mode="write-through")
     try:
         a, a_kv = put(s, "a", seed=1)
-        s.manager.drain()
-        disk = s.offload.tiers[1]
+        s.offload.drain()
+        disk = s.lower("disk")
         assert disk.num_chunks == 2
         put(s, "b", seed=2)
-        s.manager.drain()
+        s.offload.drain()
         assert disk.num_chunks == 4 and all(e.pins == 0 for e in s.cpu.entries.values())
         assert torch.equal(load(s, a), a_kv)
     finally:
@@ -79,10 +92,10 @@ def test_min_hits_admission_keeps_one_off_chunks_off_the_disk(tmp_path):
         a, a_kv = put(s, "a", seed=1)
         assert torch.equal(load(s, a), a_kv)               # a is reused once: admitted
         c, _ = put(s, "c", seed=3)                          # evicts a (hit) → spilled
-        s.manager.drain()
+        s.offload.drain()
         put(s, "d", seed=4)                                 # evicts c (never hit) → dropped
-        s.manager.drain()
-        disk = s.offload.tiers[1]
+        s.offload.drain()
+        disk = s.lower("disk")
         assert disk.contains(s.manager.lookup(a).runs[0].keys if s.manager.lookup(a).runs else []) == 2
         assert s.manager.lookup(c).num_hit_blocks == 0
     finally:
@@ -94,9 +107,9 @@ def test_a_corrupt_disk_chunk_is_a_miss_and_is_deleted(tmp_path):
     try:
         a, _ = put(s, "a", seed=1)
         put(s, "b", seed=2)
-        s.manager.drain()
-        disk = s.offload.tiers[1]
-        victim = disk.path(s.manager.lookup(a).runs[0].keys[0])
+        s.offload.drain()
+        disk = s.lower("disk")
+        victim = s.transport("disk").path(s.manager.lookup(a).runs[0].keys[0])
         raw = bytearray(victim.read_bytes())
         raw[-3] ^= 0xFF
         victim.write_bytes(raw)

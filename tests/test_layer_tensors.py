@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tiercache.build import build_offload_stack
 from tiercache.config import TierCacheConfig
+from tiercache.connectors.reference import ReferenceConnector
 from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
@@ -27,22 +27,21 @@ def test_blocks_round_trip_through_l1_and_disk(tmp_path, shape, block_dim):
                                     cpu={"capacity": 4 * 2 * kv.block_bytes, "prefault": False},
                                     disk={"enabled": True, "path": str(tmp_path)})
     ns = Namespace("m", kv.geometry, BLOCK)
-    stack = build_offload_stack(cfg, kv, ns)
-    m = stack.manager
+    stack = ReferenceConnector(cfg, ns, [kv])
+    m = stack.scheduler.manager
     try:
         hashes = BlockHasher(ns).hash_blocks(list(range(4 * BLOCK)))
         src = [5, 2, 9, 11]
-        m.wait(m.submit([m.plan_store(hashes, src)]))
+        stack.run([m.plan_store(hashes, src)])
         expect = [t.select(block_dim, 0).clone() for t in tensors]  # untouched block 0 stays as it was
         stored = [torch.stack([t.select(block_dim, b) for b in src]).clone() for t in tensors]
-        m.submit(m.flush_down())
-        m.drain()
-        stack.tiers[0].delete(list(stack.tiers[0].entries))           # only the disk has them now
+        stack.drain(flush=True)
+        m.l1.delete(list(m.l1.entries))                                # only the disk has them now
         lookup = m.lookup(hashes)
         assert m.promote(lookup)
-        m.drain()
+        stack.drain()
         dst = [12, 3, 4, 7]
-        m.wait(m.submit(m.plan_load(m.in_l1(m.lookup(hashes)), dst)))
+        stack.run(m.plan_load(m.in_l1(m.lookup(hashes)), dst))
         for t, want, zero in zip(tensors, stored, expect):
             assert torch.equal(torch.stack([t.select(block_dim, b) for b in dst]), want)
             assert torch.equal(t.select(block_dim, 0), zero)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tiercache.tiers.base import Medium
+from tiercache.tiers.base import Medium, link_name
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.links import LinkLimits, LinkSet
 from tiercache.transfer.plan import JobId, Priority, TransferPlan
@@ -13,7 +13,8 @@ MB = 1_000_000
 
 
 def plan(job: int, nbytes: int, priority=Priority.LOAD, src=Medium.CPU, dst=Medium.DEVICE) -> TransferPlan:
-    return TransferPlan(JobId(job), src, dst, priority, (), nbytes)
+    """A plan between tiers named after their media, on the link those media share."""
+    return TransferPlan(JobId(job), src.value, dst.value, link_name(src, dst), priority, (), nbytes)
 
 
 def simulate(links: LinkSet, seconds_per_byte: float, until: float | None = None):
@@ -26,7 +27,7 @@ def simulate(links: LinkSet, seconds_per_byte: float, until: float | None = None
             continue
         log.append((now, job))
         now += job.nbytes * seconds_per_byte
-        links.link(job.src, job.dst).finish(job, True, job.nbytes, job.nbytes * seconds_per_byte, now)
+        links.link(job.link).finish(job, True, job.nbytes, job.nbytes * seconds_per_byte, now)
         if until is not None and now > until:
             break
     return now, log
@@ -97,17 +98,16 @@ def test_in_flight_cap_holds_jobs_back_until_one_finishes():
     first, _ = links.next_job(0.0)
     second, wait = links.next_job(0.0)
     assert first is not None and second is None and wait is None    # 4 MB would exceed the 3 MB cap
-    links.link(first.src, first.dst).finish(first, True, first.nbytes, 0.1, 0.1)
+    links.link(first.link).finish(first, True, first.nbytes, 0.1, 0.1)
     assert links.next_job(0.1)[0] is not None
 
 
 def test_engine_drops_stores_as_failed_results_and_counts_them():
     engine = TransferEngine(workers=1, limits={"host_disk": LinkLimits(rate=1 * MB, max_queued_stores=MB)})
     gate = threading.Event()
-    engine.register(Medium.CPU, Medium.DISK, lambda p, progress=None: gate.wait() and None)
+    engine.register("cpu", "disk", lambda p, progress=None: gate.wait() and None)
     try:
-        ids = [engine.submit(plan(engine.next_job_id(), MB, Priority.STORE, Medium.CPU, Medium.DISK))
-               for _ in range(4)]
+        ids = [engine.submit(plan(i, MB, Priority.STORE, Medium.CPU, Medium.DISK)) for i in range(4)]
         time.sleep(0.05)
         dropped = [r for r in engine.poll() if r.error == "dropped"]
         assert len(dropped) >= 2 and all(not r.ok for r in dropped)
@@ -123,10 +123,10 @@ def test_engine_drops_stores_as_failed_results_and_counts_them():
 def test_engine_rate_limit_in_real_time():
     """A coarse real-clock check of the same machinery: 20 MB at 50 MB/s takes about 0.4 s."""
     engine = TransferEngine(workers=2, limits={"device_host": LinkLimits(rate=50 * MB, burst=MB)})
-    engine.register(Medium.CPU, Medium.DEVICE, lambda p, progress=None: None)
+    engine.register("cpu", "device", lambda p, progress=None: None)
     try:
         start = time.monotonic()
-        ids = [engine.submit(plan(engine.next_job_id(), MB)) for _ in range(21)]
+        ids = [engine.submit(plan(i, MB)) for i in range(21)]
         engine.wait(ids, timeout=10)
         elapsed = time.monotonic() - start
         assert 0.3 < elapsed < 0.8, elapsed

@@ -1,10 +1,11 @@
-"""Manager + transfer engine + L1 on CPU: lookup, store and load round trips, told step by step."""
+"""Manager (scheduler side) + a worker's transfer engine and L1 slab on CPU: lookup, store and load round
+trips, told step by step."""
 import random
 
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
-from tiercache.transfer.plan import Priority
+from tiercache.transfer.plan import Failure, Priority
 
 BPC = CHUNK // BLOCK
 
@@ -24,7 +25,7 @@ def test_store_then_load_is_bit_exact(stack):
     expect = stack.kv.kv[:, :, ids[:3 * BPC]].clone()
 
     # Store: every full chunk goes to L1; the partial tail does not.
-    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
+    (result,) = stack.run(stack.manager.plan_store(hashes, ids))
     assert result.ok and stack.cpu.num_chunks == 3
     stack.blocks.free("a")
 
@@ -36,8 +37,8 @@ def test_store_then_load_is_bit_exact(stack):
 
     stack.blocks.allocate("b", len(tokens))
     new_ids = stack.blocks.block_ids("b")
-    results = stack.manager.wait(stack.manager.submit(stack.manager.plan_load(lookup, new_ids)))
-    assert all(r.ok for r in results)
+    results = stack.run(stack.manager.plan_load(lookup, new_ids))
+    assert results and all(r.ok for r in results)
     assert torch.equal(stack.kv.kv[:, :, new_ids[:3 * BPC]], expect)
     assert stack.manager.num_in_flight == 0
 
@@ -50,10 +51,10 @@ def test_scattered_blocks_round_trip():
         ids = random.Random(3).sample(range(64), 2 * BPC)
         s.fill("x", ids, seed=5)
         expect = s.kv.kv[:, :, ids].clone()
-        s.manager.wait(s.manager.submit([s.manager.plan_store(hashes, ids)]))
+        s.run(s.manager.plan_store(hashes, ids))
         s.kv.kv.zero_()
         other = random.Random(4).sample(range(64), 2 * BPC)
-        s.manager.wait(s.manager.submit(s.manager.plan_load(s.manager.lookup(hashes), other)))
+        s.run(s.manager.plan_load(s.manager.lookup(hashes), other))
         assert torch.equal(s.kv.kv[:, :, other], expect)
     finally:
         s.close()
@@ -64,7 +65,7 @@ def test_load_skips_blocks_already_in_l0(stack):
     tokens = list(range(3 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=2)
     expect = stack.kv.kv[:, :, ids].clone()
-    stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
+    stack.run(stack.manager.plan_store(hashes, ids))
 
     lookup = stack.manager.lookup(hashes, num_computed_blocks=6)
     assert lookup.num_computed_blocks == 6
@@ -73,7 +74,7 @@ def test_load_skips_blocks_already_in_l0(stack):
 
     marker = torch.full_like(stack.kv.kv[:, :, 0], 7.0)
     stack.kv.kv[:, :, ids] = marker.unsqueeze(2)
-    stack.manager.wait(stack.manager.submit(stack.manager.plan_load(lookup, ids)))
+    stack.run(stack.manager.plan_load(lookup, ids))
     assert torch.equal(stack.kv.kv[:, :, ids[:6]], marker.unsqueeze(2).expand_as(expect[:, :, :6]))
     assert torch.equal(stack.kv.kv[:, :, ids[6:]], expect[:, :, 6:])
 
@@ -81,7 +82,7 @@ def test_load_skips_blocks_already_in_l0(stack):
 def test_lookup_stops_at_the_first_missing_chunk(stack):
     tokens = list(range(3 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=3)
-    stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
+    stack.run(stack.manager.plan_store(hashes, ids))
     stack.cpu.delete([hashes[2 * BPC - 1]])          # drop chunk 1
     lookup = stack.manager.lookup(hashes)
     assert lookup.num_hit_blocks == BPC and len(lookup.runs) == 1
@@ -92,15 +93,17 @@ def test_lookup_stops_at_the_first_missing_chunk(stack):
 def test_stores_skip_present_chunks(stack):
     tokens = list(range(2 * CHUNK))
     hashes, ids = run_request(stack, "a", tokens, seed=4)
-    (job,) = stack.manager.submit([stack.manager.plan_store(hashes, ids)])
+    plan = stack.manager.plan_store(hashes, ids)
     assert stack.manager.num_in_flight == 1
-    assert stack.manager.lookup(hashes).num_hit_blocks == 0   # invisible while being written
-    stack.manager.wait([job])
+    assert stack.manager.lookup(hashes).num_hit_blocks == 0   # invisible until every rank reports the write
+    stack.run(plan)
     assert stack.manager.plan_store(hashes, ids) is None      # nothing new to store
     longer = stack.hasher.hash_blocks(tokens + list(range(CHUNK)))
     stack.blocks.allocate("b", 3 * CHUNK)
-    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(longer, stack.blocks.block_ids("b"))]))
-    assert len(result.plan.chunks) == 1 and stack.cpu.num_chunks == 3
+    plan = stack.manager.plan_store(longer, stack.blocks.block_ids("b"))
+    assert len(plan.chunks) == 1
+    stack.run(plan)
+    assert stack.cpu.num_chunks == 3
 
 
 def test_a_failing_handler_becomes_a_failed_result(stack, monkeypatch):
@@ -111,11 +114,13 @@ def test_a_failing_handler_becomes_a_failed_result(stack, monkeypatch):
     def broken(plan, progress=None):
         raise OSError("injected copy failure")
 
-    monkeypatch.setitem(stack.manager.engine._handlers, (stack.cpu.medium.DEVICE, stack.cpu.medium), broken)
-    (result,) = stack.manager.wait(stack.manager.submit([stack.manager.plan_store(hashes, ids)]))
-    assert not result.ok and "injected" in result.error and len(result.failed_keys) == 2
+    engine = stack.offload.workers[0].stack.engine
+    monkeypatch.setitem(engine._handlers, ("device", "cpu"), broken)
+    (result,) = stack.run(stack.manager.plan_store(hashes, ids))
+    assert not result.ok and "injected" in result.error and len(result.failed) == 2
+    assert set(result.failed.values()) == {Failure.IO}
     assert stack.cpu.num_chunks == 0 and stack.cpu.used_bytes == 0 and stack.cpu.counters.errors == 2
-    assert stack.manager.engine.stats()["device_host"]["failed"] == 1
+    assert engine.stats()["device_host"]["failed"] == 1
 
 
 def test_l1_capacity_bounds_stores_and_evicts_tails_first():
@@ -125,7 +130,7 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
         tokens = list(range(4 * CHUNK))
         hashes = s.hasher.hash_blocks(tokens)
         s.blocks.allocate("a", len(tokens))
-        s.manager.wait(s.manager.submit([s.manager.plan_store(hashes, s.blocks.block_ids("a"))]))
+        s.run(s.manager.plan_store(hashes, s.blocks.block_ids("a")))
         assert s.cpu.num_chunks == 2 and s.cpu.used_bytes <= s.cpu.capacity_bytes
         assert s.cpu.counters.store_rejected == 2
         assert s.manager.lookup(hashes).num_hit_blocks == 2 * BPC
@@ -133,7 +138,7 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
         # One chunk of another prompt evicts a's tail chunk, not its head.
         other = s.hasher.hash_blocks([t + 10_000 for t in range(CHUNK)])
         s.blocks.allocate("b", CHUNK)
-        s.manager.wait(s.manager.submit([s.manager.plan_store(other, s.blocks.block_ids("b"))]))
+        s.run(s.manager.plan_store(other, s.blocks.block_ids("b")))
         assert s.cpu.counters.evicted == 1
         assert s.manager.lookup(hashes).num_hit_blocks == BPC
         assert s.manager.lookup(other).num_hit_blocks == BPC
@@ -142,10 +147,11 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
 
 
 def test_priorities_loads_before_stores():
-    from tiercache.tiers.base import Medium
-    from tiercache.transfer.engine import TransferEngine
-    from tiercache.transfer.plan import TransferPlan
     import threading
+    import time
+
+    from tiercache.transfer.engine import TransferEngine
+    from tiercache.transfer.plan import JobId, TransferPlan
 
     engine = TransferEngine(workers=1)
     gate = threading.Event()
@@ -155,14 +161,13 @@ def test_priorities_loads_before_stores():
         gate.wait()
         order.append(plan.priority)
 
-    engine.register(Medium.DEVICE, Medium.CPU, handler)
+    engine.register("device", "cpu", handler)
     try:
-        first = TransferPlan(engine.next_job_id(), Medium.DEVICE, Medium.CPU, Priority.STORE, (), 0)
+        first = TransferPlan(JobId(1), "device", "cpu", "device_host", Priority.STORE, (), 0)
         engine.submit(first)        # occupies the single worker
-        import time
         time.sleep(0.05)
-        plans = [TransferPlan(engine.next_job_id(), Medium.DEVICE, Medium.CPU, p, (), 0)
-                 for p in (Priority.STORE, Priority.PREFETCH, Priority.LOAD)]
+        plans = [TransferPlan(JobId(2 + i), "device", "cpu", "device_host", p, (), 0)
+                 for i, p in enumerate((Priority.STORE, Priority.PREFETCH, Priority.LOAD))]
         for p in plans:
             engine.submit(p)
         gate.set()

@@ -1,11 +1,16 @@
-"""L3 on a real redis-server: shared chunks, verification, namespaces, and outages that become misses."""
+"""L3 on a real redis-server: shared chunks, verification, namespaces, and outages that become misses.
+
+The tier is two objects: `RedisIndex` (the scheduler's lookups, on a thread of their own) and one
+`RedisTransport` per rank (the values); the stack tests drive both through the manager and the ranks.
+"""
 
 import redis
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack, eventually
-from tests.test_hierarchy import load, put
-from tiercache.tiers.redis import RedisTier
+from tests.test_hierarchy import load, lookup, put
+from tiercache.tiers.redis import RedisIndex, RedisTransport
+from tiercache.transfer.plan import Failure
 
 BPC = CHUNK // BLOCK
 
@@ -19,12 +24,13 @@ def test_chunks_go_down_to_redis_and_come_back_bit_exact(redis_server):
     s = make(redis_server)
     try:
         a, a_kv = put(s, "a", seed=1)                 # write-through: L1 and Redis
-        s.manager.drain()
-        remote = s.offload.tiers[1]
+        s.offload.drain()
+        remote = s.lower("redis")
         keys = s.manager.lookup(a).runs[0].keys
-        assert remote.contains(keys) == 2 and remote.counters.stored == 2
+        assert remote.present(keys) == 2 and remote.counters.stored == 2
         s.cpu.delete(list(keys))                      # only Redis has them now
-        assert [r.tier for r in s.manager.lookup(a).runs] == ["redis"]
+        assert s.manager.lookup(a).pending            # the scheduler does not wait for Redis: ask again...
+        assert [r.tier for r in lookup(s, a).runs] == ["redis"]   # ...and the answer is in
         assert torch.equal(load(s, a), a_kv)          # promoted into L1, then loaded
         assert remote.counters.loaded == 2
     finally:
@@ -35,7 +41,7 @@ def test_a_second_replica_shares_the_prefix(redis_server):
     first, second = make(redis_server), make(redis_server)
     try:
         a, a_kv = put(first, "a", seed=1)
-        first.manager.drain()
+        first.offload.drain()
         assert torch.equal(load(second, a), a_kv)     # computed by the first, served to the second
     finally:
         first.close()
@@ -47,20 +53,22 @@ def test_corrupt_or_foreign_values_are_misses_and_are_deleted(redis_server):
     client = redis.Redis.from_url(redis_server.url)
     try:
         a, _ = put(s, "a", seed=1)
-        s.manager.drain()
-        remote = s.offload.tiers[1]
+        s.offload.drain()
+        remote = s.lower("redis")
         keys = s.manager.lookup(a).runs[0].keys
-        rkey = remote._rkey(keys[0])
+        rkey = s.transport("redis")._rkey(keys[0])
         value = bytearray(client.get(rkey))
         value[-1] ^= 0xFF
         client.set(rkey, bytes(value))
         s.cpu.delete(list(keys))
         remote.watch_removals()
         assert load(s, a) is None                     # never served
-        assert remote.counters.integrity_failures >= 1 and not client.exists(rkey)
+        assert remote.counters.integrity_failures >= 1 and not client.exists(rkey)   # deleted by the rank
         assert remote.take_removed() == [keys[0]]     # a KV event can say it left
-        other = RedisTier(redis_server.url, b"x" * 16)   # another namespace sees nothing
-        assert other.contains(list(keys)) == 0
+        other = RedisIndex(redis_server.url)           # another namespace sees nothing
+        other.attach([b"x" * 16])
+        assert other.present(list(keys)) == 0
+        other.close()
     finally:
         s.close()
 
@@ -74,13 +82,13 @@ def test_deployments_with_other_chunk_sizes_never_read_each_others_chunks(redis_
     small = make(redis_server)
     try:
         a, a_kv = put(big, "a", seed=1)
-        big.manager.drain()
+        big.offload.drain()
         assert put(small, "a", seed=1)[1].equal(a_kv)                 # the same prompt, the same KV
-        small.manager.drain()
+        small.offload.drain()
         for s in (big, small):
             s.cpu.delete(list(s.manager.lookup(a).runs[0].keys))      # only Redis has them now
             assert torch.equal(load(s, a), a_kv)
-            remote = s.offload.tiers[1]
+            remote = s.lower("redis")
             assert remote.counters.integrity_failures == 0 and remote.counters.load_misses == 0
     finally:
         big.close()
@@ -91,25 +99,27 @@ def test_an_outage_is_a_run_of_misses_and_the_tier_recovers(redis_server):
     s = make(redis_server)
     try:
         a, a_kv = put(s, "a", seed=1)
-        s.manager.drain()
+        s.offload.drain()
         keys = s.manager.lookup(a).runs[0].keys
         redis_server.stop()
         s.cpu.delete(list(keys))
-        assert s.manager.lookup(a).num_hit_blocks == 0          # down: a miss, not an exception
-        b, _ = put(s, "b", seed=2)                               # stores still work (L1), Redis copies fail
-        s.manager.drain()
-        remote = s.offload.tiers[1]
-        assert remote.counters.errors >= 1 and not remote.available
+        assert lookup(s, a).num_hit_blocks == 0                  # down: a miss, not an exception
+        b, _ = put(s, "b", seed=2)                               # stores still work (L1); none go to Redis
+        s.offload.drain()
+        remote, values = s.lower("redis"), s.transport("redis")
+        assert remote.stats()["errors"] >= 1 and not remote.available and remote.counters.store_rejected == 2
         assert (remote.stats()["available"], remote.stats()["outages"]) == (0, 1)   # a gauge to alert on
         bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
-        assert remote.read_chunks_into(list(zip(keys, bufs))) == [None] * len(keys)
-        remote.complete_load(list(keys), list(keys))            # as after a promotion that found it down
+        assert values.read_chunks_into(list(zip(keys, bufs))) == [Failure.UNAVAILABLE] * len(keys)
+        assert not values.available                              # the rank found it down too
+        remote.complete_load(list(keys), {k: Failure.UNAVAILABLE for k in keys})   # a promotion that found it down
         assert remote.counters.load_misses == len(keys) and remote.counters.integrity_failures == 0
         redis_server.start()                                     # an empty server on the same port
-        eventually(lambda: remote.available, 5, "recovery")      # a PING every retry_interval brings it back
+        # a PING every retry_interval brings it back, on the scheduler's side and on the rank's alike
+        eventually(lambda: remote.available and values.available, 5, "recovery")
         c, c_kv = put(s, "c", seed=3)
-        s.manager.drain()
-        assert remote.contains(s.manager.lookup(c).runs[0].keys) == 2   # recovered without a restart
+        s.offload.drain()
+        assert remote.present(s.manager.lookup(c).runs[0].keys) == 2   # recovered without a restart
     finally:
         s.close()
 
@@ -154,10 +164,10 @@ def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
               redis={"enabled": True, "url": url, "cluster": True, "timeout": 2.0, "ttl": 100})
     try:
         a, a_kv = put(s, "a", seed=1, chunks=3)
-        s.manager.drain()
-        remote = s.offload.tiers[1]
+        s.offload.drain()
+        remote, values = s.lower("redis"), s.transport("redis")
         keys = s.manager.lookup(a).runs[0].keys
-        assert remote.contains(keys) == 3
+        assert remote.present(keys) == 3
         nodes = [redis.Redis(port=n.port) for n in redis_cluster]
         per_node = [node.keys(b"tiercache:*") for node in nodes]
         assert sum(map(len, per_node)) == 3          # each chunk lives on exactly the node that owns its slot
@@ -173,10 +183,12 @@ def test_a_three_node_cluster_serves_chunks_across_slots(redis_cluster):
         value[-1] ^= 0xFF
         node.set(rkey, bytes(value))                 # damaged on its node: a miss, counted and deleted
         bufs = [memoryview(bytearray(1 << 20)) for _ in keys]
-        got = remote.read_chunks_into(list(zip(keys, bufs)))
-        assert got.count(None) == 1
-        remote.complete_load(list(keys), [k for k, n in zip(keys, got) if n is None])
-        assert remote.counters.integrity_failures == 1 and not node.exists(rkey)
+        got = values.read_chunks_into(list(zip(keys, bufs)))
+        assert got.count(Failure.CORRUPT) == 1
+        remote.complete_load(list(keys), {k: n for k, n in zip(keys, got) if isinstance(n, Failure)})
+        assert remote.counters.integrity_failures == 1
+        values.delete_chunks(remote.take_deletes())     # what a rank does with the delete plan
+        assert not node.exists(rkey)
     finally:
         s.close()
 
@@ -195,7 +207,7 @@ def test_a_unix_socket_url(tmp_path):
         s = Stack(num_blocks=64, cpu_chunks=2, redis={"enabled": True, "url": f"unix://{sock}"})
         try:
             a, a_kv = put(s, "a", seed=4)
-            s.manager.drain()
+            s.offload.drain()
             keys = s.manager.lookup(a).runs[0].keys
             s.cpu.delete(list(keys))
             assert torch.equal(load(s, a), a_kv)
@@ -227,23 +239,25 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
         s = Stack(num_blocks=64, cpu_chunks=2, redis={"enabled": True, "url": url})
         try:
             a, a_kv = put(s, "a", seed=5)
-            s.manager.drain()
+            s.offload.drain()
             keys = s.manager.lookup(a).runs[0].keys
             s.cpu.delete(list(keys))
             assert torch.equal(load(s, a), a_kv)                     # over TLS and back, bit-exact
         finally:
             s.close()
-        tier = RedisTier(url, b"t" * 16)                             # values larger than the reply buffer
+        tier = RedisTransport(url, b"t" * 16)                        # values larger than the reply buffer
         try:
             chunks = [_chunk(b"t" * 16, i) for i in range(2)]
             bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
-            assert tier.write_chunks(chunks) == []
+            assert tier.write_chunks(chunks) == ()
             assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)]) == [1 << 20] * 2
             assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, chunks))
         finally:
             tier.close()
-        untrusting = RedisTier(f"rediss://127.0.0.1:{port}/0", b"x" * 16, timeout_s=1.0)
-        assert untrusting.contains(list(keys)) == 0 and untrusting.counters.errors == 1
+        untrusting = RedisIndex(f"rediss://127.0.0.1:{port}/0", lookup_timeout_s=1.0)
+        untrusting.attach([b"x" * 16])
+        assert untrusting.present(list(keys)) == 0 and untrusting.stats()["errors"] == 1
+        untrusting.close()
     finally:
         server.stop()
 
@@ -251,7 +265,7 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
 def _chunk(ns: bytes, i: int, nbytes: int = 1 << 20):
     import hashlib
 
-    from tiercache.chunk_format import ChunkMeta
+    from tiercache.wire.chunk_format import ChunkMeta
     from tiercache.keys import BlockHash
     key = BlockHash(hashlib.sha256(b"direct%d" % i).digest())
     raw = torch.arange(nbytes // 2, dtype=torch.float16).add_(i).numpy().tobytes()
@@ -262,16 +276,16 @@ def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
     """Loads read values in GETRANGE pieces off the socket into the slots: one batch mixing good raw and lz4 values,
     a foreign namespace's value, a value shorter than a header and a key of the wrong type gives exactly
     the good chunks, bit-exact, and leaves the connection fit for the next pipeline."""
-    from tiercache.chunk_format import ChunkFormat
+    from tiercache.wire.chunk_format import ChunkFormat
     ns = b"n" * 16
-    tier = RedisTier(redis_server.url, ns)
-    lz4 = RedisTier(redis_server.url, ns, ChunkFormat(codec="lz4"))
-    foreign = RedisTier(redis_server.url, b"f" * 16)
+    tier = RedisTransport(redis_server.url, ns)
+    lz4 = RedisTransport(redis_server.url, ns, ChunkFormat(codec="lz4"))
+    foreign = RedisTransport(redis_server.url, b"f" * 16)
     client = redis.Redis.from_url(redis_server.url)
     try:
         chunks = [_chunk(ns, i) for i in range(6)]
-        assert tier.write_chunks([chunks[0], chunks[5]]) == []
-        assert lz4.write_chunks([chunks[4]]) == []
+        assert tier.write_chunks([chunks[0], chunks[5]]) == ()
+        assert lz4.write_chunks([chunks[4]]) == ()
         meta1, raw1 = chunks[1]
         foreign.write_chunks([(type(meta1)(b"f" * 16, meta1.key, 256, "float16", meta1.shape), raw1)])
         client.set(tier._rkey(meta1.key), client.get(foreign._rkey(meta1.key)))   # right key, wrong namespace
@@ -287,12 +301,12 @@ def test_direct_reads_keep_the_stream_in_step_past_bad_values(redis_server):
         for _ in range(2):                                    # twice: the pooled connection is still in step
             before = getranges()
             got = tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)])
-            assert got == [1 << 20, None, None, None, 1 << 20, 1 << 20]
+            assert got == [1 << 20, Failure.CORRUPT, Failure.CORRUPT, Failure.CORRUPT, 1 << 20, 1 << 20]
             for i in (0, 4, 5):
                 assert bytes(bufs[i]) == chunks[i][1]
             # the foreign value's pieces past those in flight when its header failed are never asked for
             assert getranges() - before == sum(pieces) - (pieces[1] - RANGE_WINDOW)
-        assert tier.available and tier.counters.errors == 0
+        assert tier.available and tier.errors == 0
     finally:
         for t in (tier, lz4, foreign):
             t.close()
@@ -305,11 +319,13 @@ def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_st
     checks is an integrity failure and deleted — at once, or on the next read that finds it bad — so
     `SET NX` can store the chunk again."""
     ns = b"c" * 16
-    tier = RedisTier(redis_server.url, ns)
+    tier = RedisTransport(redis_server.url, ns)
+    index = RedisIndex(redis_server.url)
+    index.attach([ns])
     client = redis.Redis.from_url(redis_server.url)
     try:
         chunks = [_chunk(ns, 10 + i) for i in range(5)]
-        assert tier.write_chunks(chunks) == []
+        assert tier.write_chunks(chunks) == ()
         rkeys = [tier._rkey(m.key) for m, _ in chunks]
         lengths_read = []
         strlen = tier._strlen
@@ -331,28 +347,30 @@ def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_st
         bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
         keys = [m.key for m, _ in chunks]
 
-        def load() -> list[int | None]:      # as the manager does: read, then complete with what failed
+        def load() -> list:      # as rank and scheduler do: read, complete with what failed, delete what was bad
             got = tier.read_chunks_into([(m.key, b) for (m, _), b in zip(chunks, bufs)])
-            tier.complete_load(keys, [k for k, n in zip(keys, got) if n is None])
-            return got
+            index.complete_load(keys, {k: n for k, n in zip(keys, got) if isinstance(n, Failure)})
+            tier.delete_chunks(index.take_deletes())
+            return [None if isinstance(n, Failure) else n for n in got]
 
         assert load() == [None] * 4 + [1 << 20]
         assert bytes(bufs[4]) == chunks[4][1]
-        c = tier.counters
+        c = index.counters
         assert (c.load_misses, c.integrity_failures) == (3, 1)        # only the rewritten one failed its checksum
         assert [bool(client.exists(k)) for k in rkeys] == [False, True, True, False, True]
         monkeypatch.undo()
         assert load() == [None] * 4 + [1 << 20]                      # the short value and the list are bad now
         assert (c.load_misses, c.integrity_failures) == (5, 3)
         assert not any(client.exists(k) for k in rkeys[:4])
-        assert tier.write_chunks(chunks[:4]) == []
+        assert tier.write_chunks(chunks[:4]) == ()
         for b in bufs:
             b[:] = bytes(len(b))
         assert load() == [1 << 20] * 5
         assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, chunks))
-        assert tier.available and tier.counters.errors == 0
+        assert tier.available and tier.errors == 0
     finally:
         tier.close()
+        index.close()
 
 
 def test_reply_reader_parses_replies_split_anywhere_and_reports_a_cut_stream():
@@ -390,12 +408,12 @@ def test_reply_reader_parses_replies_split_anywhere_and_reports_a_cut_stream():
 
 def test_values_are_written_with_the_configured_ttl(redis_server):
     ns = b"t" * 16
-    tier = RedisTier(redis_server.url, ns, ttl_s=100)
-    plain = RedisTier(redis_server.url, ns)
+    tier = RedisTransport(redis_server.url, ns, ttl_s=100)
+    plain = RedisTransport(redis_server.url, ns)
     client = redis.Redis.from_url(redis_server.url)
     try:
         (meta, raw), (meta2, raw2) = _chunk(ns, 1), _chunk(ns, 2)
-        assert tier.write_chunks([(meta, raw)]) == [] and plain.write_chunks([(meta2, raw2)]) == []
+        assert tier.write_chunks([(meta, raw)]) == () and plain.write_chunks([(meta2, raw2)]) == ()
         assert 0 < client.ttl(tier._rkey(meta.key)) <= 100
         assert client.ttl(plain._rkey(meta2.key)) == -1           # no TTL: kept until maxmemory says
         buf = memoryview(bytearray(len(raw)))
@@ -413,14 +431,14 @@ def test_a_chunk_already_there_is_kept_not_rewritten(redis_server):
     """Two replicas may store the same chunk with KV that differs in its last bits; the first copy stays
     (a rewrite could tear a ranged read on a third replica), and the second store is not a failure."""
     ns = b"n" * 16
-    first, second = RedisTier(redis_server.url, ns), RedisTier(redis_server.url, ns, ttl_s=100)
+    first, second = RedisTransport(redis_server.url, ns), RedisTransport(redis_server.url, ns, ttl_s=100)
     client = redis.Redis.from_url(redis_server.url)
     try:
         meta, raw = _chunk(ns, 1)
         other = bytes(b ^ 1 for b in raw[:64]) + raw[64:]
-        assert first.write_chunks([(meta, raw)]) == []
+        assert first.write_chunks([(meta, raw)]) == ()
         before = client.get(first._rkey(meta.key))
-        assert second.write_chunks([(meta, other)]) == []
+        assert second.write_chunks([(meta, other)]) == ()
         assert client.get(first._rkey(meta.key)) == before and client.ttl(first._rkey(meta.key)) == -1
         buf = memoryview(bytearray(len(raw)))
         assert second.read_chunks_into([(meta.key, buf)]) == [len(raw)] and bytes(buf) == raw
@@ -431,16 +449,16 @@ def test_a_chunk_already_there_is_kept_not_rewritten(redis_server):
 
 def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):
     ns = b"o" * 16
-    tier = RedisTier(redis_server.url, ns)
+    tier = RedisTransport(redis_server.url, ns)
     client = redis.Redis.from_url(redis_server.url)
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", str(used + (3 << 20)))     # room for about two more 1 MiB chunks
     try:
         items = [_chunk(ns, i) for i in range(6)]
-        failed = tier.write_chunks(items)
-        assert 0 < len(failed) < 6                            # OOM replies for the rest, one per chunk
-        assert tier.available and tier.counters.errors == 0   # a refusal is not an outage
+        failed = dict(tier.write_chunks(items))
+        assert 0 < len(failed) < 6 and set(failed.values()) == {Failure.IO}   # OOM replies, one per chunk
+        assert tier.available and tier.errors == 0            # a refusal is not an outage
         stored = [(m, raw) for m, raw in items if m.key not in failed]
         bufs = [memoryview(bytearray(len(raw))) for _, raw in stored]
         assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(stored, bufs)]) == [1 << 20] * len(stored)
@@ -449,29 +467,42 @@ def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):
         tier.close()
 
 
-def test_a_server_that_hangs_costs_one_timeout_then_misses_at_once_while_probed_in_the_background():
-    """A Redis that accepts connections and never answers (a hung process, a blackholed host): the first
-    lookup waits out its short lookup timeout (not the transfer timeout), then the tier answers misses
-    without touching the network, and only the outage's own thread keeps knocking."""
+def test_a_server_that_hangs_never_holds_the_scheduler_and_costs_a_rank_one_timeout():
+    """A Redis that accepts connections and never answers (a hung process, a blackholed host). The
+    scheduler's lookups answer at once — "ask again" while the one query is out on the lookup thread — and
+    once it has waited out the short lookup timeout the tier answers misses without touching the network. A
+    rank's first read waits out its own timeout, then its reads fail at once; only the outages' threads
+    keep knocking."""
     import socket
     import time
 
     from tiercache.keys import BlockHash
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)     # connects, never answers
     url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
-    tier = RedisTier(url, b"h" * 16, timeout_s=5.0, lookup_timeout_s=0.3, retry_interval_s=0.05)
+    index = RedisIndex(url, lookup_timeout_s=0.3, retry_interval_s=0.05)
+    index.attach([b"h" * 16])
+    values = RedisTransport(url, b"h" * 16, timeout_s=0.3, retry_interval_s=0.05)
     keys = [BlockHash(bytes([i]) * 32) for i in range(4)]
     try:
         t = time.monotonic()
-        assert tier.contains(keys) == 0
-        assert 0.25 < time.monotonic() - t < 2.0                     # one timeout
+        answers = []
+        while not answers or answers[-1] is None:
+            answers.append(index.contains(keys))
+            time.sleep(0.001)
+        assert answers[-1] == 0 and answers[0] is None
+        assert all(time.perf_counter() >= 0 for _ in answers)
+        assert 0.25 < time.monotonic() - t < 2.0                     # the answer took one lookup timeout...
+        t = time.monotonic()
+        assert values.read_chunks_into([(keys[0], memoryview(bytearray(8)))]) == [Failure.UNAVAILABLE]
+        assert 0.25 < time.monotonic() - t < 2.0                     # ...and the rank's first read one timeout
         t = time.monotonic()
         for _ in range(50):
-            assert tier.contains(keys) == 0
-            assert tier.read_chunks_into([(keys[0], memoryview(bytearray(8)))]) == [None]
+            assert index.contains(keys) == 0
+            assert values.read_chunks_into([(keys[0], memoryview(bytearray(8)))]) == [Failure.UNAVAILABLE]
         assert time.monotonic() - t < 0.2                            # 100 calls, no network
-        eventually(lambda: tier._outage.probes >= 2, 5, "background probes")
-        assert not tier.available and tier._outage.outages == 1
+        eventually(lambda: index._outage.probes >= 2 and values._outage.probes >= 2, 5, "background probes")
+        assert not index.available and index._outage.outages == 1
     finally:
-        tier.close()
+        index.close()
+        values.close()
         hole.close()

@@ -1,31 +1,46 @@
-"""Assemble the offload stack for one engine from the config tree.
+"""Assemble both sides of the offload stack from the config tree.
 
-Runs once at start on whichever side owns the engine's L0. A component that
-cannot be built fails loudly with the config field that chose it.
+- `check_config`: every choice by name (policies, codecs, tiers) resolved
+  and every lower tier's settings checked, before any work starts; errors
+  name the config field.
+- `build_worker_side` (each rank, once its KV is registered): the rank's L1
+  slab (its share of ``cpu.capacity``), its transports, its transfer engine
+  and the handlers that move its bytes, keyed by tier names.
+- `build_scheduler_side` (the engine's scheduler, once every rank has
+  reported): the tier indexes — L1 with the slots every rank has, disk sized
+  per rank and rebuilt from what every rank found — and the `CacheManager`.
+
+Lower tiers come from a registry, in hierarchy order (fastest first); each
+knows how to build its index and its transport. A tier that cannot be built
+fails loudly with the config field that chose it.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tiercache.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.config import TierCacheConfig, read_secret
+from tiercache.connector.api import WorkerHandshake
 from tiercache.errors import ConfigError, RegistryError
-from tiercache.keys import BlockHash, Namespace
+from tiercache.keys import BlockHash, KVShard, Namespace
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
-from tiercache.tiers.base import LowerTier, Tier
-from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.base import LowerIndex, Transport
+from tiercache.tiers.cpu import CpuIndex
+from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 
 log = logging.getLogger(__name__)
+
+L1 = "cpu"
 
 
 def _pin(setting: str) -> bool:
@@ -39,118 +54,242 @@ def _named(registry, name: str, field: str):
         raise ConfigError(field, name, str(err)) from None
 
 
-@dataclass
-class OffloadStack:
-    manager: CacheManager
-    engine: TransferEngine
-    tiers: list[Tier]
-
-    def close(self, flush_timeout: float = 60.0) -> None:
-        """Settle in-flight work, write L1's dirty chunks down (write-back), stop the transfer threads."""
-        m = self.manager
-        try:
-            m.submit(m.take_background())
-            m.submit(m.flush_down())
-            m.drain(flush_timeout)
-        except TimeoutError:
-            log.warning("offload stack closed with %d transfers still running", m.num_in_flight)
-        finally:
-            self.engine.close()
-            for tier in self.tiers:
-                tier.close()
+def chunk_format(config: TierCacheConfig) -> ChunkFormat:
+    try:
+        return ChunkFormat(config.format.codec, config.format.checksum)
+    except RegistryError as err:
+        raise ConfigError("format", f"{config.format.codec}/{config.format.checksum}", str(err)) from None
 
 
-# Lower tiers in hierarchy order (fastest first); each is built when its config section says ``enabled``,
-# given the digest its chunks are filed under (`Namespace.storage_digest`).
-LowerTierBuilder = Callable[[TierCacheConfig, bytes], LowerTier]
+class LowerTier:
+    """How one kind of lower tier is built on each side (registered by name in `lower_tiers`)."""
+
+    @staticmethod
+    def check(config: TierCacheConfig) -> None:
+        """Raise `ConfigError` for settings that cannot work, before anything is built."""
+
+    @staticmethod
+    def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
+        raise NotImplementedError
+
+    @staticmethod
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+        raise NotImplementedError
+
+
 LOWER_TIER_ORDER = ("disk", "redis", "grpc")
-lower_tiers: Registry[LowerTierBuilder] = Registry("lower tier")
+lower_tiers: Registry[type[LowerTier]] = Registry("lower tier")
 
 
 @lower_tiers.register("disk")
-def _disk_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
-    from tiercache.tiers.disk import DiskTier
+class DiskTierBuilder(LowerTier):
+    @staticmethod
+    def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
+        from tiercache.tiers.disk import DiskIndex
 
-    d = config.disk
-    fmt = ChunkFormat(config.format.codec, config.format.checksum)
+        try:
+            return DiskIndex(capacity_bytes, chunk_format(config), eviction=config.disk.eviction)
+        except ValueError as err:
+            raise ConfigError("disk.capacity", config.disk.capacity, str(err)) from None
+
+    @staticmethod
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+        from tiercache.tiers.disk import DiskTransport
+
+        d = config.disk
+        try:
+            return DiskTransport(d.path, storage, chunk_format(config), fsync=d.fsync, o_direct=d.o_direct,
+                                 writer=writer)
+        except OSError as err:
+            field = "disk.o_direct" if "O_DIRECT" in str(err) else "disk.path"
+            raise ConfigError(field, d.o_direct if field == "disk.o_direct" else d.path,
+                              f"cannot use directory: {err.strerror}") from None
+
+
+def _redis_call(config: TierCacheConfig, build):
     try:
-        return DiskTier(d.path, d.capacity, storage, fmt, eviction=d.eviction, fsync=d.fsync,
-                        o_direct=d.o_direct)
-    except OSError as err:
-        field = "disk.o_direct" if "O_DIRECT" in str(err) else "disk.path"
-        raise ConfigError(field, d.o_direct if field == "disk.o_direct" else d.path,
-                          f"cannot use directory: {err.strerror}") from None
+        return build()
+    except ImportError:
+        raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
+    except ConfigError:
+        raise
+    except Exception as err:  # redis-py raises several types for a bad URL or an unreachable cluster
+        raise ConfigError("redis.url", config.redis.url, f"cannot connect: {err}") from None
 
 
 @lower_tiers.register("redis")
-def _redis_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
-    from tiercache.tiers.redis import RedisTier
+class RedisTierBuilder(LowerTier):
+    @staticmethod
+    def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
+        from tiercache.tiers.redis import RedisIndex
 
-    r = config.redis
-    fmt = ChunkFormat(config.format.codec, config.format.checksum)
-    try:
-        return RedisTier(r.url, storage, fmt, ttl_s=r.ttl, timeout_s=r.timeout, lookup_timeout_s=r.lookup_timeout,
-                         retry_interval_s=r.retry_interval, cluster=r.cluster)
-    except ImportError:
-        raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
-    except Exception as err:  # redis-py raises several types for a bad URL or an unreachable cluster
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError("redis.url", r.url, f"cannot connect: {err}") from None
+        r = config.redis
+        return _redis_call(config, lambda: RedisIndex(r.url, chunk_format(config), lookup_timeout_s=min(r.lookup_timeout, r.timeout),
+                                              retry_interval_s=r.retry_interval, cluster=r.cluster))
+
+    @staticmethod
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+        from tiercache.tiers.redis import RedisTransport
+
+        r = config.redis
+        return _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config), ttl_s=r.ttl, timeout_s=r.timeout,
+                                                  retry_interval_s=r.retry_interval, cluster=r.cluster, writer=writer))
+
+
+def _grpc_token(config: TierCacheConfig) -> str | None:
+    g = config.grpc
+    return read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
 
 
 @lower_tiers.register("grpc")
-def _grpc_tier(config: TierCacheConfig, storage: bytes) -> LowerTier:
-    from tiercache.tiers.grpc_client import GrpcTier
+class GrpcTierBuilder(LowerTier):
+    @staticmethod
+    def check(config: TierCacheConfig) -> None:
+        try:
+            import grpc  # noqa: F401
+        except ImportError:
+            raise ConfigError("grpc.enabled", True, "grpcio is missing: pip install 'tiercache[grpc]'") from None
+        _grpc_token(config)
 
-    g = config.grpc
-    token = read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
-    fmt = ChunkFormat(config.format.codec, config.format.checksum)
-    tier = GrpcTier(g.address, storage, fmt, auth_token=token, timeout_s=g.timeout, lookup_timeout_s=g.lookup_timeout,
-                    retry_interval_s=g.retry_interval, max_message_bytes=g.max_message, local=g.local,
-                    bulk=g.bulk)
-    health = tier.check_health()   # None: down at start, an outage (probed in the background), not a config error
-    if health is not None and health.max_message_bytes and health.max_message_bytes < g.max_message:
-        tier.max_message_bytes = health.max_message_bytes
-    return tier
+    @staticmethod
+    def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
+        from tiercache.tiers.grpc_client import GrpcIndex
+
+        g = config.grpc
+        index = GrpcIndex(g.address, chunk_format(config), auth_token=_grpc_token(config),
+                          lookup_timeout_s=min(g.lookup_timeout, g.timeout), retry_interval_s=g.retry_interval,
+                          max_message_bytes=g.max_message, local=g.local, bulk=g.bulk)
+        index.check_health()   # down at start: an outage (probed in the background), not a config error
+        return index
+
+    @staticmethod
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+        from tiercache.tiers.grpc_client import GrpcTransport
+
+        g = config.grpc
+        transport = GrpcTransport(g.address, storage, chunk_format(config), auth_token=_grpc_token(config),
+                                  timeout_s=g.timeout, retry_interval_s=g.retry_interval, max_message_bytes=g.max_message,
+                                  local=g.local, bulk=g.bulk, writer=writer, probe_timeout_s=g.lookup_timeout)
+        transport.check_health()
+        return transport
 
 
-def build_offload_stack(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV, namespace: Namespace) -> OffloadStack:
-    """The stack over L0 ``kv``: tiercache's own paged pool, or an engine's per-layer tensors (vLLM)."""
-    if kv.block_size != config.keys.block_size:
-        raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
+def enabled_lower_tiers(config: TierCacheConfig) -> list[str]:
+    return [name for name in LOWER_TIER_ORDER if getattr(config, name).enabled]
+
+
+def check_config(config: TierCacheConfig) -> None:
+    """Every named choice resolved and every enabled tier's settings checked; raises `ConfigError`."""
     if not config.cpu.enabled:
         raise ConfigError("cpu.enabled", False, "L1 stages every transfer to and from L0; run without the connector instead")
     _named(eviction_policies, config.cpu.eviction, "cpu.eviction")
     _named(eviction_policies, config.disk.eviction, "disk.eviction")
-    admission_cls = _named(admission_policies, config.disk.admission, "disk.admission")
+    _named(admission_policies, config.disk.admission, "disk.admission")
+    chunk_format(config)
+    for name in enabled_lower_tiers(config):
+        _named(lower_tiers, name, f"{name}.enabled").check(config)
+
+
+# -- worker side -------------------------------------------------------------------------------------------
+
+@dataclass
+class WorkerStack:
+    """One rank's bytes and the machinery that moves them."""
+    shard: KVShard
+    storage: bytes
+    slab: HostSlab
+    engine: TransferEngine
+    transports: dict[str, Transport]
+    handshake: WorkerHandshake
+
+    def close(self) -> None:
+        self.engine.close()
+        for transport in self.transports.values():
+            transport.close()
+
+
+def l1_slot_bytes(config: TierCacheConfig, block_bytes: int) -> int:
+    return config.keys.blocks_per_chunk * block_bytes
+
+
+def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV, namespace: Namespace,
+                      shard: KVShard, copies_in_step: bool) -> WorkerStack:
+    """This rank's stack over its L0 ``kv``: tiercache's own paged pool, or an engine's per-layer tensors."""
+    check_config(config)
+    if kv.block_size != config.keys.block_size:
+        raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
+    slot_bytes = l1_slot_bytes(config, kv.block_bytes)
+    share = config.cpu.capacity // shard.num_ranks
+    num_slots = share // slot_bytes
+    if num_slots < 1:
+        raise ConfigError("cpu.capacity", config.cpu.capacity,
+                          f"gives each of {shard.num_ranks} ranks {share} B, less than one chunk of {slot_bytes} B")
+    slab = HostSlab(num_slots, slot_bytes, pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
+    storage = namespace.storage_digest(config.keys.chunk_tokens, shard)
+    transports: dict[str, Transport] = {}
     try:
-        ChunkFormat(config.format.codec, config.format.checksum)
-    except RegistryError as err:
-        raise ConfigError("format", f"{config.format.codec}/{config.format.checksum}", str(err)) from None
-
+        for name in enabled_lower_tiers(config):
+            transports[name] = lower_tiers.get(name).transport(config, storage, shard.writer)
+    except BaseException:
+        for transport in transports.values():
+            transport.close()
+        raise
+    engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits(),
+                            name=f"tiercache-xfer-r{shard.rank}")
     bpc = config.keys.blocks_per_chunk
-    slot_bytes = bpc * kv.block_bytes
-    if config.cpu.capacity < slot_bytes:
-        raise ConfigError("cpu.capacity", config.cpu.capacity, f"holds no chunk of {slot_bytes} bytes")
-    cpu = CpuTier(config.cpu.capacity, slot_bytes, eviction=config.cpu.eviction,
-                  pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
-    enabled = [name for name in LOWER_TIER_ORDER if getattr(config, name).enabled]
-    digest = namespace.storage_digest(config.keys.chunk_tokens)
-    lower = [lower_tiers.get(name)(config, digest) for name in enabled]
-
-    engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits())
     handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
-    handlers(kv, cpu, bpc).register(engine)
+    handlers(kv, slab, bpc, L1).register(engine)
 
     def chunk_meta(key: BlockHash, chunk_blocks: int) -> ChunkMeta:
-        return ChunkMeta(digest, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks))
+        return ChunkMeta(storage, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks))
 
-    for tier in lower:
-        CpuLowerHandlers(cpu, tier, chunk_meta).register(engine)
-    manager = CacheManager(
-        cpu, engine, config.keys.block_size, bpc, kv.block_bytes, lower=lower,
-        store_partial_chunks=config.keys.store_partial_chunks, write_mode=[getattr(config, name).write_mode for name in enabled],
-        admission=admission_cls(config.disk.min_hits),
-    )
-    return OffloadStack(manager, engine, [cpu, *lower])
+    for transport in transports.values():
+        CpuLowerHandlers(slab, transport, chunk_meta, L1).register(engine)
+    stored = {}
+    for name, transport in transports.items():
+        scan = transport.scan() if shard.writer else None
+        if scan is not None:
+            stored[name] = scan
+    handshake = WorkerHandshake(shard.rank, shard.num_ranks, kv.block_bytes, num_slots, storage, shard.writer,
+                                stored, copies_in_step)
+    log.info("tiercache rank %d/%d: L1 %d slots of %d B (%d B of cpu.capacity %d B), tiers %s", shard.rank,
+             shard.num_ranks, num_slots, slot_bytes, num_slots * slot_bytes, config.cpu.capacity,
+             [L1, *transports])
+    return WorkerStack(shard, storage, slab, engine, transports, handshake)
+
+
+# -- scheduler side ----------------------------------------------------------------------------------------
+
+def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHandshake]) -> CacheManager:
+    """The tier indexes and the manager over every rank: L1 has the slots every rank has; a lower tier's
+    capacity is split across the ranks that write it, and a disk index holds what every writer found."""
+    check_config(config)
+    if not handshakes or len({h.num_ranks for h in handshakes}) != 1 or len(handshakes) != handshakes[0].num_ranks:
+        raise ValueError(f"expected one handshake from each rank, got ranks {sorted(h.rank for h in handshakes)}")
+    block_bytes = max(h.block_bytes for h in handshakes)
+    writers = [h for h in handshakes if h.writer]
+    l1 = CpuIndex(min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction)
+    lower: list[LowerIndex] = []
+    try:
+        for name in enabled_lower_tiers(config):
+            capacity = getattr(config, name, None)
+            per_rank = getattr(capacity, "capacity", 0) // max(1, len(writers))
+            index = lower_tiers.get(name).index(config, per_rank)
+            lower.append(index)
+            scans = [h.stored[name] for h in writers if name in h.stored]
+            if scans and index.rebuild(scans):
+                log.warning("tier %s: chunks found on some ranks only (a store died midway) are deleted", name)
+            index.attach([h.storage for h in writers])
+    except BaseException:
+        for index in lower:
+            index.close()
+        raise
+    admission = admission_policies.get(config.disk.admission)(config.disk.min_hits)
+    manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
+                           store_partial_chunks=config.keys.store_partial_chunks,
+                           write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
+                           transfer_workers=config.transfer.workers)
+    log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,
+             [t.name for t in manager.tiers],
+             "".join(f", {t.name} {t.capacity_bytes} B per rank" for t in lower if t.capacity_bytes))
+    return manager

@@ -285,8 +285,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import grpc
 
     from tiercache.config import is_host_port, read_secret
-    from tiercache.server import tiercache_pb2 as pb
-    from tiercache.server.wire import AUTH_HEADER, method
+    from tiercache.wire import tiercache_pb2 as pb
+    from tiercache.wire.grpc_messages import AUTH_HEADER, method
 
     if not is_host_port(args.server):
         raise ConfigError("--server", args.server, "expected host:port")

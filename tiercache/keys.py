@@ -76,13 +76,49 @@ class Namespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"tiercache-namespace-v1\0" + canonical).digest()[:NAMESPACE_DIGEST_BYTES]
 
-    def storage_digest(self, chunk_tokens: int) -> bytes:
-        """What stored chunks are filed under (Redis key prefix, server namespace, L2 directory, chunk
-        headers): the namespace and the chunk size. A chunk's key is the hash of its last block, so a
-        512-token chunk and the second 256-token chunk of the same prompt share a key; deployments with
-        different chunk sizes must not read (and, failing to, delete) each other's chunks."""
-        return hashlib.sha256(b"tiercache-chunks-v1\0" + self.digest()
-                              + chunk_tokens.to_bytes(4, "little")).digest()[:NAMESPACE_DIGEST_BYTES]
+    def storage_digest(self, chunk_tokens: int, shard: KVShard | None = None) -> bytes:
+        """What one rank's stored chunks are filed under (Redis key prefix, server namespace, L2 directory,
+        chunk headers): the namespace, the chunk size and the rank's share of the KV. A chunk's key is the
+        hash of its last block, so a 512-token chunk and the second 256-token chunk of the same prompt share
+        a key; and rank 1 of a TP=2 deployment holds other bytes for a key than rank 0, or a TP=1 one.
+        Deployments that differ in any of these must not read (and, failing to, delete) each other's chunks."""
+        label = (shard or KVShard()).label().encode()
+        return hashlib.sha256(b"tiercache-chunks-v2\0" + self.digest() + chunk_tokens.to_bytes(4, "little")
+                              + label).digest()[:NAMESPACE_DIGEST_BYTES]
+
+
+@dataclass(frozen=True, slots=True)
+class KVShard:
+    """The share of a deployment's KV one rank holds: its tensor-parallel rank, its pipeline stage, and the
+    layout of its tensors. With ``replicated`` KV (MLA: every TP rank holds the same latent cache) one copy
+    serves every rank, whatever the TP size, and only TP rank 0 writes it."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    replicated: bool = False
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(f"rank tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size} is out of range")
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes the lower tiers (every rank, unless its KV is another rank's copy)."""
+        return not self.replicated or self.tp_rank == 0
+
+    def label(self) -> str:
+        tp = "tp*" if self.replicated else f"tp{self.tp_rank}/{self.tp_size}"
+        return f"{tp};pp{self.pp_rank}/{self.pp_size};{self.layout}"
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

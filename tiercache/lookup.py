@@ -1,7 +1,10 @@
 """Longest-prefix lookups across tiers, and their result: plain data from the manager to a connector.
 
-Scheduler side, bookkeeping only: `PrefixFinder` asks the tiers (fastest
-first) which chunks they hold; it moves nothing.
+Scheduler side, bookkeeping only: `PrefixFinder` asks the tier indexes
+(fastest first) which chunks they hold; it moves nothing and never waits: a
+remote index whose answer is still on its way makes the lookup ``pending``
+(the connector answers "ask again"), with the runs found so far kept, so
+their promotions can start at once.
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.keys import BlockHash, chunk_keys
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import TierIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,7 @@ class PrefixLookup:
     num_hit_blocks: int               # leading blocks available in L0 or any tier
     block_size: int
     num_blocks: int                   # blocks the looked-up chunks cover (bounds a partial last chunk)
+    pending: bool = False             # a tier's answer for the chunks after ``runs`` is still on its way
 
     @property
     def num_loadable_tokens(self) -> int:
@@ -40,7 +44,7 @@ class PrefixLookup:
 class PrefixFinder:
     """Chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and is keyed by its last block's hash."""
 
-    def __init__(self, tiers: Sequence[Tier], block_size: int, blocks_per_chunk: int,
+    def __init__(self, tiers: Sequence[TierIndex], block_size: int, blocks_per_chunk: int,
                  store_partial_chunks: bool = False) -> None:
         self.tiers = list(tiers)
         self.block_size = block_size
@@ -57,18 +61,26 @@ class PrefixFinder:
 
     def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
         """Greedy across tiers: at each position the fastest tier holding the next chunk serves as long a
-        run as it has; one batched `contains` per tier per switch."""
-        pos, runs = num_computed_blocks // self.blocks_per_chunk, []
-        while pos < len(keys):
-            for tier in self.tiers:
+        run as it has; one batched `contains` per tier per switch. A tier whose answer is on its way ends
+        the walk (pending) after starting the lookups of the remote tiers behind it, so a miss in all of
+        them costs one wait, not one per tier."""
+        pos, runs, pending = num_computed_blocks // self.blocks_per_chunk, [], False
+        while pos < len(keys) and not pending:
+            for i, tier in enumerate(self.tiers):
                 n = tier.contains(keys[pos:])
+                if n is None:
+                    pending = True
+                    for later in self.tiers[i + 1:]:     # start the slower tiers' lookups now, side by side
+                        if not later.indexed:
+                            later.contains(keys[pos:])
+                    break
                 if n:
                     runs.append(TierRun(tier.name, pos, tuple(keys[pos:pos + n])))
                     pos += n
                     break
             else:
                 break
-        return self._result(num_computed_blocks, runs, num_blocks)
+        return self._result(num_computed_blocks, runs, num_blocks, pending)
 
     def cut(self, lookup: PrefixLookup, tier: str) -> PrefixLookup:
         """``lookup`` cut to its leading runs in ``tier``."""
@@ -79,9 +91,9 @@ class PrefixFinder:
             runs.append(run)
         return self._result(lookup.num_computed_blocks, runs, lookup.num_blocks)
 
-    def _result(self, computed: int, runs: list[TierRun], num_blocks: int) -> PrefixLookup:
+    def _result(self, computed: int, runs: list[TierRun], num_blocks: int, pending: bool = False) -> PrefixLookup:
         hit = computed
         if runs:
             last = runs[-1]
             hit = max(hit, self.chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
-        return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks)
+        return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks, pending)

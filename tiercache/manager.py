@@ -1,11 +1,12 @@
 """The cache manager: longest-prefix lookup across tiers, and every transfer plan.
 
 Scheduler side, bookkeeping only: it reads and updates tier indexes, builds
-`TransferPlan`s (plain data) for the `TransferEngine` and applies their
-results; it never touches a tensor. One thread drives it.
+`TransferPlan`s (plain data) that every rank's worker runs, and applies their
+merged outcomes (`JobOutcome`: a key that failed on any rank failed); it never
+touches a tensor, a file or a socket. One thread drives it.
 
-The hierarchy is L1 (`CpuTier`, the only tier that exchanges chunks with L0)
-over lower tiers (`LowerTier`: disk, remote):
+The hierarchy is L1 (`CpuIndex`, the only tier that exchanges chunks with L0)
+over lower tiers (`LowerIndex`: disk, remote):
 
 - a lookup spans every tier; chunks found only below L1 are *promoted*
   (copied up into L1 slots, at prefetch priority) before they are loaded;
@@ -16,8 +17,10 @@ over lower tiers (`LowerTier`: disk, remote):
   the admission policy accepts it.
 
 Plans other than the ones a caller asked for (promotions, spills, copies
-down) collect in a background list that the caller drains (`take_background`)
-and submits.
+down, deletes of bytes that left a lower tier) collect in a background list
+that the caller drains (`take_background`) and hands to the workers. A
+preempted request's swap copy (``private``) stays in L1: it is never copied
+down, spilled or flushed to a shared tier.
 
 Contract with the engine (as in vLLM's connector API): the L0 blocks named in
 a plan stay allocated to their request until the plan's result is reported —
@@ -29,6 +32,7 @@ is keyed by the hash of its last block (DESIGN §2).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
@@ -37,10 +41,9 @@ from tiercache.hot_chunks import HotChunks
 from tiercache.keys import BlockHash, chunk_keys
 from tiercache.lookup import PrefixFinder, PrefixLookup
 from tiercache.policies import AdmissionPolicy
-from tiercache.tiers.base import LowerTier, Medium, Tier
-from tiercache.tiers.cpu import CpuTier
-from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.plan import ChunkCopy, JobId, Priority, TransferPlan, TransferResult
+from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
+from tiercache.tiers.cpu import CpuIndex
+from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, JobId, JobOutcome, Priority, TransferPlan
 
 
 class JobKind(Enum):
@@ -49,40 +52,50 @@ class JobKind(Enum):
     PROMOTE = auto()     # lower → L1
     SPILL = auto()       # L1 (evicted) → lower
     COPY_DOWN = auto()   # L1 (still resident) → lower, write-through
+    DELETE = auto()      # a lower tier's bytes of chunks that left its index
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """Chunks that reached (``stored``) or left a tier, in the order it happened (for KV events)."""
+    stored: bool
+    tier: str
+    medium: Medium
+    keys: tuple[BlockHash, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class _InFlight:
     plan: TransferPlan
     kind: JobKind
-    lower: LowerTier | None = None
+    lower: LowerIndex | None = None
+    private: bool = False
 
 
 class CacheManager:
     def __init__(
         self,
-        l1: CpuTier,
-        engine: TransferEngine,
+        l1: CpuIndex,
         block_size: int,
         blocks_per_chunk: int,
         block_bytes: int,
-        lower: Sequence[LowerTier] = (),
+        lower: Sequence[LowerIndex] = (),
         store_partial_chunks: bool = False,
         write_mode: str | Sequence[str] = "write-back",
         admission: AdmissionPolicy | None = None,
+        transfer_workers: int = 2,
     ) -> None:
         modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
         if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
             raise ValueError(f"one write mode (write-back or write-through) per lower tier, got {write_mode!r}")
         self.l1 = l1
         self.lower = list(lower)
-        self.tiers: list[Tier] = [l1, *self.lower]
+        self.tiers: list[TierIndex] = [l1, *self.lower]
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.by_name = {t.name: t for t in self.tiers}
         self.finder = PrefixFinder(self.tiers, block_size, blocks_per_chunk, store_partial_chunks)
-        self.engine = engine
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
@@ -91,10 +104,13 @@ class CacheManager:
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
         self._through = [t for t, m in zip(self.lower, modes) if m == "write-through"]
         self.admission = admission
+        self.transfer_workers = transfer_workers   # each rank's transfer threads: a batch to a lower tier is split
+        self._job_ids = itertools.count(1)
         self._in_flight: dict[JobId, _InFlight] = {}
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
         self.hot = HotChunks()
+        self._events: list[TierEvent] | None = None
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
 
@@ -102,7 +118,8 @@ class CacheManager:
         return self.admission is None or self.admission.admit(key, hits)
 
     def _worth_spilling(self, key: BlockHash, hits: int) -> bool:
-        """Spill an L1 victim unless the write-back tier has it (asked only of a tier with a local index)."""
+        """Spill an L1 victim unless the write-back tier has it (asked only of a tier with a local index).
+        Private chunks never reach here (`CpuIndex` keeps them out)."""
         target = self._spill_to
         return target is not None and not (target.indexed and target.has(key)) and self._admit(key, hits)
 
@@ -154,7 +171,7 @@ class CacheManager:
                 continue
             lower.prepare_load([c.key for c in chunks])
             for part in self._split(chunks, lower):
-                plan = self._plan(JobKind.PROMOTE, lower.medium, Medium.CPU, Priority.PREFETCH, part, lower)
+                plan = self._plan(JobKind.PROMOTE, lower, self.l1, Priority.PREFETCH, part, lower)
                 self._background.append(plan)
                 for c in part:
                     self._promoting[c.key] = plan.job_id
@@ -162,11 +179,19 @@ class CacheManager:
         return pending
 
     # -- plans ---------------------------------------------------------------
-    def _plan(self, kind: JobKind, src: Medium, dst: Medium, priority: Priority, chunks: list[ChunkCopy],
-              lower: LowerTier | None = None) -> TransferPlan:
+    def _plan(self, kind: JobKind, src: TierIndex | None, dst: TierIndex | None, priority: Priority,
+              chunks: list[ChunkCopy], lower: LowerIndex | None = None, private: bool = False) -> TransferPlan:
+        """A plan between two tiers (None: L0) — or, for a delete, from ``src`` to nowhere."""
         nbytes = sum(len(c.block_ids) or c.chunk_blocks for c in chunks) * self.block_bytes
-        plan = TransferPlan(self.engine.next_job_id(), src, dst, priority, tuple(chunks), nbytes)
-        self._in_flight[plan.job_id] = _InFlight(plan, kind, lower)
+        src_medium = Medium.DEVICE if src is None else src.medium
+        if kind is JobKind.DELETE:
+            link, dst_name = link_name(src_medium, None), None
+        else:
+            link = link_name(src_medium, Medium.DEVICE if dst is None else dst.medium)
+            dst_name = DEVICE if dst is None else dst.name
+        plan = TransferPlan(JobId(next(self._job_ids)), DEVICE if src is None else src.name, dst_name, link,
+                            priority, tuple(chunks), 0 if kind is JobKind.DELETE else nbytes)
+        self._in_flight[plan.job_id] = _InFlight(plan, kind, lower, private)
         return plan
 
     def plan_load(self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None) -> list[TransferPlan]:
@@ -196,7 +221,7 @@ class CacheManager:
             for (key, start, end), slot in zip(wanted, slots):
                 skip = max(0, lookup.num_computed_blocks - start)
                 chunks.append(ChunkCopy(key, slot, tuple(block_ids[start + skip:min(end, limit)]), end - start, skip))
-            plans.append(self._plan(JobKind.LOAD, Medium.CPU, Medium.DEVICE, Priority.LOAD, chunks))
+            plans.append(self._plan(JobKind.LOAD, self.l1, None, Priority.LOAD, chunks))
         return plans
 
     def plan_store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0) -> TransferPlan | None:
@@ -210,64 +235,105 @@ class CacheManager:
         return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk)
 
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
-                          first_chunk: int = 0) -> TransferPlan | None:
-        """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks."""
+                          first_chunk: int = 0, private: bool = False) -> TransferPlan | None:
+        """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks; ``private``
+        chunks (a swap copy) stay in L1."""
         if first_chunk >= len(keys):
             return None
         bounds = [self.finder.chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
-        slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds])
+        slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds],
+                                      private=private)
         parents = [keys[i - 1] if i else None for i in range(first_chunk, len(keys))]
         chunks = [
             ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start, parent=parent)
             for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
             if slot is not None
         ]
-        return self._plan(JobKind.STORE, Medium.DEVICE, Medium.CPU, Priority.STORE, chunks) if chunks else None
+        return self._plan(JobKind.STORE, None, self.l1, Priority.STORE, chunks, private=private) if chunks else None
 
-    def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerTier) -> list[ChunkCopy]:
+    def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerIndex) -> list[ChunkCopy]:
         """Reserve ``lower`` for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
         sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
         for part in self._split(taken, lower):
-            self._background.append(self._plan(kind, Medium.CPU, lower.medium, Priority.STORE, part, lower))
+            self._background.append(self._plan(kind, self.l1, lower, Priority.STORE, part, lower))
         return [c for c, good in zip(chunks, ok) if not good]
 
-    def _split(self, chunks: list[ChunkCopy], lower: LowerTier) -> list[list[ChunkCopy]]:
+    def _split(self, chunks: list[ChunkCopy], lower: LowerIndex) -> list[list[ChunkCopy]]:
         """One job per transfer worker, so file I/O of one chunk overlaps checksums and syncs of another
         (one job for a tier that says it moves a batch best as one, like one gRPC stream)."""
-        n = min(self.engine.num_workers if lower.parallel_jobs else 1, len(chunks))
+        n = min(self.transfer_workers if lower.parallel_jobs else 1, len(chunks))
         return [chunks[i::n] for i in range(n)] if n else []
 
     def take_background(self) -> list[TransferPlan]:
-        """Promotions, spills and write-through copies planned since the last call, to be submitted."""
+        """Deletes, promotions, spills and write-through copies planned since the last call, to be run. A
+        delete goes first: on its tier's link it also runs first (prefetch priority), before the writes
+        that the room it frees was given to."""
+        deletes = []
+        for lower in self.lower:
+            gone = lower.take_deletes()
+            if gone:
+                chunks = [ChunkCopy(key, None, (), 0) for key in dict.fromkeys(gone)]
+                deletes.append(self._plan(JobKind.DELETE, lower, None, Priority.PREFETCH, chunks, lower))
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
             chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes) for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
-        plans, self._background = self._background, []
+        for lower in self.lower:   # the spills may have evicted from the tier they went to
+            gone = lower.take_deletes()
+            if gone:
+                chunks = [ChunkCopy(key, None, (), 0) for key in dict.fromkeys(gone)]
+                deletes.append(self._plan(JobKind.DELETE, lower, None, Priority.PREFETCH, chunks, lower))
+        plans, self._background = deletes + self._background, []
         return plans
 
-    # -- execution and completions -------------------------------------------
-    def submit(self, plans: Iterable[TransferPlan | None]) -> list[JobId]:
-        return [self.engine.submit(p) for p in plans if p is not None]
+    # -- events ----------------------------------------------------------------
+    def watch_events(self) -> None:
+        """Journal what reaches and leaves each tier from now on, in order, for `take_events`."""
+        if self._events is None:
+            self._events = []
+            for tier in self.tiers:
+                tier.watch_removals()
 
-    def apply(self, results: Iterable[TransferResult]) -> None:
-        """Publish or release what finished transfers reserved; call on the manager's thread."""
-        for result in results:
-            job = self._in_flight.pop(result.job_id)
-            keys, failed = job.plan.keys, result.failed_keys
+    def _journal_removals(self) -> None:
+        if self._events is not None:
+            for tier in self.tiers:
+                gone = tier.take_removed()
+                if gone:
+                    self._events.append(TierEvent(False, tier.name, tier.medium, tuple(gone)))
+
+    def _journal_arrival(self, job: _InFlight, failed: dict) -> None:
+        if self._events is None or job.kind in (JobKind.LOAD, JobKind.DELETE) or job.private:
+            return
+        tier = self.l1 if job.kind in (JobKind.STORE, JobKind.PROMOTE) else job.lower
+        keys = tuple(k for k in job.plan.keys if k not in failed)
+        if keys:
+            self._events.append(TierEvent(True, tier.name, tier.medium, keys))
+
+    def take_events(self) -> list[TierEvent]:
+        self._journal_removals()
+        events, self._events = (self._events or []), ([] if self._events is not None else None)
+        return events
+
+    # -- completions -----------------------------------------------------------
+    def apply(self, outcomes: Iterable[JobOutcome]) -> None:
+        """Publish or release what finished jobs reserved (each outcome merged over every rank)."""
+        for outcome in outcomes:
+            self._journal_removals()      # what left a tier before these chunks arrived
+            job = self._in_flight.pop(outcome.job_id)
+            keys, failed = job.plan.keys, outcome.failed
+            self._journal_arrival(job, failed)
             if job.kind is JobKind.LOAD:
                 self.l1.complete_load(keys)
-                if result.ok:
+                if outcome.ok:
                     self.hot.add(keys)
             elif job.kind is JobKind.STORE:
                 self.l1.complete_store(keys, failed)
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
-                if self._through:
-                    bad = set(failed)
-                    stored = [c for c in job.plan.chunks if c.key not in bad]
+                if self._through and not job.private:
+                    stored = [c for c in job.plan.chunks if c.key not in failed]
                     for lower in self._through:
                         self._copy_down(stored, lower)
             elif job.kind is JobKind.PROMOTE:
@@ -279,12 +345,14 @@ class CacheManager:
             elif job.kind is JobKind.SPILL:
                 job.lower.complete_store(keys, failed)
                 self.l1.finish_spills(keys)
-            else:  # COPY_DOWN
+            elif job.kind is JobKind.COPY_DOWN:
                 job.lower.complete_store(keys, failed)
                 job.lower.link([(c.key, c.parent) for c in job.plan.chunks])
                 self.l1.unpin(keys)
+            # DELETE: nothing was reserved; a delete that failed leaves a stray file or value, which a restart
+            # re-verifies (disk) or the server evicts (remote)
 
-    def _copy_down(self, chunks: list[ChunkCopy], lower: LowerTier) -> None:
+    def _copy_down(self, chunks: list[ChunkCopy], lower: LowerIndex) -> None:
         if not chunks:
             return
         slots = [entry.slot for entry in self.l1.pin([c.key for c in chunks])]
@@ -300,39 +368,23 @@ class CacheManager:
         if self._spill_to is None:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
-                 if e.ready and e.pins == 0 and self._worth_spilling(key, e.hits)]
+                 if e.ready and e.pins == 0 and not e.private and self._worth_spilling(key, e.hits)]
         self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty], self._spill_to)
         return self.take_background()
 
-    def cancel(self, plan: TransferPlan) -> TransferResult:
+    def cancel(self, plan: TransferPlan) -> JobOutcome:
         """A planned transfer that will not run: release its reservations now."""
-        result = TransferResult(plan, ok=False, seconds=0.0, error="cancelled", failed_keys=tuple(plan.keys))
-        self.apply([result])
-        return result
+        outcome = JobOutcome.everything_failed(plan, Failure.CANCELLED)
+        self.apply([outcome])
+        return outcome
 
-    def poll(self) -> list[TransferResult]:
-        """Apply finished results and submit the background plans they caused (standalone use)."""
-        results = self.engine.poll()
-        self.apply(results)
-        self.submit(self.take_background())
-        return results
+    def cancel_all(self) -> None:
+        """Release every reservation of plans whose outcome will never come (the workers are gone)."""
+        for job in list(self._in_flight.values()):
+            self.cancel(job.plan)
 
-    def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[TransferResult]:
-        results = self.engine.wait(job_ids, timeout)
-        self.apply(results)
-        self.submit(self.take_background())
-        return results
-
-    def drain(self, timeout: float = 60.0) -> None:
-        """Wait for every submitted transfer, background work included; cancel plans never submitted."""
-        self.submit(self.take_background())
-        while self._in_flight:
-            running = [j for j in self._in_flight if self.engine.is_submitted(j)]
-            if not running:
-                for job in list(self._in_flight.values()):
-                    self.cancel(job.plan)
-                break
-            self.wait(running, timeout)
+    def in_flight(self, job_id: JobId) -> bool:
+        return job_id in self._in_flight
 
     @property
     def num_in_flight(self) -> int:
@@ -341,7 +393,6 @@ class CacheManager:
     def stats(self) -> dict[str, object]:
         return {
             "tiers": {t.name: t.stats() for t in self.tiers},
-            "transfers": self.engine.stats(),
             "in_flight_jobs": len(self._in_flight),
             "hot_chunks": [{"key": key.hex(), "loads": n} for key, n in self.hot.top()],
         }

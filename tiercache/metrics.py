@@ -34,7 +34,7 @@ TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "stored", "store_rejected
 LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_limit_gbps")
 LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
 CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
-                      "failed_loads", "stores_planned", "stores_cancelled", "swap_outs", "swap_ins")
+                      "failed_loads", "stores_planned", "stores_cancelled", "delayed_frees", "swap_outs", "swap_ins")
 
 
 def _labelled(label: str, items: dict[str, dict], gauges: tuple[str, ...], counters: tuple[str, ...]) -> Iterator:

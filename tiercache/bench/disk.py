@@ -67,11 +67,13 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
         })
         stack, keys = filled.stack, filled.keys
         chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
-        cpu, disk = stack.tiers[0], stack.tiers[1]
+        manager = stack.scheduler.manager
+        cpu, disk = manager.l1, manager.lower[0]
+        slab = stack.workers[0].stack.slab
         raw_dir = root / "raw"
         raw_dir.mkdir()
         raw_paths = [raw_dir / f"{i}.bin" for i in range(num_chunks)]
-        src = [memoryview(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
+        src = [slab.memory(cpu.entries[k].slot) for k in keys]
         sink = memoryview(torch.empty(chunk_bytes, dtype=torch.uint8).fill_(0).numpy())
         cold = drop_page_cache()
         times: dict[str, list[float]] = {"raw_write": [], "put": [], "raw_read": [], "get": []}
@@ -102,6 +104,7 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
                 for name in times:
                     first[name].append(raw_first == name.startswith("raw"))
                 disk.delete(keys)
+                stack.run(manager.take_background())   # the ranks delete the files
                 for p in raw_paths:
                     p.unlink()
                 if rep < 0:

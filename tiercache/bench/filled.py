@@ -2,20 +2,31 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
-from tiercache.build import OffloadStack, build_offload_stack
 from tiercache.config import TierCacheConfig
+from tiercache.connectors.reference import ReferenceConnector
 from tiercache.keys import BlockHash, BlockHasher, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.tiers.base import TierIndex
+
+
+def settled_contains(index: TierIndex, keys: Sequence[BlockHash], timeout: float = 10.0) -> int:
+    """`contains` asked until its answer is in (a remote index answers None while its lookup runs)."""
+    deadline = time.monotonic() + timeout
+    while (n := index.contains(keys)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{index.name} did not answer a lookup within {timeout} s")
+        time.sleep(0.001)
+    return n
 
 
 @dataclass
 class FilledStack:
-    stack: OffloadStack
+    stack: ReferenceConnector
     hashes: list[BlockHash]      # block hashes of the one request whose chunks fill L1
     keys: list[BlockHash]        # its chunk keys, all resident in L1
     chunk_bytes: int
@@ -23,24 +34,29 @@ class FilledStack:
 
     def write_down(self) -> float:
         """Seconds to copy every L1 chunk into the lower tier (flush, then wait)."""
-        manager, lower = self.stack.manager, self.stack.tiers[1]
+        manager = self.stack.scheduler.manager
+        lower = manager.lower[0]
         t = time.perf_counter()
-        manager.submit(manager.flush_down())
-        manager.drain()
+        self.stack.drain(flush=True)
         elapsed = time.perf_counter() - t
-        if lower.contains(self.keys) != len(self.keys):
+        if settled_contains(lower, self.keys) != len(self.keys):
             raise RuntimeError(f"{lower.name} does not hold every chunk after the put")
         return elapsed
 
     def promote_back(self, before: Callable[[], object] | None = None) -> float:
         """Seconds to bring every chunk back from the lower tier into L1 (``before`` runs untimed first)."""
-        manager, cpu = self.stack.manager, self.stack.tiers[0]
+        manager = self.stack.scheduler.manager
+        cpu = manager.l1
         cpu.delete(self.keys)
+        settled_contains(manager.lower[0], self.keys)   # the lookup's answer is in before the clock starts
         if before is not None:
             before()
         t = time.perf_counter()
-        manager.promote(manager.lookup(self.hashes))
-        manager.drain()
+        lookup = manager.lookup(self.hashes)
+        while lookup.pending:
+            lookup = manager.lookup(self.hashes)
+        manager.promote(lookup)
+        self.stack.drain()
         elapsed = time.perf_counter() - t
         if cpu.contains(self.keys) != len(self.keys):
             raise RuntimeError("promotion did not bring every chunk back to L1")
@@ -66,7 +82,7 @@ def filled_stack(shape: str, chunk_tokens: int, total_bytes: int, model: str,
     blocks.allocate("bench", num_blocks * BLOCK_SIZE)
     namespace = Namespace(model, geo, BLOCK_SIZE)
     hashes = BlockHasher(namespace).hash_blocks(list(range(num_blocks * BLOCK_SIZE)))
-    stack = build_offload_stack(cfg.replace(cpu={"capacity": nbytes}, **sections), kv, namespace)
-    manager = stack.manager
-    manager.wait(manager.submit([manager.plan_store(hashes, blocks.block_ids("bench"))]))
-    return FilledStack(stack, hashes, list(stack.tiers[0].entries), chunk_bytes, nbytes)
+    stack = ReferenceConnector(cfg.replace(cpu={"capacity": nbytes}, **sections), namespace, kv)
+    manager = stack.scheduler.manager
+    stack.run([manager.plan_store(hashes, blocks.block_ids("bench"))])
+    return FilledStack(stack, hashes, list(manager.l1.entries), chunk_bytes, nbytes)

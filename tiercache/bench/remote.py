@@ -136,7 +136,7 @@ class GrpcRaw(_ProcessBaseline):
 
     def put(self, values: list[bytes]) -> None:
         if self._pieces is None:
-            from tiercache.server.wire import PART_BYTES
+            from tiercache.wire.grpc_messages import PART_BYTES
             self._pieces = [v[i:i + PART_BYTES] for v in values for i in range(0, len(v), PART_BYTES)]
         self._client.put(self._pieces)
 
@@ -228,13 +228,15 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
         raise
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
-    cpu, remote = stack.tiers[0], stack.tiers[1]
-    workers = stack.engine.num_workers
+    manager = stack.scheduler.manager
+    cpu, remote = manager.l1, manager.lower[0]
+    slab = stack.workers[0].stack.slab
+    workers = manager.transfer_workers
     raw: RawBaseline = {"redis": lambda: RedisRaw(target, len(keys)), "grpc": lambda: TcpRaw(workers),
                         "grpc-stream": GrpcRaw, "grpc-shm": lambda: FilesRaw(shm, workers)}[kind]()
     times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
     try:
-        src = [bytes(cpu.slot_view(cpu.entries[k].slot).numpy()) for k in keys]
+        src = [bytes(slab.memory(cpu.entries[k].slot)) for k in keys]
 
         def timed(name: str, fn) -> None:
             t = time.perf_counter()
@@ -259,6 +261,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                 else:
                     steps[name]()
             remote.delete(keys)
+            stack.run(manager.take_background())   # the ranks delete their values
             raw.clear()
             if rep < 0:
                 for samples in times.values():

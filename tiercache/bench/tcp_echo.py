@@ -17,7 +17,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from tiercache.streams import StreamReader
+from tiercache.wire.streams import StreamReader
 
 _INDEX = struct.Struct("<I")
 _LEN = struct.Struct("<Q")

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.build import build_offload_stack
 from tiercache.config import TierCacheConfig
 from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
@@ -63,9 +62,12 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
     if spec.scattered:
         random.Random(spec.seed).shuffle(block_ids)
 
+    from tiercache.connectors.reference import ReferenceConnector
+
     cfg = cfg.replace(cpu={"capacity": nbytes}, device_pool={"device": "cpu"})
-    stack = build_offload_stack(cfg, kv, namespace)
-    cpu, manager = stack.tiers[0], stack.manager
+    stack = ReferenceConnector(cfg, namespace, kv)
+    manager = stack.scheduler.manager
+    cpu = manager.l1
     src = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(0)
 
@@ -76,7 +78,7 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
 
     def put() -> float:
         t = time.perf_counter()
-        (result,) = manager.wait(manager.submit([manager.plan_store(hashes, block_ids)]))
+        (result,) = stack.run([manager.plan_store(hashes, block_ids)])
         elapsed = time.perf_counter() - t
         if not result.ok or cpu.num_chunks != num_chunks:
             raise RuntimeError(f"store failed: {result.error}")
@@ -85,7 +87,7 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
     def get() -> float:
         t = time.perf_counter()
         lookup = manager.lookup(hashes)
-        results = manager.wait(manager.submit(manager.plan_load(lookup, block_ids)))
+        results = stack.run(manager.plan_load(lookup, block_ids))
         elapsed = time.perf_counter() - t
         if lookup.num_hit_blocks != num_blocks or not all(r.ok for r in results):
             raise RuntimeError("load failed")

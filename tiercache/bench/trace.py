@@ -6,8 +6,8 @@ run of its chunks the cache holds (prefix semantics), capped at its input
 length; then it touches what it hit and stores what it missed.
 
 - `replay`: one tier with an eviction policy at a capacity (in tokens).
-- `replay_hierarchy`: L1 (`CpuTier`, with 1-byte slots) over L2
-  (`MetadataTier`) driven by the real `CacheManager` — promotions, spills and
+- `replay_hierarchy`: L1 (`CpuIndex`, with 1-byte slots) over L2
+  (`MetadataIndex`) driven by the real `CacheManager` — promotions, spills and
   the admission policy included — with every planned transfer completing at
   once.
 """
@@ -22,10 +22,9 @@ from pathlib import Path
 from tiercache.keys import BlockHash
 from tiercache.manager import CacheManager
 from tiercache.policies import DEFAULT_EVICTION, admission_policies
-from tiercache.tiers.cpu import CpuTier
-from tiercache.tiers.metadata import MetadataTier
-from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.plan import TransferPlan, TransferResult
+from tiercache.tiers.cpu import CpuIndex
+from tiercache.tiers.metadata import MetadataIndex
+from tiercache.transfer.plan import JobOutcome, TransferPlan
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -86,7 +85,7 @@ def unique_chunks(trace: Iterable[TraceRequest]) -> int:
 
 
 def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
-    tier = MetadataTier(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=policy)
+    tier = MetadataIndex(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=policy)
     result = ReplayResult()
     for request in trace:
         keys = request.keys
@@ -109,36 +108,32 @@ class HierarchyResult(ReplayResult):
 
 
 def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> None:
-    manager.apply([TransferResult(p, ok=True, seconds=0.0) for p in plans if p is not None])
+    manager.apply([JobOutcome(p.job_id) for p in plans if p is not None])
 
 
 def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
                      min_hits: int = 1, write_mode: str = "write-back",
                      eviction: str = DEFAULT_EVICTION) -> HierarchyResult:
-    l1 = CpuTier(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction, prefault=False)
-    l2 = MetadataTier(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
-    engine = TransferEngine(workers=1)   # hands out job ids; nothing is submitted
-    manager = CacheManager(l1, engine, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
+    l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction)
+    l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
+    manager = CacheManager(l1, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
                            lower=[l2], write_mode=write_mode,
                            admission=admission_policies.get(admission)(min_hits))
     result = HierarchyResult()
-    try:
-        for request in trace:
-            keys = request.keys
-            manager.record_request(keys)
-            lookup = manager.lookup_chunks(keys, len(keys))
-            if manager.promote(lookup):
-                result.l2_hit_chunks += sum(len(r.keys) for r in lookup.runs if r.tier == "l2")
-                _complete(manager, manager.take_background())
-                lookup = manager.lookup_chunks(keys, len(keys))
-            lookup = manager.in_l1(lookup)
-            hit = lookup.num_hit_blocks
-            result.add(request, hit)
-            if hit:
-                _complete(manager, manager.plan_load(lookup, range(len(keys))))
-            _complete(manager, [manager.plan_store_chunks(keys, range(len(keys)), len(keys), first_chunk=hit)])
+    for request in trace:
+        keys = request.keys
+        manager.record_request(keys)
+        lookup = manager.lookup_chunks(keys, len(keys))
+        if manager.promote(lookup):
+            result.l2_hit_chunks += sum(len(r.keys) for r in lookup.runs if r.tier == "l2")
             _complete(manager, manager.take_background())
-        result.l2_written_chunks = l2.counters.stored
-    finally:
-        engine.close()
+            lookup = manager.lookup_chunks(keys, len(keys))
+        lookup = manager.in_l1(lookup)
+        hit = lookup.num_hit_blocks
+        result.add(request, hit)
+        if hit:
+            _complete(manager, manager.plan_load(lookup, range(len(keys))))
+        _complete(manager, [manager.plan_store_chunks(keys, range(len(keys)), len(keys), first_chunk=hit)])
+        _complete(manager, manager.take_background())
+    result.l2_written_chunks = l2.counters.stored
     return result

@@ -1,28 +1,32 @@
-"""The engine-agnostic KV connector API, split like vLLM's KVConnectorBase_V1.
+"""The engine-agnostic KV connector API, split like vLLM's KVConnectorBase_V1 (DESIGN §1, §6).
 
-The **scheduler side** decides: how many tokens beyond the engine's own L0 hits
-a request can load (`get_num_new_matched_tokens`), what to load once blocks
-are allocated (`update_state_after_alloc`), what each step loads and stores
-(`build_connector_meta`), whether a finished request's blocks must outlive it
-(`request_finished`). It never blocks on slow I/O: it may answer "ask again"
-(``None``).
+The **scheduler side** (one per engine) decides: how many tokens beyond the
+engine's own L0 hits a request can load (`get_num_new_matched_tokens`), what
+to load once blocks are allocated (`update_state_after_alloc`), what each step
+loads and stores (`build_connector_meta`), whether a finished request's
+blocks must outlive it (`request_finished`). It never blocks on slow I/O: it
+may answer "ask again" (``None``).
 
-The **worker side** executes: it registers the KV tensors, starts a step's
-loads, waits for a layer's KV before attention reads it, saves after the
-forward, and reports finished transfers and failed loads.
+The **worker side** (one per rank) executes: it registers the rank's KV
+tensors (answering with a `WorkerHandshake`), starts a step's loads, waits for
+a layer's KV before attention reads it, hands stores over after the forward,
+and reports what finished (`WorkerReport`).
 
-Engines (the reference engine, vLLM) talk only to these classes; the tiers
-stay behind them.
+Only the plain data below crosses between the sides, in the engine's own
+channels: a `WorkerHandshake` per rank once at start, `ConnectorMetadata`
+down every step, a `WorkerReport` per rank up every step. Engines (the
+reference engine, vLLM) talk only to these classes; the tiers stay behind
+them.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.keys import BlockHash
-from tiercache.pool.kv_cache import PagedKVCache
-from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
+from tiercache.transfer.plan import JobId, JobOutcome, JobReport, TransferPlan
+from tiercache.wire.chunk_files import ScanResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,21 +46,47 @@ class StepRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerHandshake:
+    """Worker → scheduler, once per rank after its KV is registered: what the scheduler's indexes must know."""
+    rank: int
+    num_ranks: int
+    block_bytes: int                      # this rank's bytes of one block, all its layers
+    num_slots: int                        # L1 slots this rank allocated (its share of cpu.capacity)
+    storage: bytes                        # the digest this rank's stored chunks are filed under
+    writer: bool                          # writes lower tiers (False: replicated KV another rank writes)
+    stored: Mapping[str, ScanResult] = field(default_factory=dict)   # what persistent tiers hold, per tier
+    copies_in_step: bool = False          # L0 ↔ L1 copies complete within the step that asked for them
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectorMetadata:
-    """Scheduler → worker, once per step: the plans to run and whom they serve."""
+    """Scheduler → every worker, once per step: the plans to run and whom they serve."""
     loads: tuple[TransferPlan, ...] = ()
     stores: tuple[TransferPlan, ...] = ()
-    background: tuple[TransferPlan, ...] = ()   # promotions, spills, copies down: no request waits on them
+    background: tuple[TransferPlan, ...] = ()   # promotions, spills, copies down, deletes: no request waits
     owners: dict[JobId, str] = field(default_factory=dict)
+    delayed: tuple[str, ...] = ()        # finished requests whose blocks the engine keeps until their stores end
+    preempted: tuple[str, ...] = ()      # requests whose blocks the engine took back this step
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """One worker → scheduler, once per step."""
+    rank: int
+    jobs: tuple[JobReport, ...] = ()
+    finished_sending: frozenset[str] = frozenset()   # delayed requests with no store left on this rank
+    failed_loads: frozenset[str] = frozenset()       # requests with a load that failed on this rank
+    failed_block_ids: frozenset[int] = frozenset()
+    stats: Mapping[str, int] = field(default_factory=dict)   # this rank's counter deltas since the last report
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorOutput:
-    """Worker → scheduler, once per step."""
-    results: tuple[TransferResult, ...] = ()
-    finished_sending: frozenset[str] = frozenset()    # requests whose stores all completed
-    finished_recving: frozenset[str] = frozenset()    # requests whose loads all completed
-    failed_loads: frozenset[str] = frozenset()        # requests with a load that failed
+    """What every rank reported for one step, aggregated for the engine: a request finished sending when
+    every rank says so, a load failed when any rank's did."""
+    jobs: tuple[JobReport, ...] = ()
+    finished_sending: frozenset[str] = frozenset()
+    failed_loads: frozenset[str] = frozenset()
     failed_block_ids: frozenset[int] = frozenset()
 
 
@@ -70,16 +100,23 @@ class SchedulerConnector(ABC):
         """Blocks are allocated: plan loading ``num_external_tokens`` tokens into them."""
 
     @abstractmethod
-    def build_connector_meta(self, step: Sequence[StepRequest]) -> ConnectorMetadata:
+    def build_connector_meta(self, step: Sequence[StepRequest], preempted: Sequence[str] = ()) -> ConnectorMetadata:
         """The loads planned since the last step, and stores of chunks this step completes."""
 
     @abstractmethod
-    def update_connector_output(self, output: ConnectorOutput) -> None:
-        """Apply the worker's finished transfers to the tier indexes."""
+    def update_connector_output(self, jobs: Sequence[JobReport]) -> list[JobOutcome]:
+        """Apply the job reports of every rank (a job is complete once every rank has reported it); returns
+        the outcomes of the jobs that completed."""
 
     @abstractmethod
     def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
-        """The request ended; True if its blocks must stay allocated until `finished_sending` names it."""
+        """The request ended; True if its blocks must stay allocated until every rank reports it in
+        `WorkerReport.finished_sending`."""
+
+    @abstractmethod
+    def request_preempted(self, request_id: str) -> bool:
+        """The engine takes the request's blocks back (it will recompute or reload it later); True if they
+        must stay allocated until every rank reports it in `WorkerReport.finished_sending`."""
 
     @abstractmethod
     def has_pending_stores(self, request_id: str) -> bool:
@@ -99,7 +136,8 @@ class SchedulerConnector(ABC):
 
 class WorkerConnector(ABC):
     @abstractmethod
-    def register_kv_caches(self, kv: PagedKVCache) -> None: ...
+    def register_kv_caches(self, kv) -> WorkerHandshake:
+        """This rank's L0 (a `PagedKVCache` or `LayerTensorsKV`): build the rank's transports and report."""
 
     @abstractmethod
     def bind_connector_meta(self, meta: ConnectorMetadata) -> None: ...
@@ -121,5 +159,5 @@ class WorkerConnector(ABC):
         """The forward finished: hand this step's stores to the transfer engine."""
 
     @abstractmethod
-    def get_finished(self) -> ConnectorOutput:
-        """Transfers finished since the last call."""
+    def get_finished(self) -> WorkerReport:
+        """What finished on this rank since the last call."""

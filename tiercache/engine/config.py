@@ -49,9 +49,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # L0 hash hits inside the engine's own pool
     device: str = "cpu"
     seed: int = 0
+    tensor_parallel_size: int = 1          # simulated ranks: each holds num_kv_heads / tp of the KV heads and
+                                           # runs its own connector worker (own L1 slab, files, connections)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"engine.{name}", getattr(self, name), "must be positive")
         if self.preemption not in ("recompute", "swap"):

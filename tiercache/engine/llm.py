@@ -26,8 +26,6 @@ from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 
 
-IDLE_STEP_S = 0.0005
-
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
@@ -78,8 +76,12 @@ class LLMEngine:
         if offload is not None and offload.keys.block_size != engine_cfg.block_size:
             raise ConfigError("keys.block_size", offload.keys.block_size,
                               f"must equal the engine's block size ({engine_cfg.block_size})")
+        if model_cfg.num_kv_heads % engine_cfg.tensor_parallel_size:
+            raise ConfigError("engine.tensor_parallel_size", engine_cfg.tensor_parallel_size,
+                              f"must divide the model's {model_cfg.num_kv_heads} KV heads")
         self.namespace = _namespace(model_cfg, engine_cfg, model_path, offload.keys.tenant_salt if offload else "")
-        self.kv = PagedKVCache(self.namespace.geometry, engine_cfg.num_blocks, engine_cfg.block_size, engine_cfg.device)
+        self.kv = PagedKVCache(self.namespace.geometry, engine_cfg.num_blocks, engine_cfg.block_size, engine_cfg.device,
+                               num_shards=engine_cfg.tensor_parallel_size)
         self.pool = BlockPool(engine_cfg.num_blocks)
         self.blocks = BlockManager(self.pool, engine_cfg.block_size)
         self.hasher = BlockHasher(self.namespace, offload.keys.hash if offload else "sha256")
@@ -116,10 +118,9 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         out = self.scheduler.schedule()
-        if not out.scheduled and self.connector is not None:
-            time.sleep(IDLE_STEP_S)   # only transfers are running (promotions, held stores): do not spin
         sampled = self.runner.execute(out)
-        conn_out = self.connector.worker.get_finished() if self.connector else None
+        # with nothing scheduled only transfers are running (promotions, held stores): wait for them a moment
+        conn_out = self.connector.worker.get_finished(idle=not out.scheduled) if self.connector else None
         return self.scheduler.update(out, sampled, conn_out, time.perf_counter())
 
     def has_unfinished(self) -> bool:
@@ -152,7 +153,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
         }
         if self.connector is not None:
-            out["connector"] = self.connector.scheduler.stats()
+            out["connector"] = self.connector.stats()
         return out
 
     def close(self) -> None:

@@ -92,19 +92,20 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if hooks is not None:
             hooks.before_layer(self.layer)    # this layer's loaded KV must be in place before we read it
-        cache = kv.layer(self.layer)          # [2, num_blocks, block_size, kv_heads, head_dim]
-        k_flat = cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, batch.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, batch.slot_mapping, v.to(v_flat.dtype))
+        parts = kv.layer_parts(self.layer)    # per rank: [2, num_blocks, block_size, its kv_heads, head_dim]
+        per_part = self.num_kv_heads // len(parts)
+        for i, cache in enumerate(parts):
+            heads = slice(i * per_part, (i + 1) * per_part)
+            cache[0].view(-1, per_part, self.head_dim).index_copy_(0, batch.slot_mapping, k[:, heads].to(cache.dtype))
+            cache[1].view(-1, per_part, self.head_dim).index_copy_(0, batch.slot_mapping, v[:, heads].to(cache.dtype))
         if hooks is not None:
             hooks.after_layer(self.layer)
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
         for s in batch.seqs:
             ctx = s.context_len
-            keys = cache[0, s.block_table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
-            values = cache[1, s.block_table].reshape(-1, self.num_kv_heads, self.head_dim)[:ctx]
+            keys = _gather_heads(parts, 0, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
+            values = _gather_heads(parts, 1, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
             keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)      # [H, ctx, D]
             values = values.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             new = s.end - s.start
@@ -121,6 +122,13 @@ class Attention(nn.Module):
                 out[s.start + lo:s.start + hi] = F.scaled_dot_product_attention(
                     query, keys, values, attn_mask=mask).transpose(0, 1)
         return self.o_proj(out.reshape(n, -1))
+
+
+def _gather_heads(parts: list[torch.Tensor], kv: int, table: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """K (``kv=0``) or V of a sequence's blocks as ``[tokens, heads, head_dim]``, heads from every rank's part."""
+    if len(parts) == 1:
+        return parts[0][kv, table].reshape(-1, heads, head_dim)
+    return torch.cat([p[kv, table] for p in parts], dim=-2).reshape(-1, heads, head_dim)
 
 
 class MLP(nn.Module):

@@ -9,15 +9,31 @@ from __future__ import annotations
 
 import torch
 
-from tiercache.connector.api import WorkerConnector
+from typing import Protocol
+
+from tiercache.connector.api import ConnectorMetadata
 from tiercache.engine.model import AttentionBatch, LlamaModel, SeqSlice
 from tiercache.engine.sampler import sample
 from tiercache.engine.scheduler import SchedulerOutput
 from tiercache.pool.kv_cache import PagedKVCache
 
 
+class StepWorker(Protocol):
+    """The connector's worker side as the runner drives it (every rank at once: `RankGroup`)."""
+
+    def bind_connector_meta(self, meta: ConnectorMetadata) -> None: ...
+
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int) -> None: ...
+
+    def wait_for_save(self) -> None: ...
+
+
 class _ConnectorHooks:
-    def __init__(self, worker: WorkerConnector) -> None:
+    def __init__(self, worker: StepWorker) -> None:
         self.worker = worker
 
     def before_layer(self, layer: int) -> None:
@@ -28,7 +44,7 @@ class _ConnectorHooks:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: PagedKVCache, worker: WorkerConnector | None = None,
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, worker: StepWorker | None = None,
                  record_logits: bool = False) -> None:
         self.model = model
         self.kv = kv
@@ -36,8 +52,6 @@ class ModelRunner:
         self.worker = worker
         self.hooks = _ConnectorHooks(worker) if worker is not None else None
         self.record_logits = record_logits
-        if worker is not None:
-            worker.register_kv_caches(kv)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns the sampled token of every sequence that produced one."""

@@ -155,8 +155,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks, or hold them while a store still reads them."""
-        if self.connector is not None and self.connector.has_pending_stores(seq.seq_id):
+        """Free a preempted ``seq``'s blocks, or hold them while a store still reads them."""
+        if self.connector is not None and self.connector.request_preempted(seq.seq_id):
             self.held[seq.seq_id].append(self.blocks.hold(seq.seq_id))
         else:
             self.blocks.free(seq.seq_id)
@@ -167,7 +167,7 @@ class Scheduler:
         """Advance every scheduled sequence; returns the ones that finished."""
         failed = conn_out.failed_loads if conn_out is not None else frozenset()
         if conn_out is not None and self.connector is not None:
-            self.connector.update_connector_output(conn_out)
+            self.connector.update_connector_output(conn_out.jobs)
         finished = []
         for s in out.scheduled:
             seq = s.seq

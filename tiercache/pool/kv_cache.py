@@ -1,14 +1,21 @@
-"""The L0 KV tensor: one preallocated tensor for all layers, addressed by block id.
+"""The L0 KV tensors: preallocated for all layers, addressed by block id.
 
 Worker side: this module owns the bytes of L0; `BlockPool` owns which block
 holds what. Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]`` (geometry layout ``LKBTHD``): a layer's K or V of one block is
 contiguous, so gathering a chunk moves ``2 * num_layers`` runs per block and a
 layer can be loaded on its own for layerwise pipelining.
+
+With ``num_shards > 1`` the KV heads are split across that many tensors, one
+per simulated tensor-parallel rank (`shard` gives rank ``i``'s part as a cache
+of its own), the way each rank of a TP deployment holds its heads: the
+reference engine's attention reads all of them, each rank's connector worker
+moves only its own.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -29,36 +36,59 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class PagedKVCache:
-    def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: str = "auto") -> None:
+    def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: str = "auto",
+                 num_shards: int = 1, parts: Sequence[torch.Tensor] | None = None) -> None:
+        if num_shards < 1 or geometry.num_kv_heads % num_shards:
+            raise ValueError(f"{geometry.num_kv_heads} KV heads cannot be split across {num_shards} ranks")
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.device = resolve_device(device)
+        self.num_shards = num_shards
         self.dtype = torch_dtype(geometry.dtype)
         g = geometry
-        self.kv = torch.zeros(
-            (g.num_layers, 2, num_blocks, block_size, g.num_kv_heads, g.head_dim),
-            dtype=self.dtype, device=self.device,
-        )
+        if parts is None:
+            self.device = resolve_device(device)
+            shape = (g.num_layers, 2, num_blocks, block_size, g.num_kv_heads // num_shards, g.head_dim)
+            parts = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_shards)]
+        else:
+            self.device = parts[0].device
+        self.parts = list(parts)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The one KV tensor of an unsharded cache."""
+        if self.num_shards != 1:
+            raise ValueError(f"this cache is split across {self.num_shards} ranks: use shard(i)")
+        return self.parts[0]
+
+    def shard(self, i: int) -> PagedKVCache:
+        """Rank ``i``'s heads, as a cache of their own (sharing the tensor)."""
+        geometry = replace(self.geometry, num_kv_heads=self.geometry.num_kv_heads // self.num_shards)
+        return PagedKVCache(geometry, self.num_blocks, self.block_size, parts=[self.parts[i]])
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block holds across all layers, K and V."""
-        return self.kv[:, :, 0].numel() * self.kv.element_size()
+        """Bytes one block holds across all layers, K and V (of every shard)."""
+        return sum(p[:, :, 0].numel() * p.element_size() for p in self.parts)
 
     def chunk_shape(self, chunk_blocks: int) -> tuple[int, ...]:
         """Shape of a chunk of ``chunk_blocks`` blocks as stored (the layout of `kernels.torch_ops.chunk_view`)."""
         g = self.geometry
-        return (g.num_layers, 2, chunk_blocks, self.block_size, g.num_kv_heads, g.head_dim)
+        return (g.num_layers, 2, chunk_blocks, self.block_size, g.num_kv_heads // self.num_shards, g.head_dim)
 
     def layer(self, layer: int) -> torch.Tensor:
-        """``[2, num_blocks, block_size, heads, head_dim]`` view of one layer."""
+        """``[2, num_blocks, block_size, heads, head_dim]`` view of one layer (unsharded caches)."""
         return self.kv[layer]
 
+    def layer_parts(self, layer: int) -> list[torch.Tensor]:
+        """One layer of every shard, in head order."""
+        return [p[layer] for p in self.parts]
+
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy whole blocks ``src[i] → dst[i]`` (copy-on-write) in one indexed op."""
+        """Copy whole blocks ``src[i] → dst[i]`` (copy-on-write) in one indexed op per shard."""
         if not src:
             return
         src_t = torch.as_tensor(src, device=self.device)
         dst_t = torch.as_tensor(dst, device=self.device)
-        self.kv.index_copy_(2, dst_t, self.kv.index_select(2, src_t))
+        for part in self.parts:
+            part.index_copy_(2, dst_t, part.index_select(2, src_t))

@@ -1,4 +1,4 @@
-"""The server side of the data channel (`tiercache.server.data_wire`): a thread per connection over the store.
+"""The server side of the data channel (`tiercache.wire.data_frames`): a thread per connection over the store.
 
 Each connection says hello (protocol version, auth token), then sends
 requests one after another. A ``GET`` sends each value from the buffers the
@@ -18,13 +18,13 @@ import socket
 import threading
 from collections import Counter
 
-from tiercache.chunk_format import HEADER_BYTES
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
-from tiercache.server import data_wire as dw
+from tiercache.wire import data_frames as dw
 from tiercache.server.store import ChunkStore, PutOutcome
 from tiercache.server.values import check_value
-from tiercache.server.wire import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
-from tiercache.streams import ProtocolError, StreamReader
+from tiercache.wire.grpc_messages import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
+from tiercache.wire.streams import ProtocolError, StreamReader
 
 log = logging.getLogger("tiercache.server")
 

@@ -25,13 +25,13 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
-from tiercache.chunk_format import HEADER_BYTES
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
-from tiercache.server import tiercache_pb2 as pb
+from tiercache.wire import tiercache_pb2 as pb
 from tiercache.server.store import ChunkStore, PutOutcome
 from tiercache.server.values import check_value
-from tiercache.server.wire import (
+from tiercache.wire.grpc_messages import (
     AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, WireError, encode_chunk, read_chunk,
 )
 

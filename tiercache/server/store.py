@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from tiercache.chunk_format import HEADER_BYTES
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
@@ -48,7 +48,7 @@ from tiercache.server.values import (
     BufferPool, Messages, Spill, Stored, StoreKey, as_messages, check_value, store_key, value_parts, value_pieces,
     value_size,
 )
-from tiercache.tiers.disk import write_chunk_file
+from tiercache.wire.chunk_files import write_chunk_file
 from tiercache.tiers.index import IndexedTier
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.values import BufferPool, Spill, Stored, StoreKey, store_key, value_size
 from tiercache.tiers.base import Medium
-from tiercache.tiers.disk import chunk_path, scan_chunk_files
+from tiercache.wire.chunk_files import chunk_path, scan_chunk_files
 from tiercache.tiers.index import Entry, IndexedTier
 
 INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients
@@ -115,11 +115,11 @@ class DiskChunks(IndexedTier):
                 continue
             if not ns_dir.is_dir() or len(namespace) != NAMESPACE_DIGEST_BYTES:
                 continue
-            found, bad = scan_chunk_files(ns_dir, namespace)
-            self.counters.integrity_failures += bad
-            for _, key, size in found:
-                self._reserve(store_key(namespace, key), Entry(size, ready=True))
-                self.policy.insert(store_key(namespace, key))
+            scan = scan_chunk_files(ns_dir, namespace)
+            self.counters.integrity_failures += scan.bad + scan.temp
+            for chunk in scan.found:
+                self._reserve(store_key(namespace, chunk.key), Entry(chunk.nbytes, ready=True))
+                self.policy.insert(store_key(namespace, chunk.key))
         self._trim_to(self._capacity)
 
     @property

@@ -14,10 +14,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.chunk_format import HEADER_BYTES, check_header
+from tiercache.wire.chunk_format import HEADER_BYTES, check_header
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.server.wire import parse_chunk, split_chunk
+from tiercache.wire.grpc_messages import parse_chunk, split_chunk
 
 StoreKey = bytes          # namespace digest + chunk key
 Messages = list[bytes]    # one chunk's `Chunk` messages, as received over gRPC

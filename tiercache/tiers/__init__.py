@@ -1,8 +1,6 @@
-"""Tiers below L0, chosen by name from `tier_types`; each imports lazily so optional backends stay optional."""
-from tiercache.registry import Registry
-from tiercache.tiers.base import Medium, Tier, TierCounters
+"""Tiers below L0. Each is two objects: an index on the scheduler side and a transport on each worker
+(`tiercache.tiers.base`); `tiercache.build.lower_tiers` builds them by name, importing each lazily so optional
+backends stay optional."""
+from tiercache.tiers.base import LowerIndex, Medium, TierCounters, TierIndex, Transport
 
-tier_types: Registry[type[Tier]] = Registry("tier")
-tier_types.register("cpu", "tiercache.tiers.cpu:CpuTier")
-
-__all__ = ["Medium", "Tier", "TierCounters", "tier_types"]
+__all__ = ["LowerIndex", "Medium", "TierCounters", "TierIndex", "Transport"]

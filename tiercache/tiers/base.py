@@ -1,16 +1,29 @@
-"""What every tier below L0 shares: its medium, a leading-run `contains`, delete, capacity and counters.
+"""A tier is two objects: an index on the scheduler side and a transport on each worker (DESIGN §3).
 
-Tier indexes are bookkeeping only and are driven from one thread (the
-manager's); the bytes they describe are moved by transfer handlers.
+`TierIndex` (scheduler side, one thread, plain data): which chunks the tier
+holds — a leading-run `contains`, capacity and usage, the two-phase
+``prepare_*`` / ``complete_*`` lifecycle, eviction, counters. It never
+touches a tensor, a file or a socket on the scheduler's thread: a remote
+tier's lookups run on a thread of their own and answer "ask again" (None)
+meanwhile, and bytes that must go (evicted files, corrupt values) are handed
+out by `take_deletes` as work for the workers.
+
+`Transport` (worker side, one per rank): this rank's bytes of a lower tier —
+batched writes, verified reads into L1 slots, deletes — each failed key
+reported with its `Failure`, never raised.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
+from tiercache.transfer.plan import Failure, KeyFailures
+from tiercache.wire.chunk_files import ScanResult
+from tiercache.wire.chunk_format import ChunkMeta
 
 
 class Medium(str, Enum):
@@ -20,9 +33,24 @@ class Medium(str, Enum):
     REMOTE = "remote"   # L3: Redis or a tiercache server
 
 
+LINK_NAMES = {
+    frozenset((Medium.DEVICE, Medium.CPU)): "device_host",
+    frozenset((Medium.CPU, Medium.DISK)): "host_disk",
+    frozenset((Medium.CPU, Medium.REMOTE)): "host_network",
+}
+DELETE_LINKS = {Medium.DISK: "host_disk", Medium.REMOTE: "host_network"}
+
+
+def link_name(src: Medium, dst: Medium | None) -> str:
+    """The physical link a copy between two media (or a delete from ``src``) runs on."""
+    if dst is None:
+        return DELETE_LINKS[src]
+    return LINK_NAMES.get(frozenset((src, dst)), f"{src.value}_{dst.value}")
+
+
 @dataclass(slots=True)
 class TierCounters:
-    """Monotonic counters; only the owning tier increments them."""
+    """Monotonic counters, one count per chunk (not per rank); only the owning index increments them."""
     lookups: int = 0
     lookup_keys: int = 0
     hit_keys: int = 0
@@ -39,9 +67,11 @@ class TierCounters:
         return asdict(self)
 
 
-class Tier(ABC):
+class TierIndex(ABC):
+    """Scheduler side of a tier."""
     name: str
     medium: Medium
+    indexed = True        # answers lookups from a local index (False: asks a server, on a thread of its own)
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -65,12 +95,12 @@ class Tier(ABC):
             self._removals.extend(keys)
 
     @abstractmethod
-    def contains(self, keys: Sequence[BlockHash]) -> int:
-        """How many leading ``keys`` are present and readable."""
+    def contains(self, keys: Sequence[BlockHash]) -> int | None:
+        """How many leading ``keys`` are present and readable; None while the answer is on its way."""
 
     @abstractmethod
     def delete(self, keys: Sequence[BlockHash]) -> int:
-        """Remove keys that are present and not in use; returns how many were removed."""
+        """Forget keys that are present and not in use (their bytes go by `take_deletes`); how many went."""
 
     @property
     @abstractmethod
@@ -84,8 +114,12 @@ class Tier(ABC):
     @abstractmethod
     def num_chunks(self) -> int: ...
 
+    def take_deletes(self) -> list[BlockHash]:
+        """Keys whose stored bytes every rank must delete (evicted, corrupt, half-written), since the last call."""
+        return []
+
     def close(self) -> None:
-        """Release connections or handles (the tier is not used afterwards)."""
+        """Stop lookup threads and release connections (the index is not used afterwards)."""
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
@@ -115,13 +149,13 @@ class Tier(ABC):
         return hit
 
 
-class LowerTier(Tier):
-    """A tier below L1 that stores whole chunks as bytes (disk, remote).
+class LowerIndex(TierIndex):
+    """Scheduler side of a tier below L1 that stores whole chunks as bytes (disk, remote).
 
-    Its index follows the same two-phase lifecycle as L1; the bytes move
-    between an L1 slot and the tier in transfer handlers.
+    Its lifecycle follows L1's; the bytes move between an L1 slot and the
+    tier on every rank's transport.
     """
-    indexed = True       # `has` reads a local index; False for a remote tier, where it is a network round trip
+    # `indexed` (TierIndex): `has` reads a local index; False for a remote tier (no index, no pins)
     parallel_jobs = True  # split a batch across transfer workers (False: one job, e.g. one gRPC stream)
 
     @abstractmethod
@@ -133,17 +167,55 @@ class LowerTier(Tier):
         """Reserve room per key; False where the key is present or no room can be made."""
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None: ...
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None: ...
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         """Pin ready keys for reading; KeyError for a missing one."""
 
     @abstractmethod
-    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        """Unpin ``keys``; ``failed`` are those whose read did not place a chunk (the tier knows why: only
-        a value that failed verification is an integrity failure, and deleted)."""
+    def complete_load(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None:
+        """Unpin ``keys``; a key that failed as `Failure.CORRUPT` is an integrity failure and its bytes are
+        deleted, the other failures are counted for what they are."""
 
     @abstractmethod
     def has(self, key: BlockHash) -> bool:
-        """Whether ``key`` is stored and readable, without counting a lookup."""
+        """Whether ``key`` is stored and readable, without counting a lookup (local indexes only)."""
+
+    def rebuild(self, per_rank: Sequence[ScanResult]) -> int:
+        """Index what the writing ranks found at start (a persistent tier); how many chunks had to go."""
+        return 0
+
+    def attach(self, storage_digests: Sequence[bytes]) -> None:
+        """The storage digests of the ranks that write this tier (a tier that asks a server needs them)."""
+
+
+class Transport(ABC):
+    """Worker side of a lower tier: one rank's bytes. Every method reports failures per key, never raises.
+
+    A transport of a rank that only reads a tier shared by every rank
+    (replicated KV, e.g. MLA: one copy serves all) has ``writer=False``:
+    its writes and deletes are no-ops that succeed.
+    """
+    name: str
+    medium: Medium
+    writer: bool = True
+
+    @abstractmethod
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
+        """Store each chunk (header + payload in the stored chunk format); the keys that failed, and why."""
+
+    @abstractmethod
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+        """Read and verify each chunk into its buffer: the raw length placed, or why not."""
+
+    @abstractmethod
+    def delete_chunks(self, keys: Sequence[BlockHash]) -> None:
+        """Remove this rank's bytes of ``keys`` (missing ones are fine)."""
+
+    def scan(self) -> ScanResult | None:
+        """What a persistent tier holds for this rank (read once at start); None for a tier without an index."""
+        return None
+
+    def close(self) -> None:
+        """Release connections or handles."""

@@ -1,33 +1,32 @@
-"""L1: chunks in one pre-faulted host buffer, carved into equal slots.
+"""L1's index: which chunk is in which host-memory slot — the same slot on every rank (scheduler side).
 
-Scheduler side for the index (driven by the manager's thread only); the slot
-bytes are read and written by transfer handlers on worker threads between a
-``prepare_*`` and its ``complete_*``. Lifecycle of a key:
+The bytes are each rank's `HostSlab`, written and read by transfer handlers
+between a ``prepare_*`` and its ``complete_*``. Lifecycle of a key:
 
-    prepare_store → (handler writes the slot) → complete_store(ok) → visible
-    prepare_load  → pinned, not evictable → (handler reads) → complete_load
+    prepare_store → (every rank writes the slot) → complete_store(ok) → visible
+    prepare_load  → pinned, not evictable → (every rank reads) → complete_load
 
 A key being written is invisible to `contains`; a pinned key is never evicted;
 "no room" is returned as ``None``, never raised. Usage never exceeds capacity:
-the buffer holds ``capacity // slot_bytes`` slots and nothing else.
+there are ``num_slots`` slots and nothing else.
 
 Spilling (write-back to a slower tier): when ``spill_filter`` says a victim is
 worth keeping, eviction hides the key at once but holds its slot until the
 manager has copied it out (`take_spills` → write → `finish_spills`). The
-filter answers no for a chunk the slower tier already holds.
+filter answers no for a chunk the slower tier already holds, and private
+chunks (a preempted request's swap copy) are never spilled.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tiercache.keys import BlockHash
-from tiercache.tiers.base import Medium
 from tiercache.policies import DEFAULT_EVICTION
+from tiercache.tiers.base import Medium
 from tiercache.tiers.index import Entry, IndexedTier
-from tiercache.tiers.slab import SlabAllocator
+from tiercache.tiers.slab import SlotHeap
+from tiercache.transfer.plan import Failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,48 +40,36 @@ class Spill:
 MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
 
 
-class CpuTier(IndexedTier):
+class CpuIndex(IndexedTier):
     medium = Medium.CPU
 
-    def __init__(
-        self,
-        capacity_bytes: int,
-        slot_bytes: int,
-        eviction: str = DEFAULT_EVICTION,
-        pin_memory: bool = False,
-        prefault: bool = True,
-        name: str = "cpu",
-    ) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "cpu") -> None:
         super().__init__(eviction)
-        num_slots = capacity_bytes // slot_bytes
-        if num_slots < 1:
-            raise ValueError(f"L1 capacity {capacity_bytes} B holds no {slot_bytes}-byte chunk")
+        if slot_bytes <= 0:
+            raise ValueError(f"L1 slots must hold at least one byte, got {slot_bytes}")
         self.name = name
-        self.slab = SlabAllocator(num_slots, slot_bytes, pin_memory=pin_memory, prefault=prefault)
+        self.slot_bytes = slot_bytes        # per rank: the largest chunk any rank stores
+        self.slots = SlotHeap(num_slots)
         self.spill_filter: Callable[[BlockHash, int], bool] | None = None   # set by the manager
         self._spilling: dict[BlockHash, Entry] = {}
         self._spill_queue: list[Spill] = []
 
-    # -- Tier ----------------------------------------------------------------
+    # -- TierIndex -----------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self.slab.num_slots * self.slab.slot_bytes
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.slab.slot_bytes
+        return self.slots.num_slots * self.slot_bytes
 
     # -- stores --------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[int | None]:
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False) -> list[int | None]:
         """Reserve a slot per key; ``None`` where the key is present already or no room can be made."""
         out: list[int | None] = []
         for key, size in zip(keys, nbytes, strict=True):
-            if size > self.slab.slot_bytes:
-                raise ValueError(f"chunk of {size} B does not fit a {self.slab.slot_bytes}-byte L1 slot")
+            if size > self.slot_bytes:
+                raise ValueError(f"chunk of {size} B does not fit a {self.slot_bytes}-byte L1 slot")
             if key in self.entries:
                 out.append(None)
                 continue
-            slot = self.slab.allocate()
+            slot = self.slots.allocate()
             tries = 0
             while slot is None and tries < MAX_EVICTIONS_PER_SLOT:
                 freed = self._evict_one()
@@ -90,17 +77,21 @@ class CpuTier(IndexedTier):
                     break
                 tries += 1
                 if freed:
-                    slot = self.slab.allocate()
+                    slot = self.slots.allocate()
             if slot is None:
                 self.counters.store_rejected += 1
                 out.append(None)
                 continue
-            self._reserve(key, Entry(size, slot=slot))
+            self._reserve(key, Entry(size, slot=slot, private=private))
             out.append(slot)
         return out
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] | Sequence[BlockHash] = ()) -> None:
         self.publish(keys, failed)
+
+    def is_private(self, key: BlockHash) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.private
 
     # -- loads ---------------------------------------------------------------
     def prepare_load(self, keys: Sequence[BlockHash]) -> list[int]:
@@ -122,14 +113,7 @@ class CpuTier(IndexedTier):
         for key in keys:
             entry = self._spilling.pop(key)
             self._used -= entry.nbytes
-            self.slab.release(entry.slot)
-
-    # -- bytes (for transfer handlers) ---------------------------------------
-    def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
-        return self.slab.view(slot, nbytes)
-
-    def slot_run_view(self, first: int, count: int) -> torch.Tensor:
-        return self.slab.run_view(first, count)
+            self.slots.release(entry.slot)
 
     # -- internals -----------------------------------------------------------
     def _evict_one(self) -> bool | None:
@@ -138,8 +122,10 @@ class CpuTier(IndexedTier):
         if victim is None:
             return None
         key, entry = victim
-        if self.spill_filter is not None and key not in self._spilling and self.spill_filter(key, entry.hits):
+        if (self.spill_filter is not None and not entry.private and key not in self._spilling
+                and self.spill_filter(key, entry.hits)):
             del self.entries[key]   # hidden at once; bytes and slot stay counted until finish_spills
+            self._removed((key,))
             self._spilling[key] = entry
             self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits))
             return False
@@ -147,4 +133,4 @@ class CpuTier(IndexedTier):
         return True
 
     def _release(self, key: BlockHash, entry: Entry) -> None:
-        self.slab.release(entry.slot)
+        self.slots.release(entry.slot)

@@ -1,7 +1,7 @@
-"""The client side of `tiercache serve`'s data channel (`tiercache.server.data_wire`).
+"""The client side of `tiercache serve`'s data channel (`tiercache.wire.data_frames`).
 
 One TCP connection per transfer thread, opened on first use and kept; a
-``GET`` receives each value through `RemoteTier.receive_value` (a raw chunk
+``GET`` receives each value through `RemoteTransport.receive` (a raw chunk
 straight into its L1 slot, verified there), a ``PUT`` sends each chunk's
 header and payload straight from where they are. Any transport or protocol
 error closes that thread's connection and propagates as `ConnectionError`
@@ -18,10 +18,11 @@ from typing import TypeVar
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.server import data_wire as dw
-from tiercache.streams import ProtocolError, StreamReader, kernel_timeouts
+from tiercache.transfer.plan import Failure
+from tiercache.wire import data_frames as dw
+from tiercache.wire.streams import ProtocolError, StreamReader, kernel_timeouts
 
-Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | None"]
+Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | Failure"]
 T = TypeVar("T")
 
 
@@ -112,14 +113,14 @@ class DataChannel:
         self._thread.served += 1
         return result
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[int | None]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[int | Failure]:
         """One ``GET``; ``receive(reader, n, key, buf)`` takes each present value in. Raises ConnectionError."""
-        def body(sock: socket.socket, reader: StreamReader) -> list[int | None]:
+        def body(sock: socket.socket, reader: StreamReader) -> list[int | Failure]:
             sock.sendall(b"".join([self._request(dw.OP_GET, len(items)), *(dw.key_field(k) for k, _ in items)]))
-            out: list[int | None] = []
+            out: list[int | Failure] = []
             for key, buf in items:
                 (n,) = dw.U64.unpack(reader.exactly(dw.U64.size))
-                out.append(receive(reader, n, key, buf) if n else None)
+                out.append(receive(reader, n, key, buf) if n else Failure.MISS)
             return out
         return self._exchange("GET", body)
 

@@ -1,28 +1,34 @@
-"""L3 on a shared `tiercache serve`: the client tier (scheduler side for lookups, workers for bytes).
+"""L3 on a shared `tiercache serve`: the client tier's two halves, each with a gRPC channel of its own.
 
-The server owns the data and this tier keeps no index: ``Contains``,
-``Delete`` and ``Health`` are gRPC calls. Chunk bytes (the stored chunk
-format: encoded here, header checked by the server, payload verified here on
-every read, in the L1 slot) take the best path the server offers, asked once
-and again after any outage (`_Paths`):
+The server owns the data and no side keeps an index. Each rank's values live
+under its own storage digest (the server's namespace field).
 
-1. Its shared-memory directory, for a client on its host (``--shm-dir``,
-   ``grpc.local``): chunk files read straight into L1 slots, new ones
-   written for ``Adopt``, reads reported with ``Touch`` (`SharedDirectory`);
-   a file not there is asked for over the network, since the server may
-   hold it on disk.
-2. Its data channel (``HealthReply.data_port``, ``grpc.bulk``): one plain
-   TCP connection per transfer thread, each value received straight into
-   its slot and sent straight out of it (`DataChannel`).
-3. gRPC streams: one ``Put`` per store job, one ``Get`` per promotion, each
-   chunk split into pieces of a few MiB built and parsed by hand
-   (`tiercache.server.wire`); Python gRPC makes each received message a
-   fresh ``bytes`` on its channel thread, about a third of what (2) moves.
+- `GrpcIndex` (scheduler side): ``Contains`` — one call per writing rank's
+  digest — on the index's lookup thread, with ``lookup_timeout``; ``Health``
+  probes while the server is away.
+- `GrpcTransport` (worker side, one per rank): chunk bytes (the stored chunk
+  format: encoded here, header checked by the server, payload verified here
+  on every read, in the L1 slot) take the best path the server offers, asked
+  once and again after any outage (`_Paths`):
+
+  1. Its shared-memory directory, for a client on its host (``--shm-dir``,
+     ``grpc.local``): chunk files read straight into L1 slots, new ones
+     written for ``Adopt``, reads reported with ``Touch`` (`SharedDirectory`);
+     a file not there is asked for over the network, since the server may
+     hold it on disk.
+  2. Its data channel (``HealthReply.data_port``, ``grpc.bulk``): one plain
+     TCP connection per transfer thread, each value received straight into
+     its slot and sent straight out of it (`DataChannel`).
+  3. gRPC streams: one ``Put`` per store job, one ``Get`` per promotion, each
+     chunk split into pieces of a few MiB built and parsed by hand
+     (`tiercache.wire.grpc_messages`); Python gRPC makes each received
+     message a fresh ``bytes`` on its channel thread, about a third of what
+     (2) moves.
 
 Faults: every call has a deadline; a server that is gone, slow or refusing
 (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``UNAUTHENTICATED``, a closed data
-connection, ...) turns into misses and failed stores, and the tier goes
-quiet (`Outage`) while a background thread asks ``Health`` every
+connection, ...) turns into misses and failed stores, and that side's tier
+goes quiet (`Outage`) while a background thread asks ``Health`` every
 ``retry_interval`` seconds and the gRPC channel reconnects (its reconnect
 backoff is capped near ``retry_interval`` too, so a restarted server is
 seen within seconds).
@@ -35,29 +41,116 @@ from dataclasses import dataclass
 
 import grpc
 
-from tiercache.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.codecs import Buffer
-from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.server import tiercache_pb2 as pb
-from tiercache.server import data_wire as dw
-from tiercache.server.wire import (
+from tiercache.tiers.data_client import DataChannel, StaleConnection
+from tiercache.tiers.remote import RemoteIndex, RemoteTransport
+from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
+from tiercache.transfer.plan import Failure, KeyFailures
+from tiercache.wire import data_frames as dw
+from tiercache.wire import tiercache_pb2 as pb
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.grpc_messages import (
     AUTH_HEADER, PART_BYTES, ChunkPieces, ChunkView, WireError, method, read_chunk, split_chunk,
 )
-from tiercache.tiers.data_client import DataChannel, StaleConnection
-from tiercache.tiers.remote import RemoteTier
-from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
 
 log = logging.getLogger(__name__)
 
 MIN_TRANSFER_RATE = 100e6   # bytes/s assumed when sizing a streaming call's deadline
+PATH_MODES = ("auto", "off")
 
 
 def _identity(data: bytes) -> bytes:
     return data
 
 
-PATH_MODES = ("auto", "off")
+def _host(address: str) -> str:
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+class ServerChannel:
+    """One gRPC channel to a server and its raw-bytes method handles (each side opens its own)."""
+
+    def __init__(self, address: str, auth_token: str | None, timeout_s: float, retry_interval_s: float,
+                 max_message_bytes: int) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
+        backoff_ms = max(100, int(retry_interval_s * 1000))
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes * 2),
+            ("grpc.max_receive_message_length", max_message_bytes * 2),
+            ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms * 4),
+            ("grpc.enable_retries", 0),
+        ])
+        unary = {n: self.channel.unary_unary(method(n), _identity, _identity)
+                 for n in ("Contains", "Delete", "Health", "Local", "Adopt", "Touch")}
+        self.contains, self.delete, self._health = unary["Contains"], unary["Delete"], unary["Health"]
+        self.local, self.adopt, self.touch = unary["Local"], unary["Adopt"], unary["Touch"]
+        self.get = self.channel.unary_stream(method("Get"), _identity, _identity)
+        self.put = self.channel.stream_unary(method("Put"), _identity, _identity)
+
+    def health(self, timeout_s: float | None = None) -> pb.HealthReply:
+        """The server's health (raises grpc.RpcError when it cannot be reached)."""
+        reply = pb.HealthReply()
+        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(),
+                                           timeout=timeout_s or self.timeout_s, metadata=self.metadata))
+        return reply
+
+    def probe(self, timeout_s: float) -> None:
+        if self.health(timeout_s).status != pb.HealthReply.SERVING:
+            raise ConnectionError(f"tiercache server {self.address} is not serving (shutting down)")
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class GrpcIndex(RemoteIndex):
+    def __init__(self, address: str, fmt: ChunkFormat | None = None, auth_token: str | None = None,
+                 lookup_timeout_s: float = 0.25, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
+                 name: str = "grpc", local: str = "auto", bulk: str = "auto") -> None:
+        super().__init__(name, fmt, retry_interval_s)
+        self.lookup_timeout_s = lookup_timeout_s
+        self._server = ServerChannel(address, auth_token, lookup_timeout_s, retry_interval_s, max_message_bytes)
+        self._local_or_bulk = local == "auto" or bulk == "auto"
+        self.parallel_jobs = False
+
+    def check_health(self) -> pb.HealthReply | None:
+        """The server's health at start, or None — and the tier down, probed until it answers — when it is away.
+
+        A server with a data channel or a shared-memory directory moves bytes with the GIL released, so its
+        jobs are split across transfer workers (two read 10 GB/s from files where one reads 5.6); one gRPC
+        stream at a time otherwise (two contend for the GIL: 2.4 GB/s for one, 1.45 for two here).
+        """
+        try:
+            reply = self._server.health()
+        except grpc.RpcError as err:
+            self._outage.failed("health check", err)
+            return None
+        self.parallel_jobs = self._local_or_bulk and bool(reply.data_port)
+        return reply
+
+    def close(self) -> None:
+        super().close()
+        self._server.close()
+
+    def _probe(self) -> None:
+        self._server.probe(self.lookup_timeout_s)
+
+    def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
+        n = len(keys)
+        for digest in storage:
+            reply = pb.ContainsReply()
+            reply.ParseFromString(self._server.contains(
+                pb.ContainsRequest(namespace=digest, keys=keys[:n]).SerializeToString(),
+                timeout=self.lookup_timeout_s, metadata=self._server.metadata))
+            n = min(n, reply.present)
+            if not n:
+                break
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,75 +160,46 @@ class _Paths:
     bulk: DataChannel | None = None     # the server's data channel
 
 
-def _host(address: str) -> str:
-    host = address.rpartition(":")[0]
-    return host[1:-1] if host.startswith("[") else host
-
-
-class GrpcTier(RemoteTier):
-    @property
-    def parallel_jobs(self) -> bool:
-        """One gRPC stream at a time (two contend for the GIL: 2.4 GB/s for one, 1.45 for two here), but file
-        and socket I/O on the local path and the data channel release it: two workers read 10 GB/s from
-        files where one reads 5.6."""
-        paths = self._known_paths
-        return paths is not None and (paths.local is not None or paths.bulk is not None)
-
-    def __init__(self, address: str, namespace: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
+class GrpcTransport(RemoteTransport):
+    def __init__(self, address: str, storage: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
-                 name: str = "grpc", local: str = "auto", bulk: str = "auto", lookup_timeout_s: float = 0.25) -> None:
-        super().__init__(name, fmt, retry_interval_s)
+                 name: str = "grpc", local: str = "auto", bulk: str = "auto", writer: bool = True,
+                 probe_timeout_s: float = 0.25) -> None:
+        super().__init__(name, storage, fmt, retry_interval_s, writer)
         for what, mode in (("local", local), ("bulk", bulk)):
             if mode not in PATH_MODES:
                 raise ValueError(f"grpc tier {what} must be auto or off, got {mode!r}")
         self.address = address
-        self.namespace = namespace
         self.timeout_s = timeout_s
-        self.lookup_timeout_s = min(lookup_timeout_s, timeout_s)   # Contains and Delete: the scheduling path
+        self.probe_timeout_s = min(probe_timeout_s, timeout_s)
         self.max_message_bytes = max_message_bytes
         self._token = auth_token
-        self._metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
-        backoff_ms = max(100, int(retry_interval_s * 1000))
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", max_message_bytes * 2),
-            ("grpc.max_receive_message_length", max_message_bytes * 2),
-            ("grpc.initial_reconnect_backoff_ms", backoff_ms),
-            ("grpc.min_reconnect_backoff_ms", backoff_ms),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms * 4),
-            ("grpc.enable_retries", 0),
-        ])
-        unary = {n: self._channel.unary_unary(method(n), _identity, _identity)
-                 for n in ("Contains", "Delete", "Health", "Local", "Adopt", "Touch")}
-        self._contains, self._delete, self._health = unary["Contains"], unary["Delete"], unary["Health"]
-        self._local_rpc, self._adopt, self._touch = unary["Local"], unary["Adopt"], unary["Touch"]
+        self._server = ServerChannel(address, auth_token, timeout_s, retry_interval_s, max_message_bytes)
         self._use_local, self._use_bulk = local == "auto", bulk == "auto"
         self._known_paths: _Paths | None = None     # None: not asked yet
-        self._get = self._channel.unary_stream(method("Get"), _identity, _identity)
-        self._put = self._channel.stream_unary(method("Put"), _identity, _identity)
 
     def close(self) -> None:
         super().close()
         self._forget_paths()
-        self._channel.close()
+        self._server.close()
 
     def check_health(self) -> pb.HealthReply | None:
-        """`health`, or None — and the tier down, probed until it answers — when the server is away."""
+        """The server's health, or None — and this rank's tier down, probed until it answers — when it is away;
+        a server that takes only smaller messages gets smaller pieces."""
         try:
-            return self.health()
+            reply = self._server.health()
         except grpc.RpcError as err:
             self._failed("health check", err)
             return None
-
-    def _probe(self) -> None:
-        if self.health(self.lookup_timeout_s).status != pb.HealthReply.SERVING:
-            raise ConnectionError(f"tiercache server {self.address} is not serving (shutting down)")
+        if reply.max_message_bytes and reply.max_message_bytes < self.max_message_bytes:
+            self.max_message_bytes = reply.max_message_bytes
+        return reply
 
     def health(self, timeout_s: float | None = None) -> pb.HealthReply:
-        """The server's health (raises grpc.RpcError when it cannot be reached)."""
-        reply = pb.HealthReply()
-        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(),
-                                           timeout=timeout_s or self.timeout_s, metadata=self._metadata))
-        return reply
+        return self._server.health(timeout_s)
+
+    def _probe(self) -> None:
+        self._server.probe(self.probe_timeout_s)
 
     def _failed(self, what: str, err: Exception) -> None:
         super()._failed(what, err)
@@ -153,9 +217,9 @@ class GrpcTier(RemoteTier):
             return self._known_paths
         bulk = None
         if self._use_bulk:
-            port = self.health().data_port
+            port = self._server.health().data_port
             if port:
-                bulk = DataChannel(_host(self.address), port, self.namespace, self._token, self.timeout_s)
+                bulk = DataChannel(_host(self.address), port, self.storage, self._token, self.timeout_s)
         paths = _Paths(self._local_dir() if self._use_local else None, bulk)
         self._known_paths = paths
         return paths
@@ -165,81 +229,44 @@ class GrpcTier(RemoteTier):
         ``--shm-dir`` (or without the RPC), or a directory that is not this host's."""
         reply = pb.LocalReply()
         try:
-            reply.ParseFromString(self._local_rpc(pb.LocalRequest().SerializeToString(), timeout=self.timeout_s,
-                                                  metadata=self._metadata))
+            reply.ParseFromString(self._server.local(pb.LocalRequest().SerializeToString(), timeout=self.timeout_s,
+                                                     metadata=self._server.metadata))
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-        return SharedDirectory.open(reply.directory, reply.instance, self.namespace) if reply.directory else None
-
-    def _present(self, keys: Sequence[BlockHash]) -> int:
-        request = pb.ContainsRequest(namespace=self.namespace, keys=keys).SerializeToString()
-        reply = pb.ContainsReply()
-        reply.ParseFromString(self._contains(request, timeout=self.lookup_timeout_s, metadata=self._metadata))
-        return min(reply.present, len(keys))
-
-    def contains(self, keys: Sequence[BlockHash]) -> int:
-        if not keys or not self.available:
-            return self._count_lookup(len(keys), 0)
-        try:
-            n = self._present(keys)
-        except grpc.RpcError as err:
-            self._failed("lookup", err)
-            return self._count_lookup(len(keys), 0)
-        self._outage.succeeded()
-        return self._count_lookup(len(keys), n)
-
-    def has(self, key: BlockHash) -> bool:
-        if not self.available:
-            return False
-        try:
-            return self._present([key]) == 1
-        except grpc.RpcError as err:
-            self._failed("lookup", err)
-            return False
-
-    def delete(self, keys: Sequence[BlockHash]) -> int:
-        if not keys or not self.available:
-            return 0
-        try:
-            reply = pb.DeleteReply()
-            reply.ParseFromString(self._delete(pb.DeleteRequest(namespace=self.namespace, keys=keys).SerializeToString(),
-                                               timeout=self.lookup_timeout_s, metadata=self._metadata))
-        except grpc.RpcError as err:
-            self._failed("delete", err)
-            return 0
-        self.counters.deleted += reply.deleted
-        if reply.deleted:
-            self._removed(keys)     # the reply counts them; a key that was gone already is removed all the same
-        return reply.deleted
-
-    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
-        ok = self.available
-        if not ok:
-            self.counters.store_rejected += len(keys)
-        return [ok] * len(keys)
+        return SharedDirectory.open(reply.directory, reply.instance, self.storage) if reply.directory else None
 
     @property
     def part_bytes(self) -> int:
         """Value bytes per message: `PART_BYTES`, or less when the server accepts only smaller messages."""
         return min(PART_BYTES, self.max_message_bytes - 1024)
 
-    # -- I/O (worker side) ---------------------------------------------------
     def _deadline(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / MIN_TRANSFER_RATE
 
-    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
-        """One streamed ``Put`` of every chunk; returns the keys that were not stored."""
-        if not items:
-            return []
-        if not self.available:
-            return [meta.key for meta, _ in items]
+    # -- deletes -------------------------------------------------------------
+    def delete_chunks(self, keys: Sequence[BlockHash]) -> None:
+        if not keys or not self.writer or not self.available:
+            return
+        try:
+            self._server.delete(pb.DeleteRequest(namespace=self.storage, keys=keys).SerializeToString(),
+                                timeout=self.timeout_s, metadata=self._server.metadata)
+        except grpc.RpcError as err:
+            self._failed("delete", err)
 
+    # -- stores --------------------------------------------------------------
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
+        """Each chunk stored by the best path; returns the keys that were not stored, and why."""
+        if not items or not self.writer:
+            return ()
+        down = tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
+        if not self.available:
+            return down
         try:
             paths = self._paths()
         except grpc.RpcError as err:
             self._failed("store", err)
-            return [meta.key for meta, _ in items]
+            return down
         if paths.local is not None:
             failed = self._write_local(paths.local, items)
             if failed is not None:
@@ -250,19 +277,20 @@ class GrpcTier(RemoteTier):
         def messages() -> Iterator[bytes]:
             for meta, raw in items:
                 header, payload = self.fmt.encode_parts(meta, raw)
-                yield from split_chunk(self.namespace, meta.key, header, payload, self.part_bytes)
+                yield from split_chunk(self.storage, meta.key, header, payload, self.part_bytes)
 
         nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
         try:
             reply = pb.PutReply()
-            reply.ParseFromString(self._put(messages(), timeout=self._deadline(nbytes), metadata=self._metadata))
+            reply.ParseFromString(self._server.put(messages(), timeout=self._deadline(nbytes),
+                                                   metadata=self._server.metadata))
         except grpc.RpcError as err:
             self._failed("store", err)
-            return [meta.key for meta, _ in items]
+            return down
         self._outage.succeeded()
-        return [BlockHash(k) for k in reply.rejected]
+        return tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
-    def _write_local(self, local: SharedDirectory, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash] | None:
+    def _write_local(self, local: SharedDirectory, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures | None:
         """Write the chunks as files for the server and ``Adopt`` them; returns the keys not stored, or None
         when the files could not be written (the caller sends them over the network)."""
         try:
@@ -274,17 +302,17 @@ class GrpcTier(RemoteTier):
             if paths is not None:
                 self._known_paths = _Paths(None, paths.bulk)
             return None
-        request = pb.AdoptRequest(namespace=self.namespace, keys=[m.key for m, _ in items], files=names)
+        request = pb.AdoptRequest(namespace=self.storage, keys=[m.key for m, _ in items], files=names)
         reply = pb.PutReply()
         try:
-            reply.ParseFromString(self._adopt(request.SerializeToString(), timeout=self.timeout_s,
-                                              metadata=self._metadata))
+            reply.ParseFromString(self._server.adopt(request.SerializeToString(), timeout=self.timeout_s,
+                                                     metadata=self._server.metadata))
         except grpc.RpcError as err:
             local.discard(names)
             self._failed("store", err)
-            return [meta.key for meta, _ in items]
+            return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
-        return [BlockHash(k) for k in reply.rejected]
+        return tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
     def _on_bulk(self, bulk: DataChannel, call: Callable[[DataChannel], list]) -> list:
         """``call`` on the data channel; a kept connection that failed (the server may have restarted, on
@@ -299,47 +327,47 @@ class GrpcTier(RemoteTier):
                 raise ConnectionError("the server no longer has a data channel") from None
             return call(bulk)
 
-    def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[BlockHash]:
+    def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         """One ``PUT`` on the data channel: each chunk's header and payload sent as they are."""
         chunks = [(meta.key, *self.fmt.encode_parts(meta, raw)) for meta, raw in items]
         try:
             outcomes = self._on_bulk(bulk, lambda channel: channel.put(chunks))
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("store", err)
-            return [meta.key for meta, _ in items]
+            return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
-        return [meta.key for (meta, _), outcome in zip(items, outcomes) if outcome == dw.PUT_REJECTED]
+        return tuple((meta.key, Failure.IO) for (meta, _), outcome in zip(items, outcomes)
+                     if outcome == dw.PUT_REJECTED)
 
-    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+    # -- loads ---------------------------------------------------------------
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
         """Each chunk verified and decoded into its buffer: read from the server's files when co-located,
-        else (and for files not there) from one ``GET`` on the data channel, or one streamed ``Get``.
-
-        Returns the raw length placed per item, or None for a miss, a corrupt
-        or foreign chunk, or an unreachable server.
-        """
-        out: list[int | None] = [None] * len(items)
-        if not items or not self.available:
-            return out
+        else (and for files not there) from one ``GET`` on the data channel, or one streamed ``Get``."""
+        if not items:
+            return []
+        if not self.available:
+            return [Failure.UNAVAILABLE] * len(items)
         try:
             paths = self._paths()
         except grpc.RpcError as err:
             self._failed("load", err)
-            return out
+            return [Failure.UNAVAILABLE] * len(items)
         if paths.local is None:
             return self._read_network(paths, items)
+        out: list[int | Failure] = [Failure.MISS] * len(items)
         remote, read = [], []
         for i, (key, buf) in enumerate(items):
-            got = paths.local.read(key, buf, self._receive)
+            got = paths.local.read(key, buf, self.receive)
             if got is ABSENT:
                 remote.append(i)
             else:
                 out[i] = got    # type: ignore[assignment]
-                if got is not None:
+                if not isinstance(got, Failure):
                     read.append(key)
         if read:
             try:
-                self._touch(pb.TouchRequest(namespace=self.namespace, keys=read).SerializeToString(),
-                            timeout=self.timeout_s, metadata=self._metadata)
+                self._server.touch(pb.TouchRequest(namespace=self.storage, keys=read).SerializeToString(),
+                                   timeout=self.timeout_s, metadata=self._server.metadata)
             except grpc.RpcError as err:   # the bytes are here and verified; only the server's bookkeeping missed
                 log.debug("grpc tier %s: Touch failed: %s", self.name, err)
         if remote:
@@ -347,27 +375,24 @@ class GrpcTier(RemoteTier):
                 out[i] = got
         return out
 
-    def _receive(self, source, n: int, key: BlockHash, buf: memoryview) -> int | None:
-        return self.receive_value(source, n, self.namespace, key, buf)
-
-    def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+    def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
         if paths.bulk is None:
             return self._read_remote(items)
         try:
-            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, self._receive))
+            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, self.receive))
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("load", err)
-            return [None] * len(items)
+            return [Failure.UNAVAILABLE] * len(items)
         self._outage.succeeded()
         return out
 
-    def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]:
+    def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
         """One streamed gRPC ``Get``."""
-        out: list[int | None] = [None] * len(items)
-        request = pb.GetRequest(namespace=self.namespace, keys=[k for k, _ in items]).SerializeToString()
+        out: list[int | Failure] = [Failure.MISS] * len(items)
+        request = pb.GetRequest(namespace=self.storage, keys=[k for k, _ in items]).SerializeToString()
         nbytes = sum(len(buf) for _, buf in items)
         try:
-            stream = iter(self._get(request, timeout=self._deadline(nbytes), metadata=self._metadata))
+            stream = iter(self._server.get(request, timeout=self._deadline(nbytes), metadata=self._server.metadata))
             for i, item in enumerate(items):
                 got = read_chunk(stream)
                 if got is None:
@@ -375,19 +400,19 @@ class GrpcTier(RemoteTier):
                 out[i] = self._place(item, got[0], got[1])
         except grpc.RpcError as err:
             self._failed("load", err)
-            return [None] * len(items)
+            return [Failure.UNAVAILABLE] * len(items)
         except WireError as err:   # a broken stream: what was placed stands, the rest are misses
             log.warning("grpc tier %s: malformed Get stream: %s", self.name, err)
-            self.counters.errors += 1
+            self.errors += 1
         self._outage.succeeded()
         return out
 
-    def _place(self, item: tuple[BlockHash, memoryview], head: ChunkView, pieces: list[memoryview]) -> int | None:
-        """Verify one chunk received as message pieces into the item's buffer; None for a miss."""
+    def _place(self, item: tuple[BlockHash, memoryview], head: ChunkView, pieces: list[memoryview]) -> int | Failure:
+        """Verify one chunk received as message pieces into the item's buffer."""
         key, buf = item
         if not head.value:
-            return None
-        if head.namespace != self.namespace or head.key != key:
-            self._rejected(key, ChunkFormatError("the server answered for another namespace or key"))
-            return None
-        return self.receive_value(ChunkPieces(pieces), head.total, self.namespace, key, buf)
+            return Failure.MISS
+        if head.namespace != self.storage or head.key != key:
+            log.warning("grpc tier %s: the server answered for another namespace or key", self.name)
+            return Failure.CORRUPT
+        return self.receive(ChunkPieces(pieces), head.total, key, buf)

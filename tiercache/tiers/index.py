@@ -1,7 +1,8 @@
 """The chunk index every storing tier shares: entries, their two-phase lifecycle, pins and eviction order.
 
-Scheduler side (one thread). A subclass decides where bytes live (an L1 slot,
-a file) by implementing `_release` — give back the room of an entry that
+Scheduler side (one thread; also the cache server's memory and disk tiers). A
+subclass decides what the room of an entry is (an L1 slot, a file on every
+rank) by implementing `_release` — give back the room of an entry that
 leaves — and its own ``prepare_store`` (reserving that room).
 
 Lifecycle of a key: reserved (``ready=False``, invisible to `contains`) →
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from tiercache.keys import BlockHash
 from tiercache.policies import eviction_policies
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import TierIndex
 
 
 @dataclass(slots=True)
@@ -30,9 +31,10 @@ class Entry:
     ready: bool = False
     pins: int = 0
     hits: int = 0        # loads served from this tier
+    private: bool = False  # L1 only: a preempted request's swap copy, never written to a lower tier
 
 
-class IndexedTier(Tier):
+class IndexedTier(TierIndex):
     def __init__(self, eviction: str) -> None:
         super().__init__()
         self.policy = eviction_policies.get(eviction)()

@@ -1,19 +1,20 @@
-"""A tier that keeps only the index: the real lifecycle, capacity and eviction, no bytes.
+"""A tier that is only an index: the real lifecycle, capacity and eviction, no bytes anywhere.
 
 Used to replay request traces through the hierarchy's own code (`tiercache
 bench trace`). Capacity is counted in chunks: every chunk takes one unit.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tiercache.keys import BlockHash
-from tiercache.tiers.base import LowerTier, Medium
 from tiercache.policies import DEFAULT_EVICTION
+from tiercache.tiers.base import LowerIndex, Medium
 from tiercache.tiers.index import Entry, IndexedTier
+from tiercache.transfer.plan import Failure
 
 
-class MetadataTier(IndexedTier, LowerTier):
+class MetadataIndex(IndexedTier, LowerIndex):
     def __init__(self, capacity_chunks: int, eviction: str = DEFAULT_EVICTION, name: str = "meta",
                  medium: Medium = Medium.DISK) -> None:
         super().__init__(eviction)
@@ -33,13 +34,13 @@ class MetadataTier(IndexedTier, LowerTier):
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         return self._reserve_bytes(keys, [1] * len(keys), self._capacity)   # one unit per chunk
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
         self.publish(keys, failed)
 
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         self.pin(keys)
 
-    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+    def complete_load(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
         self.unpin(keys)
         self.touch(keys)
         self.counters.loaded += len(keys)

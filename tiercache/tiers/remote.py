@@ -1,53 +1,47 @@
-"""What the remote tiers (Redis, `tiercache serve`) share: no local index, availability, client-side counts.
+"""What the remote tiers (Redis, `tiercache serve`) share, on both sides.
 
 The server owns the data, so a remote tier keeps no index and cannot pin: a
 chunk evicted between lookup and read is a failed read, hence a miss.
-Availability follows `Outage`: a failed call marks the tier down, and while
-it is down every call answers "absent" without touching the network, until
-a background probe (`_probe`) finds the server back.
-Chunks travel in the stored chunk format, so the reservation a chunk needs is
-its header plus the codec's worst case.
 
-`receive_value` is how every remote read path takes one value in — a Redis
-reply, a data-channel value, gRPC message pieces, a chunk file of a
-co-located server: header into a scratch and checked, then a raw payload
-straight into the L1 slot, hashed piece by piece as it lands (on the data
-channel, verifying cost 13% of the rate as a separate pass over 32 MiB and
-about 8% in 4 MiB pieces; 256 KiB pieces were slower still), or a
-compressed one into a per-thread staging buffer, verified and decoded into
-the slot.
+`RemoteIndex` (scheduler side) answers lookups from a thread of its own:
+`contains` hands a query to that thread and answers None ("ask again") until
+the reply is in, so the scheduler's thread never waits on the network; a
+query that takes longer than ``lookup_timeout`` marks the tier down. A chunk
+is present only when every writing rank's value is (each rank stores its own
+share of the KV under its own storage digest). Deletes of values found
+corrupt are background work: `take_deletes` hands them to the workers.
+
+`RemoteTransport` (worker side) is one rank's connections. A failed call
+marks its tier down (`Outage`) on that rank: from then on it answers
+`Failure.UNAVAILABLE` at once, without touching the network, while a
+background thread probes the server every ``retry_interval`` and brings it
+back on the first answer. Both sides probe on their own.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import abstractmethod
-from collections.abc import Sequence
-from typing import Protocol
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from tiercache.chunk_format import HEADER_BYTES, ChunkFormat, check_header, verify_payload
-from tiercache.codecs import checksum_by_code, copy_into
-from tiercache.errors import ChecksumMismatchError, ChunkFormatError, TruncatedChunkError
+from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
-from tiercache.tiers.base import LowerTier, Medium
+from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.outage import Outage
+from tiercache.transfer.plan import Failure
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat
+from tiercache.wire.values import PayloadStaging, ValueSource, receive_value
 
 log = logging.getLogger(__name__)
 
-VERIFY_PIECE = 4 << 20    # a raw payload is hashed in pieces of this size as each lands (still in cache)
+MAX_ANSWERS = 1024        # lookups answered or in flight, kept until asked again (oldest dropped first)
+ANSWER_TTL_S = 5.0        # an answer nobody came back for within this long is stale
 
 
-class ValueSource(Protocol):
-    """Where a value's bytes come from, in order (`tiercache.streams.StreamReader`, a chunk file)."""
-
-    def exactly(self, n: int) -> bytes: ...
-
-    def read_into(self, dest: memoryview) -> None: ...
-
-    def skip(self, n: int) -> None: ...
-
-
-class RemoteTier(LowerTier):
+class RemoteIndex(LowerIndex):
     medium = Medium.REMOTE
     indexed = False
 
@@ -55,85 +49,93 @@ class RemoteTier(LowerTier):
         super().__init__()
         self.name = name
         self.fmt = fmt or ChunkFormat()
-        self._outage = Outage(name, retry_interval_s, probe=self._probe)
-        self._thread = threading.local()
-        self._unverified: set[BlockHash] = set()    # failed verification on a worker, not yet completed
-        self._unverified_lock = threading.Lock()
+        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe)
+        self._storage: tuple[bytes, ...] = ()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
+        self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
+        self._deletes: list[BlockHash] = []
+        self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
+
+    def attach(self, storage_digests: Sequence[bytes]) -> None:
+        self._storage = tuple(dict.fromkeys(storage_digests))
 
     # -- availability --------------------------------------------------------
     @property
     def available(self) -> bool:
         return self._outage.available
 
-    def _failed(self, what: str, err: Exception) -> None:
-        self._outage.failed(what, err)
-        self.counters.errors += 1
-
     def stats(self) -> dict[str, object]:
-        return {**super().stats(), "outages": self._outage.outages}
+        out = super().stats()
+        out["errors"] = self.counters.errors + self.lookup_errors
+        out["outages"] = self._outage.outages
+        return out
 
     @abstractmethod
     def _probe(self) -> None:
         """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
 
+    @abstractmethod
+    def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
+        """How many leading ``keys`` have a value under every digest in ``storage``; raises on a transport
+        error. Runs on the lookup thread."""
+
     def close(self) -> None:
         self._outage.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    # -- reading one value (worker side) ----------------------------------------
-    def receive_value(self, source: ValueSource, n: int, namespace: bytes, key: BlockHash,
-                      buf: memoryview) -> int | None:
-        """Take the next ``n`` bytes of ``source`` — one value — into ``buf``, verified; returns the raw
-        length, or None for a value that is damaged, foreign or too large (all ``n`` bytes consumed either
-        way, so a stream stays in step). Transport errors propagate."""
-        if n < HEADER_BYTES:
-            source.skip(n)
-            self._rejected(key, TruncatedChunkError(f"value of {n} B is shorter than a chunk header"))
-            return None
+    # -- lookups -------------------------------------------------------------
+    def _query(self, keys: Sequence[BlockHash]) -> int:
+        """One query (on the lookup thread); a failure marks the tier down and counts as a miss."""
         try:
-            parsed = check_header(source.exactly(HEADER_BYTES), namespace, key)
-            meta, codec, checksum_code, payload_len, payload_sum = parsed
-            if n != HEADER_BYTES + payload_len:
-                raise TruncatedChunkError(f"value of {n} B, its header says {HEADER_BYTES + payload_len}")
-            if meta.raw_len > len(buf):
-                raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-        except ChunkFormatError as err:
-            source.skip(n - HEADER_BYTES)
-            self._rejected(key, err)
+            n = self._present(keys, self._storage)
+        except Exception as err:   # whatever the client raises while the server is away or slow
+            self.lookup_errors += 1
+            self._outage.failed("lookup", err)
+            return 0
+        self._outage.succeeded()
+        return n
+
+    def present(self, keys: Sequence[BlockHash]) -> int:
+        """One query, now, on the calling thread (what the lookup thread does); 0 while the tier is down."""
+        if not keys or not self._storage or not self.available:
+            return 0
+        return self._query(keys)
+
+    def contains(self, keys: Sequence[BlockHash]) -> int | None:
+        if not keys or not self._storage or not self.available:
+            return self._count_lookup(len(keys), 0)
+        query = tuple(keys)
+        asked = self._answers.get(query)
+        now = time.monotonic()
+        if asked is not None and asked[0].done() and now - asked[1] > ANSWER_TTL_S:
+            del self._answers[query]
+            asked = None
+        if asked is None:
+            self._answers[query] = (self._pool.submit(self._query, query), now)
+            while len(self._answers) > MAX_ANSWERS:
+                self._answers.popitem(last=False)
             return None
-        if codec == 0 and payload_len == meta.raw_len:   # raw: into the slot, hashed piece by piece as it lands
-            running = checksum_by_code(checksum_code)().running()
-            for offset in range(0, payload_len, VERIFY_PIECE):
-                piece = buf[offset:min(offset + VERIFY_PIECE, payload_len)]
-                source.read_into(piece)
-                running.update(piece)
-            if running.intdigest() != payload_sum:
-                self._rejected(key, ChecksumMismatchError(f"payload checksum mismatch for chunk {key.hex()[:16]}…"))
-                return None
-            return meta.raw_len
-        landing = self._payload_staging(payload_len)
-        source.read_into(landing)
-        try:
-            copy_into(buf, verify_payload(parsed, landing))
-        except ChunkFormatError as err:
-            self._rejected(key, err)
+        future = asked[0]
+        if not future.done():
             return None
-        return meta.raw_len
+        del self._answers[query]
+        return self._count_lookup(len(keys), future.result())
 
-    def _payload_staging(self, nbytes: int) -> memoryview:
-        """A reusable per-thread buffer for compressed payloads (fresh memory per chunk pays page faults)."""
-        buf = getattr(self._thread, "payload", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._thread.payload = bytearray(nbytes)
-        return memoryview(buf)[:nbytes]
+    def has(self, key: BlockHash) -> bool:
+        return False   # no local index; asking would be a network round trip on the scheduler's thread
 
-    def _rejected(self, key: BlockHash, err: Exception) -> None:
-        """A value that is there but must not be served: damaged, foreign, or too large. `complete_load`
-        counts it as an integrity failure and deletes it."""
-        log.warning("%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
-        with self._unverified_lock:
-            self._unverified.add(key)
+    def delete(self, keys: Sequence[BlockHash]) -> int:
+        """Forget ``keys``; every writing rank deletes its value in the background (`take_deletes`)."""
+        self._deletes.extend(keys)
+        self.counters.deleted += len(keys)
+        self._removed(keys)
+        return len(keys)
 
-    # -- Tier ----------------------------------------------------------------
+    def take_deletes(self) -> list[BlockHash]:
+        out, self._deletes = self._deletes, []
+        return out
+
+    # -- lifecycle (no index: counts only) -----------------------------------
     @property
     def capacity_bytes(self) -> int:
         return 0   # bounded by the server (maxmemory, --capacity), not by this client
@@ -149,22 +151,66 @@ class RemoteTier(LowerTier):
     def reserve_bytes(self, raw_len: int) -> int:
         return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
+    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        ok = self.available
+        if not ok:
+            self.counters.store_rejected += len(keys)
+        return [ok] * len(keys)
+
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
         self.counters.stored += len(keys) - len(failed)
         self.counters.errors += len(failed)
 
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         return None   # no pins on a server: a chunk gone meanwhile is a failed read, hence a miss
 
-    def complete_load(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        """Of the ``failed`` reads only those that found a bad value (`_rejected`) are integrity failures,
-        and those values are deleted; the rest were plain misses — evicted or deleted between lookup and
-        read, changed under a ranged read, or the server unreachable — and what is there now is left be."""
-        with self._unverified_lock:
-            bad = [key for key in failed if key in self._unverified]
-            self._unverified.difference_update(failed)
+    def complete_load(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
+        """Only values that failed their own checks are integrity failures, and deleted; the rest were plain
+        misses — evicted or deleted between lookup and read, changed under a ranged read, or the server
+        unreachable — and what is there now is left be."""
+        bad = [key for key, why in failed.items() if why is Failure.CORRUPT]
         self.counters.loaded += len(keys) - len(failed)
         self.counters.load_misses += len(failed) - len(bad)
         if bad:
             self.counters.integrity_failures += len(bad)
             self.delete(bad)
+
+
+class RemoteTransport(Transport):
+    medium = Medium.REMOTE
+
+    def __init__(self, name: str, storage: bytes, fmt: ChunkFormat | None, retry_interval_s: float,
+                 writer: bool = True) -> None:
+        self.name = name
+        self.storage = storage
+        self.fmt = fmt or ChunkFormat()
+        self.writer = writer
+        self._outage = Outage(name, retry_interval_s, probe=self._probe)
+        self._payloads = PayloadStaging()
+        self.errors = 0
+        self._lock = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        return self._outage.available
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self._outage.failed(what, err)
+        with self._lock:
+            self.errors += 1
+
+    @abstractmethod
+    def _probe(self) -> None:
+        """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
+
+    def close(self) -> None:
+        self._outage.close()
+
+    def receive(self, source: ValueSource, n: int, key: BlockHash, buf: memoryview) -> int | Failure:
+        """One value from ``source`` into ``buf``, verified (`receive_value`): its raw length, or
+        `Failure.CORRUPT` for a value that is there but must not be served. Transport errors propagate."""
+        try:
+            return receive_value(source, n, self.storage, key, buf, self._payloads)
+        except ChunkFormatError as err:
+            log.warning("%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+            return Failure.CORRUPT

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from tiercache.streams import ProtocolError, StreamReader
+from tiercache.wire.streams import ProtocolError, StreamReader
 
 __all__ = ["ProtocolError", "RangedReads", "RangedValue", "ReplyError", "ReplyReader", "ValueChanged"]
 

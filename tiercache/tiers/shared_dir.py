@@ -7,7 +7,7 @@ writes new chunks into ``<namespace>/incoming/`` for the server to adopt.
 holds the token the server gave over gRPC — the proof that this host sees
 the server's directory, not a stale or foreign one.
 
-Reads verify every chunk (`RemoteTier.receive_value`); a file that is not
+Reads verify every chunk (`tiercache.wire.values.receive_value`); a file that is not
 there, or that changes while it is read, is `ABSENT` (ask the server over the
 network instead) — never a chunk served wrong. Writes create files the
 server renames into place, so a file is never modified once readers can see
@@ -24,7 +24,9 @@ from pathlib import Path
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.tiers.disk import chunk_path, write_all
+from tiercache.transfer.plan import Failure
+from tiercache.wire.chunk_files import chunk_path, write_all
+from tiercache.wire.values import FileSource
 
 log = logging.getLogger(__name__)
 
@@ -32,32 +34,7 @@ INSTANCE_FILE = ".instance"
 INCOMING = "incoming"
 ABSENT = object()      # no such chunk file here: ask the server
 
-Receive = Callable[[object, int, BlockHash, memoryview], "int | None"]
-
-
-class FileSource:
-    """A chunk file read as a `tiercache.tiers.remote.ValueSource`; a file shorter than its size said
-    raises `ConnectionError` (it changed under us)."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-
-    def exactly(self, n: int) -> bytes:
-        data = self._f.read(n)
-        if len(data) != n:
-            raise ConnectionError("chunk file ended early")
-        return data
-
-    def read_into(self, dest: memoryview) -> None:
-        done = 0
-        while done < len(dest):
-            n = self._f.readinto(dest[done:])
-            if not n:
-                raise ConnectionError("chunk file ended early")
-            done += n
-
-    def skip(self, n: int) -> None:
-        self._f.seek(n, os.SEEK_CUR)
+Receive = Callable[[FileSource, int, BlockHash, memoryview], "int | Failure"]
 
 
 class SharedDirectory:
@@ -79,7 +56,7 @@ class SharedDirectory:
         log.info("chunks move through %s on this host", path)
         return cls(path / namespace.hex())
 
-    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> int | None | object:
+    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> int | Failure | object:
         """``receive(source, n, key, buf)`` takes the chunk's file in; `ABSENT` when there is no such file
         (or it went away mid-read)."""
         try:

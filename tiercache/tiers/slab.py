@@ -1,9 +1,11 @@
-"""Fixed-size slot allocator over one preallocated host buffer.
+"""L1's two halves: the slot numbers (scheduler side) and the slot bytes (worker side, one slab per rank).
 
-The buffer is allocated once (pinned when CUDA is present) and pre-faulted:
+`SlotHeap` hands out slot numbers lowest first, which keeps a batch of
+chunks mostly contiguous; the scheduler's L1 index owns it, and every rank
+uses the same slot for the same chunk. `HostSlab` is one rank's buffer of
+those slots, allocated once (pinned when CUDA is present) and pre-faulted:
 first-touch page faults cut copy throughput 3–10× on these machines, so no
-allocation or pinning happens on the hot path. Slots are handed out lowest
-address first, which keeps a batch of chunks mostly contiguous.
+allocation or pinning happens on the hot path.
 """
 from __future__ import annotations
 
@@ -14,16 +16,11 @@ import torch
 PAGE_BYTES = 4096
 
 
-class SlabAllocator:
-    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False, prefault: bool = True) -> None:
-        if num_slots <= 0 or slot_bytes <= 0:
-            raise ValueError(f"need positive slots and slot size, got {num_slots} × {slot_bytes}")
+class SlotHeap:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"need at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
-        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-        if prefault and not pin_memory:  # pinned pages are resident already
-            self.buffer[::PAGE_BYTES].fill_(0)  # one write per page faults it in
-        self.slots = self.buffer.view(num_slots, slot_bytes)
         self._free: list[int] = list(range(num_slots))  # a heap: lowest slot first
 
     @property
@@ -36,6 +33,22 @@ class SlabAllocator:
     def release(self, slot: int) -> None:
         heapq.heappush(self._free, slot)
 
+
+class HostSlab:
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False, prefault: bool = True) -> None:
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError(f"need positive slots and slot size, got {num_slots} × {slot_bytes}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if prefault and not pin_memory:  # pinned pages are resident already
+            self.buffer[::PAGE_BYTES].fill_(0)  # one write per page faults it in
+        self.slots = self.buffer.view(num_slots, slot_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
     def run_view(self, first: int, count: int) -> torch.Tensor:
         """Flat view of ``count`` adjacent slots starting at ``first``."""
         return self.buffer[first * self.slot_bytes:(first + count) * self.slot_bytes]
@@ -43,3 +56,7 @@ class SlabAllocator:
     def view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         row = self.slots[slot]
         return row if nbytes is None else row[:nbytes]
+
+    def memory(self, slot: int) -> memoryview:
+        """The slot's bytes as a writable memoryview (for chunk I/O)."""
+        return memoryview(self.slots[slot].numpy())

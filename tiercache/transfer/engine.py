@@ -1,34 +1,32 @@
 """The transfer engine: per-link queues (rate limits, in-flight caps, priorities) served by worker threads.
 
-Worker side. Handlers are registered per link direction ``(source medium,
-destination medium)``; a handler moves one plan's bytes and returns the keys
-that failed (or raises: every key failed). Any exception becomes a failed
-`TransferResult` (logged with the plan's context), never an exception in the
-caller. A store the link drops under pressure comes back at once as a failed
-result with ``error="dropped"``. Results are collected by the one thread that
-owns the tier indexes (`poll` / `wait`), so completions are applied in one
-place.
+Worker side, one per rank. Handlers are registered per pair of tiers
+``(source tier, destination tier)`` — plans name tiers, not media, so any set
+of tiers can be configured together — with ``None`` as the destination of a
+delete. A handler moves one plan's bytes and returns the keys that failed,
+each with its `Failure` (or raises: every key failed). Any exception becomes a
+failed `TransferResult` (logged with the plan's context), never an exception
+in the caller. A store the link drops under pressure comes back at once as a
+failed result (`Failure.DROPPED`). Results are collected by the worker
+connector's thread (`poll` / `wait`), which reports them up.
 
 A load may carry a `LayerProgress`: its handler marks each layer as it lands,
 so the engine can compute layer ``l`` while layer ``l + 1`` is still copying.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from tiercache.keys import BlockHash
-from tiercache.tiers.base import Medium
 from tiercache.transfer.links import LinkLimits, LinkSet
-from tiercache.transfer.plan import JobId, TransferPlan, TransferResult
+from tiercache.transfer.plan import Failure, JobId, KeyFailures, TransferPlan, TransferResult
 
 log = logging.getLogger(__name__)
 
-Link = tuple[Medium, Medium]
+Route = tuple[str, str | None]   # (source tier, destination tier or None for a delete)
 
 
 class LayerProgress:
@@ -54,20 +52,19 @@ class LayerProgress:
             return self._cond.wait_for(lambda: self._ended or self._done > layer, timeout)
 
 
-Handler = Callable[[TransferPlan, LayerProgress | None], Sequence[BlockHash] | None]
-"""Moves one plan's bytes; returns the keys that failed (None or empty: all moved) or raises (all failed)."""
+Handler = Callable[[TransferPlan, LayerProgress | None], KeyFailures | None]
+"""Moves one plan's bytes; returns the keys that failed and why (None or empty: all moved), or raises (all failed)."""
 
 
 class TransferEngine:
     def __init__(self, workers: int = 2, limits: Mapping[str, LinkLimits] | None = None,
                  clock: Callable[[], float] = time.monotonic, name: str = "tiercache-xfer") -> None:
-        self._handlers: dict[Link, Handler] = {}
+        self._handlers: dict[Route, Handler] = {}
         self._clock = clock
         self._cond = threading.Condition()
         self._links = LinkSet(dict(limits or {}), clock())
         self._progress: dict[JobId, LayerProgress] = {}
         self._done: queue.SimpleQueue[TransferResult] = queue.SimpleQueue()
-        self._job_ids = itertools.count(1)
         self._pending: dict[JobId, TransferResult] = {}
         self._submitted: set[JobId] = set()   # submitted, result not yet handed out
         self._closed = False
@@ -79,20 +76,21 @@ class TransferEngine:
     def num_workers(self) -> int:
         return len(self._threads)
 
-    def register(self, src: Medium, dst: Medium, handler: Handler) -> None:
+    def register(self, src: str, dst: str | None, handler: Handler) -> None:
         if (src, dst) in self._handlers:
-            raise ValueError(f"a handler for {src.value}→{dst.value} is registered already")
+            raise ValueError(f"a handler for {src}→{dst or 'delete'} is registered already")
         self._handlers[(src, dst)] = handler
 
-    def next_job_id(self) -> JobId:
-        return JobId(next(self._job_ids))
+    def routes(self) -> list[Route]:
+        return list(self._handlers)
 
     def submit(self, plan: TransferPlan, progress: LayerProgress | None = None) -> JobId:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        if plan.link not in self._handlers:
-            raise ValueError(f"no transfer handler for {plan.src.value}→{plan.dst.value}")
         self._submitted.add(plan.job_id)
+        if (plan.src, plan.dst) not in self._handlers:
+            self._refuse(plan, progress)
+            return plan.job_id
         with self._cond:
             accepted = self._links.offer(plan)
             if accepted:
@@ -102,8 +100,16 @@ class TransferEngine:
         if not accepted:
             if progress is not None:
                 progress.end()
-            self._done.put(TransferResult(plan, ok=False, seconds=0.0, error="dropped", failed_keys=tuple(plan.keys)))
+            self._done.put(TransferResult(plan, 0.0, tuple((k, Failure.DROPPED) for k in plan.keys), "dropped"))
         return plan.job_id
+
+    def _refuse(self, plan: TransferPlan, progress: LayerProgress | None) -> None:
+        """A plan this rank has no handler for (its tiers differ from the scheduler's): a failed result."""
+        log.warning("transfer %s: no handler on this rank (tiers here: %s)", plan.describe(),
+                    sorted({name for route in self._handlers for name in route if name}))
+        if progress is not None:
+            progress.end()
+        self._done.put(TransferResult(plan, 0.0, tuple((k, Failure.IO) for k in plan.keys), "no handler"))
 
     def is_submitted(self, job_id: JobId) -> bool:
         return job_id in self._submitted
@@ -123,27 +129,25 @@ class TransferEngine:
             plan, progress = job
             result = self._execute(plan, progress)
             with self._cond:
-                self._links.link(plan.src, plan.dst).finish(plan, result.ok, self._moved(plan, result),
-                                                            result.seconds, self._clock())
+                self._links.link(plan.link).finish(plan, result.ok, self._moved(plan, result),
+                                                   result.seconds, self._clock())
                 self._cond.notify_all()
             self._done.put(result)
 
     @staticmethod
     def _moved(plan: TransferPlan, result: TransferResult) -> int:
-        return plan.nbytes * (len(plan.chunks) - len(result.failed_keys)) // max(1, len(plan.chunks))
+        return plan.nbytes * (len(plan.chunks) - len(result.failed)) // max(1, len(plan.chunks))
 
     def _execute(self, plan: TransferPlan, progress: LayerProgress | None) -> TransferResult:
         start = time.perf_counter()
         try:
-            failed = tuple(self._handlers[plan.link](plan, progress) or ())
-            result = TransferResult(plan, ok=not failed, seconds=time.perf_counter() - start,
-                                    error=f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None,
-                                    failed_keys=failed)
+            failed = tuple(self._handlers[(plan.src, plan.dst)](plan, progress) or ())
+            result = TransferResult(plan, time.perf_counter() - start, failed,
+                                    f"{len(failed)} of {len(plan.chunks)} chunks failed" if failed else None)
         except Exception as err:  # the boundary: a failed copy is a result, not a crash
-            log.warning("transfer job %d %s→%s (%d chunks, %d B) failed: %r",
-                        plan.job_id, plan.src.value, plan.dst.value, len(plan.chunks), plan.nbytes, err)
-            result = TransferResult(plan, ok=False, seconds=time.perf_counter() - start,
-                                    error=repr(err), failed_keys=tuple(plan.keys))
+            log.warning("transfer %s failed: %r", plan.describe(), err)
+            why = Failure.TIMEOUT if isinstance(err, TimeoutError) else Failure.IO
+            result = TransferResult(plan, time.perf_counter() - start, tuple((k, why) for k in plan.keys), repr(err))
         if progress is not None:
             progress.end()
         return result
@@ -156,10 +160,11 @@ class TransferEngine:
         OpenMP team that spins on the cores the forward needs. Link limits do
         not apply (the caller decided to pay for the copy now); link stats do.
         """
-        if plan.link not in self._handlers:
-            raise ValueError(f"no transfer handler for {plan.src.value}→{plan.dst.value}")
         self._submitted.add(plan.job_id)
-        link = self._links.link(plan.src, plan.dst)
+        if (plan.src, plan.dst) not in self._handlers:
+            self._refuse(plan, None)
+            return plan.job_id
+        link = self._links.link(plan.link)
         with self._cond:
             link.in_flight_bytes += plan.nbytes
             link.in_flight_jobs += 1
@@ -181,6 +186,25 @@ class TransferEngine:
             except queue.Empty:
                 self._submitted.difference_update(r.job_id for r in out)
                 return out
+
+    def wait_any(self, timeout: float) -> None:
+        """Block until some result is ready for `poll`, or ``timeout`` seconds passed."""
+        if self._pending:
+            return
+        try:
+            result = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._pending[result.job_id] = result
+
+    def pending_jobs(self) -> list[JobId]:
+        """Jobs submitted whose results have not been handed out yet."""
+        return list(self._submitted)
+
+    @property
+    def num_submitted(self) -> int:
+        """Jobs submitted whose results have not been handed out yet."""
+        return len(self._submitted)
 
     def wait(self, job_ids: Iterable[JobId], timeout: float | None = None) -> list[TransferResult]:
         """Block until every job in ``job_ids`` finished; returns their results and keeps others for `poll`."""

@@ -1,9 +1,11 @@
-"""Byte movers: L0 (the paged pool) ↔ L1 (host slots), and L1 ↔ lower tiers.
+"""Byte movers of one rank: L0 (the paged pool) ↔ L1 (host slots), L1 ↔ lower tiers, and deletes.
 
-Worker side: these run on transfer threads and touch only tensors — the
-pool's KV tensor and the L1 slots named in the plan, which the manager pinned
-(L0 blocks and L1 slots alike) before submitting, so nothing they read or
-write can be reused until the result is applied.
+Worker side: these run on transfer threads (or inline on the engine's) and
+touch only this rank's bytes — its KV tensors, its L1 slab, its transports —
+at the places the plan names, which the scheduler side reserved (L0 blocks
+and L1 slots alike) before planning, so nothing they read or write can be
+reused until every rank has reported the job. Each is registered under the
+pair of tier names it moves between.
 
 Whole chunks in adjacent slots (the slab hands out lowest slots first, so a
 batch is mostly adjacent) move as one group in one op; a chunk that is only
@@ -12,21 +14,19 @@ partly moved (a load skipping blocks L0 holds) moves on its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
-from tiercache.chunk_format import ChunkMeta
+from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.kernels.cuda import make_copier
 from tiercache.keys import BlockHash
-from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
-from tiercache.tiers.base import Medium
-from tiercache.tiers.cpu import CpuTier
+from tiercache.tiers.base import Transport
+from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import LayerProgress, TransferEngine
-from tiercache.transfer.plan import ChunkCopy, TransferPlan
-
+from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, KeyFailures, TransferPlan
+from tiercache.wire.chunk_format import ChunkMeta
 
 
 def group_adjacent(chunks: Sequence[ChunkCopy], full_blocks: int) -> list[list[ChunkCopy]]:
@@ -48,18 +48,19 @@ def group_adjacent(chunks: Sequence[ChunkCopy], full_blocks: int) -> list[list[C
 class DeviceCpuHandlers:
     """L0 → L1 stores (gather) and L1 → L0 loads (scatter)."""
 
-    def __init__(self, kv: PagedKVCache, cpu: CpuTier, blocks_per_chunk: int) -> None:
+    def __init__(self, kv: PagedKVCache, slab: HostSlab, blocks_per_chunk: int, l1: str = "cpu") -> None:
         self.kv = kv
-        self.cpu = cpu
+        self.slab = slab
+        self.l1 = l1
         self.blocks_per_chunk = blocks_per_chunk
         self.cuda = make_copier(kv.kv)   # CUDA kernels when the pool is on a GPU and cupy is present
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(Medium.DEVICE, Medium.CPU, self.store)
-        engine.register(Medium.CPU, Medium.DEVICE, self.load)
+        engine.register(DEVICE, self.l1, self.store)
+        engine.register(self.l1, DEVICE, self.load)
 
     def _part(self, c: ChunkCopy) -> torch.Tensor:
-        whole = chunk_view(self.kv.kv, self.cpu.slot_view(c.slot), c.chunk_blocks)  # type: ignore[arg-type]
+        whole = chunk_view(self.kv.kv, self.slab.view(c.slot), c.chunk_blocks)  # type: ignore[arg-type]
         return whole[:, :, c.first_block:c.first_block + len(c.block_ids)]
 
     def _move(self, plan: TransferPlan, store: bool, layers: slice | None = None) -> None:
@@ -72,7 +73,7 @@ class DeviceCpuHandlers:
                 (gather_blocks if store else scatter_blocks)(pool if layers is None else pool[layers],
                                                            first.block_ids, part)
                 continue
-            buffer = self.cpu.slot_run_view(first.slot, len(group))  # type: ignore[arg-type]
+            buffer = self.slab.run_view(first.slot, len(group))  # type: ignore[arg-type]
             ids = [c.block_ids for c in group]
             if self.cuda is not None and layers is None and self.cuda.supports(pool, buffer):
                 (self.cuda.gather_chunks if store else self.cuda.scatter_chunks)(pool, ids, buffer)
@@ -98,14 +99,15 @@ class LayerTensorsHandlers:
     """L0 ↔ L1 for an engine's per-layer KV tensors (`LayerTensorsKV`): one gather or scatter per layer
     per chunk, each moving all of the chunk's blocks in that layer as opaque rows."""
 
-    def __init__(self, kv: LayerTensorsKV, cpu: CpuTier, blocks_per_chunk: int) -> None:
+    def __init__(self, kv: LayerTensorsKV, slab: HostSlab, blocks_per_chunk: int, l1: str = "cpu") -> None:
         self.kv = kv
-        self.cpu = cpu
+        self.slab = slab
+        self.l1 = l1
         self.blocks_per_chunk = blocks_per_chunk
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(Medium.DEVICE, Medium.CPU, self.store)
-        engine.register(Medium.CPU, Medium.DEVICE, self.load)
+        engine.register(DEVICE, self.l1, self.store)
+        engine.register(self.l1, DEVICE, self.load)
 
     def _move(self, plan: TransferPlan, store: bool, layers: range) -> None:
         kv = self.kv
@@ -113,7 +115,7 @@ class LayerTensorsHandlers:
         for c in plan.chunks:
             if not c.block_ids:
                 continue
-            slot = self.cpu.slot_view(c.slot).view(torch.uint8)  # type: ignore[arg-type]
+            slot = self.slab.view(c.slot)  # type: ignore[arg-type]
             span = slice(c.first_block, c.first_block + len(c.block_ids))
             for layer in layers:
                 piece = slot[layer * c.chunk_blocks * per_layer:(layer + 1) * c.chunk_blocks * per_layer]
@@ -135,44 +137,45 @@ class LayerTensorsHandlers:
             progress.mark(layer)
 
 
-class ChunkIO(Protocol):
-    """What a lower tier offers the transfer threads (disk, Redis): batched, verified chunk I/O."""
-    name: str
-    medium: Medium
-
-    def write_chunks(self, items: Sequence[tuple[ChunkMeta, memoryview]]) -> list[BlockHash]: ...
-
-    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | None]: ...
-
-
 class CpuLowerHandlers:
-    """L1 ↔ a lower tier: spills and copies down hand L1 slots to the tier's batched writer; promotions
-    read, verify and decode chunks straight into their reserved L1 slots.
+    """L1 ↔ a lower tier's transport: spills and copies down hand L1 slots to the transport's batched writer;
+    promotions read, verify and decode chunks straight into their reserved L1 slots; deletes remove this
+    rank's bytes.
 
     A chunk that fails (a full disk, a corrupt value, an unreachable server)
-    fails alone: its key is returned, the plan's other chunks still move.
+    fails alone: its key is returned with the reason, the plan's other chunks
+    still move.
     """
 
-    def __init__(self, cpu: CpuTier, lower: ChunkIO, chunk_meta: Callable[[BlockHash, int], ChunkMeta]) -> None:
-        self.cpu = cpu
+    def __init__(self, slab: HostSlab, lower: Transport, chunk_meta: Callable[[BlockHash, int], ChunkMeta],
+                 l1: str = "cpu") -> None:
+        self.slab = slab
         self.lower = lower
         self.chunk_meta = chunk_meta
+        self.l1 = l1
 
     def register(self, engine: TransferEngine) -> None:
-        engine.register(Medium.CPU, self.lower.medium, self.store)
-        engine.register(self.lower.medium, Medium.CPU, self.load)
+        engine.register(self.l1, self.lower.name, self.store)
+        engine.register(self.lower.name, self.l1, self.load)
+        engine.register(self.lower.name, None, self.delete)
 
-    def _slot(self, c: ChunkCopy) -> memoryview:
-        return memoryview(self.cpu.slot_view(c.slot).numpy())  # type: ignore[arg-type]
-
-    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list[BlockHash]:
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> KeyFailures:
         items = []
         for c in plan.chunks:
             meta = self.chunk_meta(c.key, c.chunk_blocks)
-            items.append((meta, self._slot(c)[:meta.raw_len]))
+            items.append((meta, self.slab.memory(c.slot)[:meta.raw_len]))  # type: ignore[arg-type]
         return self.lower.write_chunks(items)
 
-    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> list[BlockHash]:
-        got = self.lower.read_chunks_into([(c.key, self._slot(c)) for c in plan.chunks])
-        return [c.key for c, n in zip(plan.chunks, got)
-                if n != self.chunk_meta(c.key, c.chunk_blocks).raw_len]
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> KeyFailures:
+        got = self.lower.read_chunks_into([(c.key, self.slab.memory(c.slot)) for c in plan.chunks])  # type: ignore[arg-type]
+        failed = []
+        for c, n in zip(plan.chunks, got):
+            if isinstance(n, Failure):
+                failed.append((c.key, n))
+            elif n != self.chunk_meta(c.key, c.chunk_blocks).raw_len:   # verified, but not the chunk we want
+                failed.append((c.key, Failure.CORRUPT))
+        return tuple(failed)
+
+    def delete(self, plan: TransferPlan, progress: LayerProgress | None = None) -> KeyFailures:
+        self.lower.delete_chunks(plan.keys)
+        return ()

@@ -22,7 +22,6 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from tiercache.tiers.base import Medium
 from tiercache.transfer.plan import Priority, TransferPlan
 
 
@@ -37,17 +36,6 @@ class LinkLimits:
         for name in ("rate", "burst", "max_in_flight", "max_queued_stores"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LinkLimits.{name} must be >= 0, got {getattr(self, name)}")
-
-
-LINK_NAMES = {
-    frozenset((Medium.DEVICE, Medium.CPU)): "device_host",
-    frozenset((Medium.CPU, Medium.DISK)): "host_disk",
-    frozenset((Medium.CPU, Medium.REMOTE)): "host_network",
-}
-
-
-def link_name(src: Medium, dst: Medium) -> str:
-    return LINK_NAMES.get(frozenset((src, dst)), f"{src.value}_{dst.value}")
 
 
 class TokenBucket:
@@ -164,8 +152,7 @@ class LinkSet:
         self.links: dict[str, Link] = {}
         self._seq = itertools.count()
 
-    def link(self, src: Medium, dst: Medium) -> Link:
-        name = link_name(src, dst)
+    def link(self, name: str) -> Link:
         link = self.links.get(name)
         if link is None:
             limits = self._limits.get(name, LinkLimits())
@@ -173,7 +160,7 @@ class LinkSet:
         return link
 
     def offer(self, plan: TransferPlan) -> bool:
-        return self.link(plan.src, plan.dst).offer(plan, next(self._seq))
+        return self.link(plan.link).offer(plan, next(self._seq))
 
     def next_job(self, now: float) -> tuple[TransferPlan | None, float | None]:
         """The best job any link may start now, else the shortest wait (None: wait for a finish or a submit)."""

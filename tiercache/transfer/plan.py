@@ -1,14 +1,25 @@
-"""Plain data passed from the manager (planning) to the transfer engine (execution) and back."""
+"""The plain data that crosses between the two sides: plans down, per-rank job reports up (DESIGN §1).
+
+A `TransferPlan` is made by the scheduler side (`tiercache.manager`) and run
+by every rank's worker side (`tiercache.transfer.engine`). Plans name tiers,
+not media: ``src`` and ``dst`` are tier names (`DEVICE` for the engine's L0),
+so any set of tiers can be configured together; ``dst=None`` deletes the
+chunks from ``src``. Each rank answers a plan with one `JobReport` naming,
+for every key that did not move, why (`Failure`). The scheduler side merges
+the reports of every rank into one `JobOutcome` before it touches an index:
+a key that failed on any rank failed.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import NewType
 
 from tiercache.keys import BlockHash
-from tiercache.tiers.base import Medium
 
 JobId = NewType("JobId", int)
+
+DEVICE = "device"   # the engine's L0 pool, as a plan's source or destination
 
 
 class Priority(IntEnum):
@@ -18,15 +29,33 @@ class Priority(IntEnum):
     STORE = 2
 
 
+class Failure(str, Enum):
+    """Why one key of a job did not move on one rank; merged across ranks by `SEVERITY`."""
+    CANCELLED = "cancelled"      # a store cancelled because its request's load failed in the same step
+    DROPPED = "dropped"          # a store the link dropped under pressure
+    MISS = "miss"                # not there when read: evicted, deleted, changed under a ranged read
+    UNAVAILABLE = "unavailable"  # the tier is in an outage on this rank
+    TIMEOUT = "timeout"
+    IO = "io"                    # the medium or the copy failed (ENOSPC, EIO, a refused write, a crash)
+    CORRUPT = "corrupt"          # there, but failed its checks: the stored bytes are deleted
+
+
+SEVERITY = {f: i for i, f in enumerate(Failure)}
+
+
+def worst(a: Failure, b: Failure) -> Failure:
+    return a if SEVERITY[a] >= SEVERITY[b] else b
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkCopy:
     """One chunk's part of a plan.
 
     ``block_ids`` are L0 blocks for chunk blocks ``first_block .. first_block +
     len(block_ids)``: a load may skip leading blocks the engine already holds.
-    ``slot`` addresses the chunk in a slot tier (L1), when one is involved;
-    ``chunk_blocks`` is how many blocks the stored chunk holds (fewer than a
-    full chunk only for a partial trailing chunk).
+    ``slot`` addresses the chunk in L1 (the same slot on every rank), when L1
+    is involved; ``chunk_blocks`` is how many blocks the stored chunk holds
+    (fewer than a full chunk only for a partial trailing chunk).
     """
     key: BlockHash
     slot: int | None
@@ -39,29 +68,74 @@ class ChunkCopy:
 @dataclass(frozen=True, slots=True)
 class TransferPlan:
     job_id: JobId
-    src: Medium
-    dst: Medium
+    src: str                # tier name (DEVICE for L0)
+    dst: str | None         # tier name, or None: delete the chunks from ``src``
+    link: str               # device_host | host_disk | host_network: whose rate limits and queue apply
     priority: Priority
     chunks: tuple[ChunkCopy, ...]
-    nbytes: int
-
-    @property
-    def link(self) -> tuple[Medium, Medium]:
-        return (self.src, self.dst)
+    nbytes: int             # per rank
 
     @property
     def keys(self) -> list[BlockHash]:
         return [c.key for c in self.chunks]
 
+    def describe(self) -> str:
+        return f"job {self.job_id} {self.src}→{self.dst or 'delete'} ({len(self.chunks)} chunks, {self.nbytes} B)"
+
+
+KeyFailures = tuple[tuple[BlockHash, Failure], ...]
+
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
+    """One rank's result of one plan, on that rank (the worker keeps the plan; only a `JobReport` crosses)."""
     plan: TransferPlan
-    ok: bool
     seconds: float
+    failed: KeyFailures = ()
     error: str | None = None
-    failed_keys: tuple[BlockHash, ...] = field(default=())
 
     @property
     def job_id(self) -> JobId:
         return self.plan.job_id
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.error is None
+
+    def report(self, rank: int) -> JobReport:
+        return JobReport(self.plan.job_id, rank, self.failed, self.seconds, self.error)
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """Worker → scheduler: how one job went on one rank."""
+    job_id: JobId
+    rank: int
+    failed: KeyFailures = ()
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """A job over every rank: a key failed if it failed on any rank, for the worst of its reasons."""
+    job_id: JobId
+    failed: dict[BlockHash, Failure] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.error is None
+
+    @classmethod
+    def merge(cls, job_id: JobId, reports: list[JobReport]) -> JobOutcome:
+        failed: dict[BlockHash, Failure] = {}
+        for report in reports:
+            for key, why in report.failed:
+                failed[key] = worst(failed[key], why) if key in failed else why
+        errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
+        return cls(job_id, failed, "; ".join(errors) or None)
+
+    @classmethod
+    def everything_failed(cls, plan: TransferPlan, why: Failure) -> JobOutcome:
+        return cls(plan.job_id, {k: why for k in plan.keys}, why.value)

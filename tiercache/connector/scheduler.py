@@ -1,0 +1,296 @@
+"""The tiered-offload connector's scheduler side: `OffloadScheduler` (one per engine).
+
+Lookups, load and store planning through the `CacheManager`, per-request
+bookkeeping (chunks stored so far, in-flight stores, swapped-out requests),
+and applying finished jobs. It owns every index and every decision and
+touches no bytes: its plans go down to every rank in `ConnectorMetadata`, and
+each rank's `JobReport`s come back up; a job is applied once every rank has
+reported it, as one `JobOutcome` (a key that failed on any rank failed, so
+its chunk is a miss and the engine recomputes it).
+
+The indexes need to know what the ranks have (their L1 slots, their block
+size in bytes, their storage digests, what their disks hold), so they are
+built in `attach`, from every rank's `WorkerHandshake`; until then every
+lookup is a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tiercache.build import build_scheduler_side, check_config
+from tiercache.config import TierCacheConfig
+from tiercache.connector.api import ConnectorMetadata, RequestView, SchedulerConnector, StepRequest, WorkerHandshake
+from tiercache.keys import BlockHash, chunk_keys
+from tiercache.lookup import PrefixLookup
+from tiercache.manager import CacheManager
+from tiercache.transfer.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
+
+
+@dataclass(frozen=True, slots=True)
+class _Swapped:
+    keys: tuple[BlockHash, ...]
+    num_blocks: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class ConnectorCounters:
+    lookups: int = 0
+    ask_again: int = 0             # lookups answered "ask again" while chunks were promoted or looked up
+    admitted_tokens: int = 0       # tokens of requests admitted (the denominator of the hit ratio)
+    hit_requests: int = 0
+    hit_tokens: int = 0            # tokens planned to load from the tiers (beyond L0)
+    loaded_tokens: int = 0         # tokens loaded successfully on every rank (prefill tokens saved)
+    failed_loads: int = 0          # load jobs that failed on some rank (their tokens were recomputed)
+    stores_planned: int = 0
+    stores_cancelled: int = 0
+    delayed_frees: int = 0         # finished or preempted requests whose blocks waited for their stores
+    swap_outs: int = 0
+    swap_ins: int = 0
+
+
+class JobTracker:
+    """Each job's reports, until every rank has sent one; then the job's merged outcome."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.num_ranks = num_ranks
+        self._reports: dict[JobId, list[JobReport]] = {}
+
+    def add(self, reports: Sequence[JobReport]) -> list[JobOutcome]:
+        done = []
+        for report in reports:
+            got = self._reports.setdefault(report.job_id, [])
+            got.append(report)
+            if len(got) == self.num_ranks:
+                done.append(JobOutcome.merge(report.job_id, self._reports.pop(report.job_id)))
+        return done
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._reports)
+
+
+class OffloadScheduler(SchedulerConnector):
+    def __init__(self, config: TierCacheConfig, block_size: int, swap_salt: bytes = b"") -> None:
+        check_config(config)
+        self.config = config
+        self.block_size = block_size
+        self.bpc = config.keys.blocks_per_chunk
+        self.counters = ConnectorCounters()
+        self.manager: CacheManager | None = None
+        self.copies_in_step = False
+        self._tracker = JobTracker(1)
+        self._swap_salt = swap_salt
+        self._lookups: dict[str, tuple[PrefixLookup, _Swapped | None]] = {}
+        self._pending_loads: list[TransferPlan] = []
+        self._pending_stores: list[TransferPlan] = []
+        self._owners: dict[JobId, str] = {}
+        self._load_tokens: dict[JobId, int] = {}
+        self._stored_chunks: dict[str, int] = {}
+        self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
+        self._delayed: list[str] = []
+        self._swapped: dict[str, _Swapped] = {}
+        self._swap_epoch = 0
+
+    def attach(self, handshakes: Sequence[WorkerHandshake]) -> None:
+        """Every rank has registered its KV: build the indexes over what they have."""
+        if self.manager is not None:
+            self.close()
+        self.manager = build_scheduler_side(self.config, handshakes)
+        self._tracker = JobTracker(len(handshakes))
+        self.copies_in_step = all(h.copies_in_step for h in handshakes)
+
+    @property
+    def num_ranks(self) -> int:
+        return self._tracker.num_ranks
+
+    def close(self) -> None:
+        if self.manager is not None:
+            for tier in self.manager.tiers:
+                tier.close()
+
+    # -- lookups and loads ---------------------------------------------------
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:
+        manager = self.manager
+        if manager is None:
+            return 0
+        rid = request.request_id
+        computed_blocks = num_computed_tokens // self.block_size
+        swapped = self._swapped.get(rid)
+        if swapped is not None:
+            lookup = manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks)
+        else:
+            lookup = manager.lookup(request.block_hashes, computed_blocks)
+        if manager.promote(lookup) or lookup.pending:
+            self.counters.ask_again += 1
+            return None   # part of the hit is on its way up from a lower tier, or still being looked up
+        lookup = manager.in_l1(lookup)
+        available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
+        # At least one token is computed, so the request gets logits.
+        num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
+        self.counters.lookups += 1
+        if num_new:
+            self._lookups[rid] = (lookup, swapped)
+        else:
+            self._lookups.pop(rid, None)
+        return num_new
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        manager = self.manager
+        if manager is None:
+            return
+        rid = request.request_id
+        found = self._lookups.pop(rid, None)
+        self.counters.admitted_tokens += request.num_tokens
+        manager.record_request(chunk_keys(request.block_hashes, self.bpc, manager.store_partial_chunks))
+        if not num_external_tokens or found is None:
+            return
+        lookup, swapped = found
+        self.counters.hit_requests += 1
+        self.counters.hit_tokens += num_external_tokens
+        upto = -(-(lookup.num_computed_blocks * self.block_size + num_external_tokens) // self.block_size)
+        for plan in manager.plan_load(lookup, block_ids, upto_blocks=upto):
+            self._pending_loads.append(plan)
+            self._owners[plan.job_id] = rid
+            self._load_tokens[plan.job_id] = sum(len(c.block_ids) for c in plan.chunks) * self.block_size
+        if swapped is not None:
+            self.counters.swap_ins += 1
+
+    # -- stores --------------------------------------------------------------
+    def build_connector_meta(self, step: Sequence[StepRequest], preempted: Sequence[str] = ()) -> ConnectorMetadata:
+        manager = self.manager
+        if manager is None:
+            return ConnectorMetadata(preempted=tuple(preempted))
+        for s in step:
+            rid = s.request.request_id
+            full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
+            done = self._stored_chunks.get(rid, 0)
+            if full_chunks <= done:
+                continue
+            plan = manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done)
+            self._stored_chunks[rid] = full_chunks
+            if plan is not None:
+                self._add_store(rid, plan)
+        owners = {p.job_id: self._owners[p.job_id] for p in (*self._pending_loads, *self._pending_stores)}
+        meta = ConnectorMetadata(tuple(self._pending_loads), tuple(self._pending_stores),
+                                 tuple(manager.take_background()), owners, tuple(self._delayed), tuple(preempted))
+        self._pending_loads, self._pending_stores, self._delayed = [], [], []
+        return meta
+
+    def _add_store(self, rid: str, plan: TransferPlan) -> None:
+        self._pending_stores.append(plan)
+        self._owners[plan.job_id] = rid
+        self._store_jobs[rid].add(plan.job_id)
+        self.counters.stores_planned += 1
+
+    def update_connector_output(self, jobs: Sequence[JobReport]) -> list[JobOutcome]:
+        """Collect the ranks' reports; jobs every rank has reported are applied, and returned."""
+        manager = self.manager
+        if manager is None:
+            return []
+        outcomes = self._tracker.add(jobs)
+        manager.apply(outcomes)
+        for outcome in outcomes:
+            rid = self._owners.pop(outcome.job_id, None)
+            if rid is None:
+                continue
+            tokens = self._load_tokens.pop(outcome.job_id, None)
+            if tokens is not None:   # a load into L0
+                if outcome.ok:
+                    self.counters.loaded_tokens += tokens
+                else:
+                    self.counters.failed_loads += 1
+                    self._stored_chunks.pop(rid, None)   # what it computed over missing context was not stored
+                swapped = self._swapped.pop(rid, None)   # a swap copy is spent once loaded (or not)
+                if swapped is not None:
+                    self._drop_swap(swapped)
+            else:
+                jobs_left = self._store_jobs.get(rid)
+                if jobs_left is not None:
+                    jobs_left.discard(outcome.job_id)
+                    if not jobs_left:
+                        del self._store_jobs[rid]
+                if Failure.CANCELLED in outcome.failed.values():
+                    self.counters.stores_cancelled += 1
+        return outcomes
+
+    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+        rid = request.request_id
+        self._stored_chunks.pop(rid, None)
+        self._lookups.pop(rid, None)
+        swapped = self._swapped.pop(rid, None)
+        if swapped is not None:
+            self._drop_swap(swapped)
+        delay = self.has_pending_stores(rid)
+        if delay:
+            self._delayed.append(rid)
+            self.counters.delayed_frees += 1
+        return delay
+
+    def request_preempted(self, request_id: str) -> bool:
+        delay = self.has_pending_stores(request_id)
+        if delay:
+            self._delayed.append(request_id)
+            self.counters.delayed_frees += 1
+        return delay
+
+    def request_reset(self, request_id: str) -> None:
+        self._stored_chunks.pop(request_id, None)
+        self._lookups.pop(request_id, None)
+
+    def has_pending_stores(self, request_id: str) -> bool:
+        """True while a store planned for the request may still read its blocks on some rank: one not yet
+        handed to the workers (a swap-out planned at preemption runs at the end of this step), or one handed
+        over that may outlive its step — when every rank copies L0 ↔ L1 within the step
+        (`WorkerHandshake.copies_in_step`), none does."""
+        jobs = self._store_jobs.get(request_id)
+        if not jobs:
+            return False
+        return not self.copies_in_step or any(p.job_id in jobs for p in self._pending_stores)
+
+    # -- swap ----------------------------------------------------------------
+    def _swap_keys(self, request_id: str, num_chunks: int) -> tuple[BlockHash, ...]:
+        self._swap_epoch += 1
+        base = hashlib.sha256(b"tiercache-swap\0" + self._swap_salt + request_id.encode() + b"\0"
+                              + self._swap_epoch.to_bytes(8, "little")).digest()
+        return tuple(BlockHash(hashlib.sha256(base + i.to_bytes(4, "little")).digest()) for i in range(num_chunks))
+
+    def swap_out(self, request: RequestView, block_ids: Sequence[int], num_computed_tokens: int) -> bool:
+        manager = self.manager
+        if manager is None:
+            return False
+        rid = request.request_id
+        num_blocks = -(-num_computed_tokens // self.block_size)
+        previous = self._swapped.pop(rid, None)
+        if previous is not None:  # swapped before and resumed from L0: that copy is stale
+            self._drop_swap(previous)
+        keys = self._swap_keys(rid, -(-num_blocks // self.bpc))
+        plan = manager.plan_store_chunks(keys, block_ids, num_blocks, private=True)
+        if plan is None or len(plan.chunks) < len(keys):  # no room for all of it: recompute instead
+            if plan is not None:
+                manager.cancel(plan)
+            return False
+        self._swapped[rid] = _Swapped(keys, num_blocks, num_computed_tokens)
+        self._stored_chunks.pop(rid, None)
+        self._add_store(rid, plan)
+        self.counters.swap_outs += 1
+        return True
+
+    def _drop_swap(self, swapped: _Swapped) -> None:
+        if self.manager is not None:
+            self.manager.l1.delete(list(swapped.keys))   # a swap copy lives in L1 only
+
+    def stats(self) -> dict[str, object]:
+        c = self.counters
+        out: dict[str, object] = {
+            **{k: getattr(c, k) for k in c.__slots__},
+            "token_hit_ratio": c.hit_tokens / c.admitted_tokens if c.admitted_tokens else 0.0,
+            "ranks": self.num_ranks,
+            "jobs_waiting_for_ranks": self._tracker.num_waiting,
+        }
+        if self.manager is not None:
+            out.update(self.manager.stats())
+        return out

@@ -1,0 +1,206 @@
+"""The tiered-offload connector's worker side: `OffloadWorker` (one per rank).
+
+Owns the rank's bytes (through its `WorkerStack`: L1 slab, transports,
+transfer engine) and makes no decisions: it runs the plans of each step's
+`ConnectorMetadata` and reports, per job, which keys failed and why.
+
+- Loads start in `start_load_kv`; with ``layerwise`` they land layer by
+  layer and `wait_for_layer_load(l)` returns once layer ``l`` of every load
+  of the step is in place, while later layers still copy.
+- Stores are handed over in `wait_for_save`, after every load of the step
+  has ended: a store owned by a request whose load failed on this rank is
+  cancelled, so KV computed over missing context is never offloaded (other
+  ranks may have stored theirs; the job fails as a whole).
+- Copies between L0 and L1 either run inline on the engine's thread
+  (``inline``: a CPU pool, where a copy is CPU work either way) and so
+  complete within their step, or on transfer threads; then a store may
+  outlive its step, a finished request's blocks are kept until this rank
+  reports it in ``finished_sending`` (the scheduler names such requests in
+  ``delayed``), and `handle_preemptions` waits for the stores of requests
+  whose blocks the engine takes back.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from tiercache.build import WorkerStack, build_worker_side, check_config
+from tiercache.config import TierCacheConfig
+from tiercache.connector.api import ConnectorMetadata, WorkerConnector, WorkerHandshake, WorkerReport
+from tiercache.keys import KVShard, Namespace
+from tiercache.transfer.engine import LayerProgress
+from tiercache.transfer.plan import DEVICE, Failure, JobId, TransferResult
+
+IDLE_WAIT_S = 0.005   # a step with no forward waits up to this long for background results (no busy stepping)
+
+
+class OffloadWorker(WorkerConnector):
+    def __init__(self, config: TierCacheConfig, namespace: Namespace, shard: KVShard) -> None:
+        check_config(config)
+        self.config = config
+        self.namespace = namespace
+        self.shard = shard
+        self.stack: WorkerStack | None = None
+        self.layerwise = False
+        self.inline = False
+        self._progress: list[LayerProgress] = []
+        self._meta = ConnectorMetadata()
+        self._owners: dict[JobId, str] = {}
+        self._stores_in_flight: dict[str, set[JobId]] = defaultdict(set)
+        self._delayed: set[str] = set()
+        self._step_load_jobs: list[JobId] = []
+        self._results: list[TransferResult] = []
+        self._failed_this_step: set[str] = set()
+        self._reported_links: dict[str, dict[str, float]] = {}
+        self._reported_layerwise = 0
+        self.layerwise_loads = 0   # load jobs that landed layer by layer (waited for per layer)
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    def register_kv_caches(self, kv) -> WorkerHandshake:
+        inline = self.config.transfer.inline_host_copies
+        self.inline = inline == "on" or (inline == "auto" and kv.device.type == "cpu")
+        self.layerwise = self.config.transfer.layerwise and not self.inline
+        if self.stack is not None:
+            self.stack.close()
+        self.stack = build_worker_side(self.config, kv, self.namespace, self.shard, copies_in_step=self.inline)
+        return self.stack.handshake
+
+    @property
+    def _engine(self):
+        assert self.stack is not None, "register_kv_caches first"
+        return self.stack.engine
+
+    def handle_preemptions(self, meta: ConnectorMetadata) -> None:
+        """Before the step's forward: the engine took back the blocks of ``meta.preempted``; wait until no
+        store of theirs still reads them on this rank."""
+        running = [job for rid in meta.preempted for job in self._stores_in_flight.get(rid, ())]
+        if running:
+            self._results += self._engine.wait(running)
+            for rid in meta.preempted:
+                self._stores_in_flight.pop(rid, None)
+
+    def bind_connector_meta(self, meta: ConnectorMetadata) -> None:
+        self._meta = meta
+        self._owners.update(meta.owners)
+        self._delayed.update(meta.delayed)
+        self._failed_this_step = set()
+
+    def start_load_kv(self) -> None:
+        engine = self._engine
+        self._step_load_jobs = []
+        self._progress = []
+        for plan in self._meta.background:
+            engine.submit(plan)
+        for plan in self._meta.loads:
+            progress = LayerProgress() if self.layerwise else None
+            if self.inline:
+                engine.run_inline(plan)
+            else:
+                engine.submit(plan, progress)
+            if progress is not None:
+                self._progress.append(progress)
+                self.layerwise_loads += 1
+            self._step_load_jobs.append(plan.job_id)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        if self._progress:
+            for progress in self._progress:
+                progress.wait(layer)
+        elif layer == 0:
+            self._settle_loads()   # whole-chunk loads complete before the first layer reads the cache
+
+    def _settle_loads(self) -> None:
+        """Collect this step's load results; a request whose load failed has its stores cancelled."""
+        if not self._step_load_jobs:
+            return
+        for result in self._engine.wait(self._step_load_jobs):
+            if not result.ok:
+                self._failed_this_step.add(self._owners[result.job_id])
+            self._results.append(result)
+        self._step_load_jobs = []
+        self._progress = []
+
+    def save_kv_layer(self, layer: int) -> None:
+        return None  # stores are whole chunks across all layers, handed over in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._settle_loads()  # every load ended (and failures are known) before any store is handed over
+        engine = self._engine
+        for plan in self._meta.stores:
+            owner = self._owners[plan.job_id]
+            if owner in self._failed_this_step:
+                self._results.append(TransferResult(plan, 0.0, tuple((k, Failure.CANCELLED) for k in plan.keys),
+                                                    "cancelled: the request's load failed"))
+                continue
+            if self.inline:
+                engine.run_inline(plan)
+            else:
+                engine.submit(plan)
+                self._stores_in_flight[owner].add(plan.job_id)
+        self._meta = ConnectorMetadata()
+
+    def get_finished(self, idle: bool = False) -> WorkerReport:
+        """What finished on this rank since the last call. On an ``idle`` step (nothing computed) with
+        background work still running, wait a moment for it rather than have the engine spin."""
+        engine = self._engine
+        if idle:   # nothing else to do this step: give running promotions a moment to land, so the request
+            deadline = time.monotonic() + IDLE_WAIT_S           # that waits for them is served next step
+            while engine.num_submitted and (left := deadline - time.monotonic()) > 0:
+                engine.wait_any(left)
+                self._results += engine.poll()
+        results = self._results + engine.poll()
+        self._results = []
+        failed_loads: set[str] = set()
+        failed_blocks: set[int] = set()
+        for r in results:
+            owner = self._owners.pop(r.job_id, None)
+            if owner is None:
+                continue
+            if r.plan.dst == DEVICE:
+                if not r.ok:
+                    failed_loads.add(owner)
+                    bad = {key for key, _ in r.failed}
+                    failed_blocks.update(b for c in r.plan.chunks if c.key in bad for b in c.block_ids)
+            else:
+                jobs = self._stores_in_flight.get(owner)
+                if jobs is not None:
+                    jobs.discard(r.job_id)
+                    if not jobs:
+                        del self._stores_in_flight[owner]
+        sending = frozenset(rid for rid in self._delayed if rid not in self._stores_in_flight)
+        self._delayed -= sending
+        return WorkerReport(self.rank, tuple(r.report(self.rank) for r in results), sending,
+                            frozenset(failed_loads), frozenset(failed_blocks), self._link_deltas())
+
+    def _link_deltas(self) -> dict[str, int]:
+        """Bytes, jobs and failures per link since the last report (summed over ranks by the engine)."""
+        out: dict[str, int] = {}
+        if self.layerwise_loads > self._reported_layerwise:
+            out["layerwise_loads"] = self.layerwise_loads - self._reported_layerwise
+            self._reported_layerwise = self.layerwise_loads
+        for name, now in self._engine.stats().items():
+            before = self._reported_links.get(name, {})
+            for field in ("bytes", "jobs", "failed", "dropped"):
+                delta = int(now[field] - before.get(field, 0))
+                if delta:
+                    out[f"link/{name}/{field}"] = delta
+            self._reported_links[name] = now
+        return out
+
+    def stats(self) -> dict[str, object]:
+        return {"rank": self.rank, "transfers": self._engine.stats(), "stores_in_flight": len(self._stores_in_flight)}
+
+    def wait_until_idle(self, timeout: float = 60.0) -> None:
+        """Block until every job handed to this rank's engine has finished (results stay for `get_finished`)."""
+        engine = self._engine
+        pending = engine.pending_jobs()
+        if pending:
+            self._results += engine.wait(pending, timeout)
+
+    def close(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+            self.stack = None
+
