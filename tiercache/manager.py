@@ -270,23 +270,24 @@ class CacheManager:
         """Deletes, promotions, spills and write-through copies planned since the last call, to be run. A
         delete goes first: on its tier's link it also runs first (prefetch priority), before the writes
         that the room it frees was given to."""
-        deletes = []
-        for lower in self.lower:
-            gone = lower.take_deletes()
-            if gone:
-                chunks = [ChunkCopy(key, None, (), 0) for key in dict.fromkeys(gone)]
-                deletes.append(self._plan(JobKind.DELETE, lower, None, Priority.PREFETCH, chunks, lower))
+        deletes = self._plan_deletes()
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
             chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes) for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
-        for lower in self.lower:   # the spills may have evicted from the tier they went to
+        deletes += self._plan_deletes()   # the spills may have evicted from the tier they went to
+        plans, self._background = deletes + self._background, []
+        return plans
+
+    def _plan_deletes(self) -> list[TransferPlan]:
+        """One delete per lower tier of the bytes that left its index (evicted, corrupt, half-written)."""
+        plans = []
+        for lower in self.lower:
             gone = lower.take_deletes()
             if gone:
                 chunks = [ChunkCopy(key, None, (), 0) for key in dict.fromkeys(gone)]
-                deletes.append(self._plan(JobKind.DELETE, lower, None, Priority.PREFETCH, chunks, lower))
-        plans, self._background = deletes + self._background, []
+                plans.append(self._plan(JobKind.DELETE, lower, None, Priority.PREFETCH, chunks, lower))
         return plans
 
     # -- events ----------------------------------------------------------------

@@ -28,6 +28,8 @@ from tiercache.lookup import PrefixLookup
 from tiercache.manager import CacheManager
 from tiercache.transfer.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 
+IDLE_WAIT_S = 0.005   # a step with nothing to compute waits up to this long for a remote lookup's answer
+
 
 @dataclass(frozen=True, slots=True)
 class _Swapped:
@@ -85,6 +87,7 @@ class OffloadScheduler(SchedulerConnector):
         self._tracker = JobTracker(1)
         self._swap_salt = swap_salt
         self._lookups: dict[str, tuple[PrefixLookup, _Swapped | None]] = {}
+        self._asking: dict[str, tuple[RequestView, int]] = {}   # told "ask again", not admitted since
         self._pending_loads: list[TransferPlan] = []
         self._pending_stores: list[TransferPlan] = []
         self._owners: dict[JobId, str] = {}
@@ -126,7 +129,9 @@ class OffloadScheduler(SchedulerConnector):
             lookup = manager.lookup(request.block_hashes, computed_blocks)
         if manager.promote(lookup) or lookup.pending:
             self.counters.ask_again += 1
+            self._asking[rid] = (request, num_computed_tokens)
             return None   # part of the hit is on its way up from a lower tier, or still being looked up
+        self._asking.pop(rid, None)
         lookup = manager.in_l1(lookup)
         available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
         # At least one token is computed, so the request gets logits.
@@ -164,6 +169,8 @@ class OffloadScheduler(SchedulerConnector):
         manager = self.manager
         if manager is None:
             return ConnectorMetadata(preempted=tuple(preempted))
+        if not step and self._asking:
+            self._ask_again_now()
         for s in step:
             rid = s.request.request_id
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
@@ -179,6 +186,20 @@ class OffloadScheduler(SchedulerConnector):
                                  tuple(manager.take_background()), owners, tuple(self._delayed), tuple(preempted))
         self._pending_loads, self._pending_stores, self._delayed = [], [], []
         return meta
+
+    def _ask_again_now(self) -> None:
+        """Nothing is computed this step and requests wait for a lookup: rather than have the engine come
+        straight back (and, in one process, spin on the GIL the lookup threads need), wait up to
+        ``IDLE_WAIT_S`` for an answer, then start the promotions it allows — in this step, so that the
+        request is served one step sooner."""
+        manager = self.manager
+        for tier in manager.tiers:
+            tier.wait_for_answer(IDLE_WAIT_S)
+        for request, num_computed_tokens in list(self._asking.values()):
+            swapped = self._swapped.get(request.request_id)
+            blocks = num_computed_tokens // self.block_size
+            manager.promote(manager.lookup_chunks(swapped.keys, swapped.num_blocks, blocks) if swapped is not None
+                            else manager.lookup(request.block_hashes, blocks))
 
     def _add_store(self, rid: str, plan: TransferPlan) -> None:
         self._pending_stores.append(plan)
@@ -221,16 +242,18 @@ class OffloadScheduler(SchedulerConnector):
         rid = request.request_id
         self._stored_chunks.pop(rid, None)
         self._lookups.pop(rid, None)
+        self._asking.pop(rid, None)
         swapped = self._swapped.pop(rid, None)
         if swapped is not None:
             self._drop_swap(swapped)
-        delay = self.has_pending_stores(rid)
-        if delay:
-            self._delayed.append(rid)
-            self.counters.delayed_frees += 1
-        return delay
+        return self._keep_blocks(rid)
 
     def request_preempted(self, request_id: str) -> bool:
+        return self._keep_blocks(request_id)
+
+    def _keep_blocks(self, request_id: str) -> bool:
+        """Whether the engine must keep the request's blocks for its stores; if so, the workers are told
+        (``delayed``) to say when theirs are done."""
         delay = self.has_pending_stores(request_id)
         if delay:
             self._delayed.append(request_id)
@@ -240,6 +263,7 @@ class OffloadScheduler(SchedulerConnector):
     def request_reset(self, request_id: str) -> None:
         self._stored_chunks.pop(request_id, None)
         self._lookups.pop(request_id, None)
+        self._asking.pop(request_id, None)
 
     def has_pending_stores(self, request_id: str) -> bool:
         """True while a store planned for the request may still read its blocks on some rank: one not yet

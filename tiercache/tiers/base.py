@@ -118,6 +118,10 @@ class TierIndex(ABC):
         """Keys whose stored bytes every rank must delete (evicted, corrupt, half-written), since the last call."""
         return []
 
+    def wait_for_answer(self, timeout: float) -> None:
+        """Block until a lookup in flight is answered, or ``timeout`` passed (for an engine with nothing else
+        to do this step); an index that answers at once returns at once."""
+
     def close(self) -> None:
         """Stop lookup threads and release connections (the index is not used afterwards)."""
 

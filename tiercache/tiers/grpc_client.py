@@ -141,15 +141,15 @@ class GrpcIndex(RemoteIndex):
         self._server.probe(self.lookup_timeout_s)
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
+        """One ``Contains`` per rank's digest, all in flight at once."""
+        calls = [self._server.contains.future(pb.ContainsRequest(namespace=digest, keys=keys).SerializeToString(),
+                                              timeout=self.lookup_timeout_s, metadata=self._server.metadata)
+                 for digest in storage]
         n = len(keys)
-        for digest in storage:
+        for call in calls:
             reply = pb.ContainsReply()
-            reply.ParseFromString(self._server.contains(
-                pb.ContainsRequest(namespace=digest, keys=keys[:n]).SerializeToString(),
-                timeout=self.lookup_timeout_s, metadata=self._server.metadata))
+            reply.ParseFromString(call.result())
             n = min(n, reply.present)
-            if not n:
-                break
         return n
 
 
@@ -184,10 +184,12 @@ class GrpcTransport(RemoteTransport):
         self._server.close()
 
     def check_health(self) -> pb.HealthReply | None:
-        """The server's health, or None — and this rank's tier down, probed until it answers — when it is away;
-        a server that takes only smaller messages gets smaller pieces."""
+        """At start: the server's health, or None — and this rank's tier down, probed until it answers — when it
+        is away; a server that takes only smaller messages gets smaller pieces, and the paths it offers are
+        learnt now rather than on the first transfer."""
         try:
             reply = self._server.health()
+            self._paths()
         except grpc.RpcError as err:
             self._failed("health check", err)
             return None

@@ -6,7 +6,9 @@ chunk evicted between lookup and read is a failed read, hence a miss.
 `RemoteIndex` (scheduler side) answers lookups from a thread of its own:
 `contains` hands a query to that thread and answers None ("ask again") until
 the reply is in, so the scheduler's thread never waits on the network; a
-query that takes longer than ``lookup_timeout`` marks the tier down. A chunk
+query that takes longer than ``lookup_timeout`` marks the tier down. A reply
+serves the same lookup for ``ANSWER_TTL_S``; a chunk that went meanwhile is a
+failed promotion, hence a miss. A chunk
 is present only when every writing rank's value is (each rank stores its own
 share of the KV under its own storage digest). Deletes of values found
 corrupt are background work: `take_deletes` hands them to the workers.
@@ -25,7 +27,7 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
@@ -37,8 +39,8 @@ from tiercache.wire.values import PayloadStaging, ValueSource, receive_value
 
 log = logging.getLogger(__name__)
 
-MAX_ANSWERS = 1024        # lookups answered or in flight, kept until asked again (oldest dropped first)
-ANSWER_TTL_S = 5.0        # an answer nobody came back for within this long is stale
+MAX_ANSWERS = 1024        # lookups answered or in flight (oldest dropped first)
+ANSWER_TTL_S = 1.0        # an answer serves the same lookup for this long, then it is asked again
 
 
 class RemoteIndex(LowerIndex):
@@ -118,8 +120,12 @@ class RemoteIndex(LowerIndex):
         future = asked[0]
         if not future.done():
             return None
-        del self._answers[query]
         return self._count_lookup(len(keys), future.result())
+
+    def wait_for_answer(self, timeout: float) -> None:
+        running = [future for future, _ in self._answers.values() if not future.done()]
+        if running:
+            wait(running, timeout, return_when=FIRST_COMPLETED)
 
     def has(self, key: BlockHash) -> bool:
         return False   # no local index; asking would be a network round trip on the scheduler's thread
