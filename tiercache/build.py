@@ -132,8 +132,11 @@ class RedisTierBuilder(LowerTier):
         from tiercache.tiers.redis import RedisTransport
 
         r = config.redis
-        return _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config), ttl_s=r.ttl, timeout_s=r.timeout,
-                                                  retry_interval_s=r.retry_interval, cluster=r.cluster, writer=writer))
+        transport = _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config), ttl_s=r.ttl,
+                                                               timeout_s=r.timeout, retry_interval_s=r.retry_interval,
+                                                               cluster=r.cluster, writer=writer))
+        transport.check_health()
+        return transport
 
 
 def _grpc_token(config: TierCacheConfig) -> str | None:

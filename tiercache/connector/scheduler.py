@@ -28,7 +28,7 @@ from tiercache.lookup import PrefixLookup
 from tiercache.manager import CacheManager
 from tiercache.transfer.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 
-IDLE_WAIT_S = 0.005   # a step with nothing to compute waits up to this long for a remote lookup's answer
+IDLE_WAIT_S = 0.010   # a step with nothing to compute waits up to this long for a remote lookup's answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from tiercache.keys import KVShard, Namespace
 from tiercache.transfer.engine import LayerProgress
 from tiercache.transfer.plan import DEVICE, Failure, JobId, TransferResult
 
-IDLE_WAIT_S = 0.005   # a step with no forward waits up to this long for background results (no busy stepping)
+IDLE_WAIT_S = 0.010   # a step with no forward waits up to this long for background results (no busy stepping)
 
 
 class OffloadWorker(WorkerConnector):

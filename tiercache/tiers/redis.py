@@ -130,6 +130,15 @@ class RedisTransport(RemoteTransport):
     def _probe(self) -> None:
         self._client.ping()
 
+    def check_health(self) -> bool:
+        """At start: connect (a ``PING``); a server away now is an outage, probed in the background."""
+        try:
+            self._probe()
+        except self._errors as err:
+            self._failed("connect", err)
+            return False
+        return True
+
     def _rkey(self, key: BlockHash) -> bytes:
         return redis_key(self.storage, key)
 

@@ -60,6 +60,13 @@ class RemoteIndex(LowerIndex):
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         self._storage = tuple(dict.fromkeys(storage_digests))
+        self._pool.submit(self._warm_up)    # connect now, on the lookup thread, not on the first lookup
+
+    def _warm_up(self) -> None:
+        try:
+            self._probe()
+        except Exception as err:   # down at start: an outage, probed in the background
+            self._outage.failed("connect", err)
 
     # -- availability --------------------------------------------------------
     @property
