@@ -58,9 +58,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.config import TierCacheConfig, load_config
+from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.connector.api import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
 from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
@@ -113,63 +114,6 @@ class TierCacheWorkerMeta(KVConnectorWorkerMetadata):
 class TierCacheHandshake(KVConnectorHandshakeMetadata):
     """One worker → the scheduler, once at start: what its rank has."""
     inner: WorkerHandshake
-
-
-SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
-                      "stores_cancelled", "delayed_frees")
-WORKER_COUNTERS = ("layerwise_loads",)
-TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "integrity_failures", "errors")
-
-
-@dataclass
-class TierCacheStats(KVConnectorStats):
-    """Counter deltas over an interval (plain ints, summed over ranks): the scheduler's counters, per-tier
-    counters as ``tier/<name>/<counter>`` and per-rank link counters as ``link/<name>/<counter>``."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> "TierCacheStats":
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in SCHEDULER_COUNTERS}
-        out["tiercache_load_ratio"] = round(out["loaded_tokens"] / out["hit_tokens"], 4) if out["hit_tokens"] else 0.0
-        return out
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
-class TierCachePromMetrics(KVConnectorPromMetrics):
-    """tiercache's counters in vLLM's Prometheus endpoint: ``vllm:tiercache_<counter>``, per tier
-    (``vllm:tiercache_tier_<counter>{tier=}``) and per link (``vllm:tiercache_link_<counter>{link=}``, summed
-    over ranks)."""
-
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._plain = {name: self._counter_cls(name=f"vllm:tiercache_{name}", documentation=f"tiercache {name}",
-                                               labelnames=labelnames) for name in SCHEDULER_COUNTERS + WORKER_COUNTERS}
-        self._tier = {name: self._counter_cls(name=f"vllm:tiercache_tier_{name}",
-                                              documentation=f"tiercache chunks {name} per tier",
-                                              labelnames=[*labelnames, "tier"]) for name in TIER_COUNTERS}
-        self._link = self._counter_cls(name="vllm:tiercache_link_bytes", documentation="bytes moved per link, all ranks",
-                                       labelnames=[*labelnames, "link"])
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
-        for name, value in transfer_stats_data.items():
-            if not value:
-                continue
-            parts = name.split("/")
-            if len(parts) == 1 and name in self._plain:
-                self._plain[name].labels(*labels).inc(value)
-            elif len(parts) == 3 and parts[0] == "tier" and parts[2] in self._tier:
-                self._tier[parts[2]].labels(*labels, parts[1]).inc(value)
-            elif len(parts) == 3 and parts[0] == "link" and parts[2] == "bytes":
-                self._link.labels(*labels, parts[1]).inc(value)
 
 
 def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> TierCacheConfig:

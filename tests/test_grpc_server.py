@@ -19,7 +19,8 @@ from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.grpc_messages import (  # noqa: E402
     WireError, encode_chunk, method, parse_chunk, read_chunk, split_chunk,
 )
-from tiercache.tiers.grpc_client import GrpcIndex, GrpcTransport  # noqa: E402
+from tiercache.tiers.grpc_client import GrpcTransport  # noqa: E402
+from tiercache.tiers.grpc_index import GrpcIndex  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
 
 NS = bytes(range(16))

@@ -83,6 +83,10 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+    import shutil
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
     e = Env(tmp_path_factory.mktemp("vllm"))
     yield e
     e.close()

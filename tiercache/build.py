@@ -16,6 +16,7 @@ fails loudly with the config field that chose it.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -148,15 +149,13 @@ def _grpc_token(config: TierCacheConfig) -> str | None:
 class GrpcTierBuilder(LowerTier):
     @staticmethod
     def check(config: TierCacheConfig) -> None:
-        try:
-            import grpc  # noqa: F401
-        except ImportError:
-            raise ConfigError("grpc.enabled", True, "grpcio is missing: pip install 'tiercache[grpc]'") from None
+        if importlib.util.find_spec("grpc") is None:
+            raise ConfigError("grpc.enabled", True, "grpcio is missing: pip install 'tiercache[grpc]'")
         _grpc_token(config)
 
     @staticmethod
     def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
-        from tiercache.tiers.grpc_client import GrpcIndex
+        from tiercache.tiers.grpc_index import GrpcIndex
 
         g = config.grpc
         index = GrpcIndex(g.address, chunk_format(config), auth_token=_grpc_token(config),

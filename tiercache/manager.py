@@ -41,6 +41,7 @@ from tiercache.hot_chunks import HotChunks
 from tiercache.keys import BlockHash, chunk_keys
 from tiercache.lookup import PrefixFinder, PrefixLookup
 from tiercache.policies import AdmissionPolicy
+from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, JobId, JobOutcome, Priority, TransferPlan
@@ -53,15 +54,6 @@ class JobKind(Enum):
     SPILL = auto()       # L1 (evicted) → lower
     COPY_DOWN = auto()   # L1 (still resident) → lower, write-through
     DELETE = auto()      # a lower tier's bytes of chunks that left its index
-
-
-@dataclass(frozen=True, slots=True)
-class TierEvent:
-    """Chunks that reached (``stored``) or left a tier, in the order it happened (for KV events)."""
-    stored: bool
-    tier: str
-    medium: Medium
-    keys: tuple[BlockHash, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +102,7 @@ class CacheManager:
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
         self.hot = HotChunks()
-        self._events: list[TierEvent] | None = None
+        self.events: EventJournal | None = None   # kept once a connector turns them into KV events
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
 
@@ -293,37 +285,27 @@ class CacheManager:
     # -- events ----------------------------------------------------------------
     def watch_events(self) -> None:
         """Journal what reaches and leaves each tier from now on, in order, for `take_events`."""
-        if self._events is None:
-            self._events = []
-            for tier in self.tiers:
-                tier.watch_removals()
-
-    def _journal_removals(self) -> None:
-        if self._events is not None:
-            for tier in self.tiers:
-                gone = tier.take_removed()
-                if gone:
-                    self._events.append(TierEvent(False, tier.name, tier.medium, tuple(gone)))
+        if self.events is None:
+            self.events = EventJournal(self.tiers)
 
     def _journal_arrival(self, job: _InFlight, failed: dict) -> None:
-        if self._events is None or job.kind in (JobKind.LOAD, JobKind.DELETE) or job.private:
+        if self.events is None or job.kind in (JobKind.LOAD, JobKind.DELETE) or job.private:
             return
         tier = self.l1 if job.kind in (JobKind.STORE, JobKind.PROMOTE) else job.lower
-        keys = tuple(k for k in job.plan.keys if k not in failed)
-        if keys:
-            self._events.append(TierEvent(True, tier.name, tier.medium, keys))
+        self.events.arrived(tier, [k for k in job.plan.keys if k not in failed])
 
     def take_events(self) -> list[TierEvent]:
-        self._journal_removals()
-        events, self._events = (self._events or []), ([] if self._events is not None else None)
-        return events
+        return self.events.take() if self.events is not None else []
 
     # -- completions -----------------------------------------------------------
     def apply(self, outcomes: Iterable[JobOutcome]) -> None:
         """Publish or release what finished jobs reserved (each outcome merged over every rank)."""
         for outcome in outcomes:
-            self._journal_removals()      # what left a tier before these chunks arrived
-            job = self._in_flight.pop(outcome.job_id)
+            if self.events is not None:
+                self.events.take_removals()      # what left a tier before these chunks arrived
+            job = self._in_flight.pop(outcome.job_id, None)
+            if job is None:               # cancelled already (its workers were given up on): nothing reserved
+                continue
             keys, failed = job.plan.keys, outcome.failed
             self._journal_arrival(job, failed)
             if job.kind is JobKind.LOAD:

@@ -121,12 +121,7 @@ class OffloadScheduler(SchedulerConnector):
         if manager is None:
             return 0
         rid = request.request_id
-        computed_blocks = num_computed_tokens // self.block_size
-        swapped = self._swapped.get(rid)
-        if swapped is not None:
-            lookup = manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks)
-        else:
-            lookup = manager.lookup(request.block_hashes, computed_blocks)
+        lookup, swapped = self._lookup(request, num_computed_tokens)
         if manager.promote(lookup) or lookup.pending:
             self.counters.ask_again += 1
             self._asking[rid] = (request, num_computed_tokens)
@@ -196,10 +191,15 @@ class OffloadScheduler(SchedulerConnector):
         for tier in manager.tiers:
             tier.wait_for_answer(IDLE_WAIT_S)
         for request, num_computed_tokens in list(self._asking.values()):
-            swapped = self._swapped.get(request.request_id)
-            blocks = num_computed_tokens // self.block_size
-            manager.promote(manager.lookup_chunks(swapped.keys, swapped.num_blocks, blocks) if swapped is not None
-                            else manager.lookup(request.block_hashes, blocks))
+            manager.promote(self._lookup(request, num_computed_tokens)[0])
+
+    def _lookup(self, request: RequestView, num_computed_tokens: int) -> tuple[PrefixLookup, _Swapped | None]:
+        """The request's chunks after the blocks it has, found in any tier (a swapped-out request's swap copy)."""
+        computed_blocks = num_computed_tokens // self.block_size
+        swapped = self._swapped.get(request.request_id)
+        if swapped is not None:
+            return self.manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks), swapped
+        return self.manager.lookup(request.block_hashes, computed_blocks), None
 
     def _add_store(self, rid: str, plan: TransferPlan) -> None:
         self._pending_stores.append(plan)

@@ -17,7 +17,7 @@ few in flight, its reply buffers stay small, reused and in cache.
 
 Writes go the same way: ``SET``'s framing around a value sent with
 ``sendall`` from where it lies (`set_command`), with no join into a staging
-buffer. It works on any connected socket (TCP, unix, TLS); `RedisTier` borrows one
+buffer. It works on any connected socket (TCP, unix, TLS); `RedisTransport` borrows one
 from a redis-py connection pool, so URLs, AUTH, SELECT and TLS settings work
 as for every other command. Replies of RESP2 and RESP3 alike: a bulk string
 (``$``), a null (``$-1`` or ``_``) or an error (``-``).

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 from tiercache.transfer.links import LinkLimits, LinkSet
 from tiercache.transfer.plan import Failure, JobId, KeyFailures, TransferPlan, TransferResult
