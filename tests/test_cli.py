@@ -1,9 +1,18 @@
 """The command line: the tier benchmark's JSON, and clean errors for bad input."""
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path, monkeypatch):
+    """The demo's disk tier lives under the user's cache directory: a fresh one per test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 def tiercache(*args: str) -> subprocess.CompletedProcess:
@@ -30,15 +39,29 @@ def test_bench_tiers_cpu_writes_the_json_report(tmp_path):
     assert "raw put GB/s" in (tmp_path / "rep" / "tiers.md").read_text()
 
 
-def test_bad_flags_are_one_clean_line():
-    proc = tiercache("bench", "tiers", "--chunk-tokens", "100")
-    assert proc.returncode == 2 and "--chunk-tokens" in proc.stderr and "Traceback" not in proc.stderr
-    proc = tiercache("bench", "tiers", "--tiers", "floppy")
-    assert proc.returncode == 2 and "floppy" in proc.stderr and "Traceback" not in proc.stderr
-    proc = tiercache("bench", "tiers", "--set", "cpu.capacity=huge")
-    assert proc.returncode == 2 and "cpu.capacity" in proc.stderr and "Traceback" not in proc.stderr
-    proc = tiercache("bench", "tiers", "--total-mib", "-3")
-    assert proc.returncode == 2 and "--total-mib" in proc.stderr
+def test_the_default_demo_serves_hits_from_l1_and_disk_and_the_next_process_from_disk(tmp_path):
+    """`tiercache demo` as the README runs it: L0 and L1 sized below the workload, so prefixes come back from
+    L1 and from the disk tier under the user's cache directory; a second process starts with hits from disk."""
+    first = tiercache("demo", "--quiet", "--out", str(tmp_path / "one"))
+    assert first.returncode == 0, first.stderr
+    assert str(tmp_path / "cache" / "tiercache" / "l2") in first.stderr
+    report = json.loads((tmp_path / "one" / "demo.json").read_text())
+    assert report["outputs_match"] is True
+    by = report["by_source"]
+    assert by["cpu"]["requests"] > 0 and by["disk"]["requests"] > 0
+    assert by["cpu"]["hit_tokens"] > 0 and by["disk"]["hit_tokens"] > 0 and by["disk"]["load_gbps"] > 0
+    assert report["hit_tokens_by_tier"]["tiers"] > report["hit_tokens_by_tier"]["l0"]
+    for row in ("cpu", "disk"):
+        assert row in first.stdout
+    assert (tmp_path / "one" / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    assert "load GB/s" in (tmp_path / "one" / "demo.md").read_text()
+
+    second = tiercache("demo", "--quiet", "--json", str(tmp_path / "two.json"))
+    assert second.returncode == 0, second.stderr
+    again = json.loads((tmp_path / "two.json").read_text())
+    assert again["outputs_match"] is True
+    assert again["request_sources"][0] == "disk"          # the very first request: from the last run's disk
+    assert again["by_source"]["cold"]["requests"] == 0
 
 
 def test_demo_writes_the_report_and_outputs_match(tmp_path):
@@ -90,11 +113,6 @@ def test_demo_with_disk_twice_the_second_process_hits_the_disk(tmp_path):
     assert report["hit_tokens_by_tier"]["tiers"] >= 256
 
 
-def test_disk_tier_flags_are_checked():
-    proc = tiercache("demo", "--tiers", "disk", "--requests", "1")
-    assert proc.returncode == 2 and "include cpu" in proc.stderr
-
-
 def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_path):
     out = tmp_path / "eng"
     proc = tiercache("bench", "engine", "--workloads", "shared-prefix,no-reuse", "--setups", "none,cpu,cpu+disk",
@@ -109,3 +127,22 @@ def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_pa
     assert (out / "engine.png").read_bytes()[:4] == b"\x89PNG" and "TTFT p50" in (out / "engine.md").read_text()
     proc = tiercache("bench", "engine", "--setups", "cpu+tape")
     assert proc.returncode == 2 and "cpu+tape" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_bench_tiers_redis_starts_its_own_server_when_given_none(tmp_path):
+    proc = tiercache("bench", "tiers", "--tiers", "redis", "--shape", "small", "--total-mib", "4", "--reps", "1",
+                     "--quiet", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    redis = json.loads((tmp_path / "r.json").read_text())["tiers"]["redis"]
+    assert redis["put_gbps"] > 0 and redis["get_gbps"] > 0
+
+
+def test_bench_tiers_redis_without_a_server_is_one_line(tmp_path):
+    bare = {**os.environ, "PATH": str(Path(sys.executable).parent)}     # no redis-server on it
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "cpu,redis"],
+                          capture_output=True, text=True, timeout=120, env=bare)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--redis-url" in proc.stderr and "redis-server" in proc.stderr
+    proc = tiercache("bench", "tiers", "--tiers", "cpu,redis", "--redis-url", "redis://127.0.0.1:1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "redis://127.0.0.1:1" in proc.stderr

@@ -115,6 +115,7 @@ def test_a_corrupt_disk_chunk_is_a_miss_and_is_deleted(tmp_path):
         victim.write_bytes(raw)
         assert load(s, a) is None                           # never served
         assert disk.counters.integrity_failures == 1 and not victim.exists()
+        assert s.cpu.counters.errors == 0                   # the promotion failed at the disk, not in L1
         assert s.manager.lookup(a).num_hit_blocks == 0      # chunk 0 is gone, so nothing after it counts
         assert s.manager.num_in_flight == 0 and all(e.pins == 0 for e in s.cpu.entries.values())
     finally:

@@ -38,3 +38,29 @@ def test_a_closed_outage_stops_probing():
     outage.succeeded()
     outage.failed("lookup", ConnectionError("refused"))          # closed: no new outage, no new prober
     assert outage.available and outage.outages == 1 and outage._prober is prober
+
+
+def test_the_guards_of_one_tier_log_one_outage_between_them(caplog):
+    """The scheduler's lookups and a worker's transfers in one process (the reference engine) each guard the
+    tier: the outage is one warning line and the recovery one line."""
+    up = threading.Event()
+
+    def probe() -> None:
+        if not up.is_set():
+            raise ConnectionError("still away")
+
+    lookups = Outage("redis (lookups)", retry_interval_s=0.01, probe=probe, tier="redis")
+    transfers = Outage("redis", retry_interval_s=0.01, probe=probe)
+    try:
+        with caplog.at_level("WARNING", logger="tiercache.tiers.outage"):
+            lookups.failed("lookup", ConnectionError("refused"))
+            transfers.failed("load", ConnectionError("refused"))
+            assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+                "tier redis (lookups): lookup failed (ConnectionError('refused')); answering misses, probing every "
+                "0.05s"]
+            up.set()
+            eventually(lambda: lookups.available and transfers.available, 5, "recovery")
+        assert len([r for r in caplog.records if "back after" in r.getMessage()]) == 1
+    finally:
+        lookups.close()
+        transfers.close()

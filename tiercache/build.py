@@ -26,6 +26,7 @@ import torch
 from tiercache.config import TierCacheConfig, read_secret
 from tiercache.connector.api import WorkerHandshake
 from tiercache.errors import ConfigError, RegistryError
+from tiercache.machine import physical_memory
 from tiercache.keys import BlockHash, KVShard, Namespace
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies
@@ -221,6 +222,9 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
     slot_bytes = l1_slot_bytes(config, kv.block_bytes)
+    if config.cpu.capacity > physical_memory():
+        raise ConfigError("cpu.capacity", config.cpu.capacity,
+                          f"is more than this machine's memory ({physical_memory()} B); L1 is allocated up front")
     share = config.cpu.capacity // shard.num_ranks
     num_slots = share // slot_bytes
     if num_slots < 1:

@@ -6,9 +6,12 @@ and exits with status 2; nothing here prints a traceback for a user's mistake.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import tempfile
+import math
+import os
 import sys
+import typing
 from pathlib import Path
 
 from tiercache.bench import commands
@@ -28,6 +31,27 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port: 0..65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
+
+
+def _finite(text: str, lowest: float = 0.0) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < lowest:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= {lowest:g}, got {text!r}")
     return value
 
 
@@ -57,7 +81,7 @@ def _capacity_list(text: str) -> list[int]:
     try:
         values = [parse_size(v.strip(), "--capacity-tokens") for v in text.split(",") if v.strip()]
     except ConfigError as err:
-        raise argparse.ArgumentTypeError(err.reason) from None
+        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive token counts such as 1M,3M, got {text!r}")
     return values
@@ -74,16 +98,27 @@ def _policy_list(text: str) -> list[str]:
 
 
 
-def _offload_config(args: argparse.Namespace):
-    """The config tree with the tiers the flags name; None when no tier is wanted."""
-    cfg = load_config(args.config, overrides=args.set)
+def user_cache_dir() -> Path:
+    """Where tiercache keeps a user's files between runs: ``$XDG_CACHE_HOME/tiercache`` (``~/.cache/tiercache``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "tiercache"
+
+
+def default_disk_path() -> str:
+    return str(user_cache_dir() / "l2")
+
+
+def _offload_config(args: argparse.Namespace, base: dict | None = None):
+    """The config tree with the tiers the flags name; None when no tier is wanted. ``base`` holds the
+    command's own defaults, below the config file, the environment and ``--set``."""
+    cfg = load_config(args.config, overrides=args.set, base=base)
     if not args.tiers:
         return None
     if "cpu" not in args.tiers:
         raise ConfigError("--tiers", ",".join(args.tiers), "L1 (cpu) stages every lower tier; include cpu")
     disk = {"enabled": "disk" in args.tiers}
     if "disk" in args.tiers:
-        disk["path"] = args.disk_path or cfg.disk.path or str(Path(tempfile.gettempdir()) / "tiercache-l2")
+        disk["path"] = args.disk_path or cfg.disk.path or default_disk_path()
     redis = {"enabled": "redis" in args.tiers}
     if "redis" in args.tiers and getattr(args, "redis_url", None):
         redis["url"] = args.redis_url
@@ -93,12 +128,14 @@ def _offload_config(args: argparse.Namespace):
     return cfg.replace(disk=disk, redis=redis, grpc=grpc, keys={"block_size": args.block_size})
 
 
+DEMO_DEFAULTS = {"cpu": {"capacity": "16MiB"}}   # L1 below the workload too, so chunks also come back from disk
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from tiercache.bench.demo import demo
+    from tiercache.bench.demo_report import print_report, write_files
     from tiercache.bench.workloads import WorkloadSpec
     from tiercache.engine import EngineConfig
 
@@ -106,25 +143,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
     engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks,
                               enable_prefix_caching=not args.no_prefix_caching)
-    offload = _offload_config(args)
+    offload = _offload_config(args, base=DEMO_DEFAULTS)
     total = 2 * (spec.requests if spec.name != "multi-turn" else max(1, spec.requests // spec.turns) * spec.turns)
-    with tqdm(total=total, desc=f"demo {spec.name} (cold, then warm)", file=sys.stderr, disable=args.quiet) as bar:
-        report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1), metrics_port=args.metrics_port)
+    bar = None
+
+    def started() -> None:    # the whole stack is built and checked: from here on it is the run
+        nonlocal bar
+        if offload is not None and offload.disk.enabled:
+            print(f"tiercache: disk tier (L2) in {offload.disk.path}, kept across runs", file=sys.stderr)
+        bar = tqdm(total=total, desc=f"demo {spec.name} (cold, then warm)", file=sys.stderr, disable=args.quiet)
+
+    try:
+        with _named_by_flags({"metrics_port": "--metrics-port", "engine.num_blocks": "--l0-blocks"}):
+            report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1), started=started,
+                          metrics_port=args.metrics_port)
+    finally:
+        if bar is not None:
+            bar.close()
     report["command"] = "tiercache " + " ".join(sys.argv[1:])
     _write_json(args.json, report)
-    tiers = ",".join(args.tiers) or "none"
-    table = Table(title=f"demo: {spec.name}, {report['requests']} requests, tiers {tiers}", min_width=64)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("ttft_cold_ms_p50", "ttft_warm_ms_p50", "ttft_cold_ms_p99", "ttft_warm_ms_p99", "speedup_p50",
-                "token_hit_ratio", "request_hit_ratio", "prefill_tokens_saved", "outputs_match"):
-        table.add_row(key, str(report[key]))
-    table.add_row("hit tokens from L0 / tiers",
-                  f"{report['hit_tokens_by_tier']['l0']} / {report['hit_tokens_by_tier']['tiers']}")
-    for tier, n in report["chunks_loaded_by_tier"].items():
-        table.add_row(f"chunks read from {tier}", str(n))
-    Console(width=max(80, Console().width)).print(table)
+    print_report(report, ",".join(args.tiers) or "none")
+    if args.out:
+        write_files(Path(args.out), report)
     return 0 if report["outputs_match"] else 1
+
+
+@contextlib.contextmanager
+def _named_by_flags(flags: dict[str, str]):
+    """An engine setting the command line set by a flag is reported under the flag's name."""
+    try:
+        yield
+    except ConfigError as err:
+        if err.field not in flags:
+            raise
+        raise ConfigError(flags[err.field], err.value, err.reason) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -140,8 +192,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line — what is wrong and where the help is — not a usage dump (subcommands too: they
+    are made with the parser's own class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache offloading for LLM serving.")
+    parser = _Parser(prog="tiercache", description="Tiered KV-cache offloading for LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
@@ -152,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "tier read and written as files on this host)")
     tiers.add_argument("--disk-path", help="directory on the disk to measure (default: disk.path, else $TMPDIR)")
     tiers.add_argument("--fsync", action="store_true", help="disk: fdatasync every chunk (and every raw file)")
-    tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url)")
+    tiers.add_argument("--redis-url", help="redis: the server to measure (default: redis.url when set, else a "
+                                            "redis-server started for the run)")
     tiers.add_argument("--grpc-address", help="grpc: a `tiercache serve` to measure (default: start one for the run)")
     tiers.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                        help="KV geometry: llama-8b (32 layers, 8 KV heads, dim 128, bf16) or small (4, 2, 64, fp32)")
@@ -195,10 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=commands.cmd_bench_engine)
 
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
-    d.add_argument("--workload", choices=["shared-prefix", "multi-turn", "long-doc", "no-reuse"], default="shared-prefix")
-    d.add_argument("--tiers", type=_tier_list, default=["cpu"],
-                   help="tiers below L0: cpu, cpu,disk, cpu,redis, cpu,grpc, cpu,disk,grpc ... or none")
-    d.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
+    d.add_argument("--workload", choices=["docs", "shared-prefix", "multi-turn", "long-doc", "no-reuse"],
+                   default="docs", help="docs (default): several documents, some asked about again soon, some long "
+                                        "after; shared-prefix: one system prompt; ...")
+    d.add_argument("--tiers", type=_tier_list, default=["cpu", "disk"],
+                   help="tiers below L0 (default cpu,disk): cpu, cpu,disk, cpu,redis, cpu,grpc, cpu,disk,grpc ... or none")
+    d.add_argument("--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2, kept across runs)")
     d.add_argument("--redis-url", help="L3 Redis server for --tiers cpu,redis (default: redis.url)")
     d.add_argument("--grpc-address", help="L3 `tiercache serve` host:port for --tiers cpu,grpc (default: grpc.address)")
     d.add_argument("--requests", type=_positive, default=16)
@@ -206,10 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")
     d.add_argument("--output-tokens", type=_positive, default=8)
     d.add_argument("--block-size", type=_positive, default=16)
-    d.add_argument("--l0-blocks", type=_positive, default=1024, help="blocks in the engine's own pool")
+    d.add_argument("--l0-blocks", type=_positive, default=160,
+                   help="blocks in the engine's own pool (default 160: less than the workload, as in production)")
     d.add_argument("--no-prefix-caching", action="store_true", help="no L0 hits: every hit comes from a tier")
     d.add_argument("--json", metavar="PATH")
-    d.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of the cached run on this port")
+    d.add_argument("--out", metavar="DIR", help="write demo.json, demo.md and demo.png here")
+    d.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics of the cached run on this port")
     d.add_argument("--quiet", action="store_true")
     _add_config_flags(d)
     d.set_defaults(func=cmd_demo)
@@ -217,11 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the reference engine")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=_positive, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=_finite, default=0.0, help="0: greedy")
     g.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
     g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
     g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu, cpu,disk, cpu,grpc ... (default none)")
-    g.add_argument("--disk-path", help="L2 directory (default: disk.path, else $TMPDIR/tiercache-l2)")
+    g.add_argument("--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2)")
     g.add_argument("--redis-url", help="L3 Redis server (default: redis.url)")
     g.add_argument("--grpc-address", help="L3 `tiercache serve` host:port (default: grpc.address)")
     g.add_argument("--block-size", type=_positive, default=16)
@@ -230,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    v.add_argument("--port", type=int, default=7070, help="port (0: any free port, printed at start)")
+    v.add_argument("--port", type=_port, default=7070, help="port (0: any free port, printed at start)")
     v.add_argument("--data-port", type=int, default=0,
                    help="TCP port of the data channel that carries chunk bytes beside gRPC (0: any free port, "
                         "advertised in Health; -1: none, bytes go over gRPC)")
@@ -244,15 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
     v.add_argument("--max-message", type=_size, default=128 << 20, help="largest chunk message accepted, e.g. 128MiB")
     v.add_argument("--workers", type=_positive, default=8, help="RPC handler threads")
-    v.add_argument("--grace", type=float, default=5.0, help="seconds running calls get at shutdown")
-    v.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port")
+    v.add_argument("--grace", type=_finite, default=5.0, help="seconds running calls get at shutdown")
+    v.add_argument("--metrics-port", type=_port, default=0, help="serve Prometheus metrics on this port")
     v.add_argument("--log-format", choices=["json", "text"], default="json")
     v.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("stats", help="a running `tiercache serve`: its tiers, counters and most read chunks (JSON)")
     st.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's gRPC address")
     st.add_argument("--auth-token-file", default="", help="the server's auth token, when it requires one")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    st.add_argument("--timeout", type=lambda t: _finite(t, 0.001), default=5.0, help="seconds to wait for the answer")
     st.set_defaults(func=cmd_stats)
     return parser
 
@@ -265,7 +330,7 @@ def _size(text: str) -> int:
     try:
         return parse_size(text, "size")
     except ConfigError as err:
-        raise argparse.ArgumentTypeError(err.reason) from None
+        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ environment variables (``TIERCACHE_CPU__CAPACITY=8GiB``) < CLI overrides
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -71,9 +72,12 @@ class KeysConfig:
     store_partial_chunks: bool = _opt(False, "also offload a trailing chunk with fewer than chunk_tokens tokens")
 
     def __post_init__(self) -> None:
+        from tiercache.keys import hash_functions
+
         _check(self.block_size > 0, "block_size", self.block_size, "must be positive")
         _check(self.chunk_tokens > 0 and self.chunk_tokens % self.block_size == 0, "chunk_tokens",
                self.chunk_tokens, f"must be a positive multiple of block_size ({self.block_size})")
+        _check(self.hash in hash_functions, "hash", self.hash, f"expected one of {', '.join(hash_functions.names())}")
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -83,12 +87,10 @@ class KeysConfig:
 @dataclass(frozen=True, slots=True)
 class DevicePoolConfig:
     device: str = _opt("auto", "where L0 lives: auto (cuda when present) | cpu | cuda | cuda:N")
-    num_blocks: int = _opt(2048, "blocks preallocated in the paged pool")
 
     def __post_init__(self) -> None:
         _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", self.device,
                "expected auto, cpu, cuda or cuda:N")
-        _check(self.num_blocks > 0, "num_blocks", self.num_blocks, "must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +142,20 @@ class RedisTierConfig:
     def __post_init__(self) -> None:
         _check(self.url.split("://")[0] in ("redis", "rediss", "unix"), "url", self.url,
                "expected a redis://, rediss:// or unix:// URL")
-        _check(self.ttl >= 0, "ttl", self.ttl, "must be >= 0")
+        _check(0 <= self.ttl < 1 << 31, "ttl", self.ttl, "must be 0..2147483647 seconds")
         _remote_checks(self)
 
 
+MAX_TIMEOUT_S = 86400.0       # a day: beyond it a timeout is a typo, and socket and gRPC deadlines overflow
+MAX_RETRY_INTERVAL_S = 3600.0
+
+
 def _remote_checks(cfg: Any) -> None:
-    _check(cfg.timeout > 0, "timeout", cfg.timeout, "must be positive")
-    _check(cfg.lookup_timeout > 0, "lookup_timeout", cfg.lookup_timeout, "must be positive")
-    _check(cfg.retry_interval >= 0, "retry_interval", cfg.retry_interval, "must be >= 0")
+    _check(0 < cfg.timeout <= MAX_TIMEOUT_S, "timeout", cfg.timeout, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    _check(0 < cfg.lookup_timeout <= MAX_TIMEOUT_S, "lookup_timeout", cfg.lookup_timeout,
+           f"must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+    _check(0 <= cfg.retry_interval <= MAX_RETRY_INTERVAL_S, "retry_interval", cfg.retry_interval,
+           f"must be in [0, {MAX_RETRY_INTERVAL_S:g}] seconds")
     _check(cfg.write_mode in ("write-back", "write-through"), "write_mode", cfg.write_mode,
            "expected write-back or write-through")
 
@@ -261,17 +269,22 @@ def _coerce(name: str, f: dataclasses.Field, typ: Any, value: Any) -> Any:
             return False
         raise ConfigError(name, value, "expected a boolean (true/false)")
     if typ is int:
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ConfigError(name, value, "expected an integer")
         try:
             return int(str(value), 0) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(name, value, "expected an integer") from None
     if typ is float:
+        if isinstance(value, bool):
+            raise ConfigError(name, value, "expected a number")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(name, value, "expected a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(name, value, "expected a finite number of seconds")
+        return number
     if typ is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(name, value, "expected a string")
@@ -311,6 +324,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as err:
         raise ConfigError("--config", str(path), f"cannot read file: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("--config", str(path), "not a text file (expected YAML or TOML)") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
@@ -357,9 +372,12 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``TIERCACHE_CPU__CAPACITY=8GiB`` → ``{"cpu": {"capacity": "8GiB"}}``."""
     out: dict[str, Any] = {}
     for key, value in env.items():
-        if key.startswith(ENV_PREFIX) and "__" in key:
-            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
-            _set_dotted(out, dotted, value, key)
+        if not key.startswith(ENV_PREFIX):
+            continue
+        if "__" not in key:
+            raise ConfigError(key, value, f"expected {ENV_PREFIX}<SECTION>__<FIELD>, e.g. {ENV_PREFIX}CPU__CAPACITY")
+        dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+        _set_dotted(out, dotted, value, key)
     return out
 
 
@@ -378,8 +396,10 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Iterable[str] = (),
+    base: Mapping[str, Any] | None = None,
 ) -> TierCacheConfig:
-    data: dict[str, Any] = {}
+    """Defaults < ``base`` (a tool's own defaults, e.g. the demo's) < the file < env < overrides."""
+    data: dict[str, Any] = _merge({}, base or {})
     if path is not None:
         data = _merge(data, _read_file(Path(path)))
     data = _merge(data, env_overrides(os.environ if env is None else env))

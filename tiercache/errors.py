@@ -12,10 +12,12 @@ class TierCacheError(Exception):
 
 
 class ConfigError(TierCacheError, ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value or command-line flag is invalid; the message names it (and the value, if any)."""
 
     def __init__(self, field: str, value: object, reason: str) -> None:
-        super().__init__(f"config field {field!r}: {reason} (got {value!r})")
+        what = f"flag {field}" if field.startswith("-") else f"config field {field!r}"
+        got = "" if value is None else f" (got {value!r})"
+        super().__init__(f"{what}: {reason}{got}")
         self.field = field
         self.value = value
         self.reason = reason

@@ -320,7 +320,7 @@ class CacheManager:
                     for lower in self._through:
                         self._copy_down(stored, lower)
             elif job.kind is JobKind.PROMOTE:
-                self.l1.complete_store(keys, failed)
+                self.l1.complete_promotion(keys, failed)
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
                 job.lower.complete_load(keys, failed)
                 for key in keys:

@@ -25,6 +25,39 @@ REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "data channel", "grpc-stream": 
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, overrides=args.set)
+    layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
+    remotes = [t for t in REMOTE_VARIANTS if t in args.tiers]
+    targets = _remote_targets(args, cfg, remotes)    # checked (or started) before any measurement
+    try:
+        return _bench_tiers(args, cfg, layouts, remotes, targets)
+    finally:
+        for target in targets.values():
+            target.close()
+
+
+def _remote_targets(args: argparse.Namespace, cfg, remotes: list[str]) -> dict:
+    """The server each remote benchmark runs against: the one named (by flag, or by ``redis.url`` when set), else
+    one started for the run."""
+    if not remotes:
+        return {}
+    from tiercache.bench.remote import RemoteTarget
+    from tiercache.config import RedisTierConfig
+
+    configured = cfg.redis.url if cfg.redis.url != RedisTierConfig().url else None
+    targets: dict = {}
+    try:
+        for kind in remotes:
+            given = (args.redis_url or configured) if kind == "redis" else args.grpc_address
+            targets[kind] = RemoteTarget(kind, given, args.total_mib)
+    except BaseException:
+        for target in targets.values():
+            target.close()
+        raise
+    return targets
+
+
+def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remotes: list[str], targets: dict) -> int:
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -32,9 +65,6 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     from tiercache.bench.disk import bench_disk
     from tiercache.bench.tiers import SHAPES, CpuBenchSpec, bench_cpu
 
-    cfg = load_config(args.config, overrides=args.set)
-    layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
-    remotes = [t for t in REMOTE_VARIANTS if t in args.tiers]
     total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0) + len(remotes)
     report: dict = {"tiers": {}, "runs": []}
     with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
@@ -58,8 +88,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
             report["runs"].append(r)
         for kind in remotes:
             from tiercache.bench.remote import bench_remote
-            target = args.redis_url or cfg.redis.url if kind == "redis" else args.grpc_address
-            r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, target,
+            r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, targets[kind],
                              progress=lambda: bar.update(1))
             report["tiers"][kind] = r
             report["runs"].append(r)

@@ -2,7 +2,11 @@
 
 Requests are sent one after another, so time to first token is the request's
 own prefill latency. Both runs use the same seeded model and prompts; every
-request's greedy tokens are compared.
+request's greedy tokens are compared. Each warm request is put down to where
+its prefix came from — nowhere (cold), the engine's own L0, L1, the disk, a
+remote tier — by the tier counters it moved, and the report gives, per tier,
+the hit tokens, chunks and bytes it served, and time to first token of the
+requests it served.
 """
 from __future__ import annotations
 
@@ -15,9 +19,10 @@ from tiercache.bench.workloads import WORKLOADS, WorkloadSpec
 from tiercache.config import TierCacheConfig
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
 from tiercache.engine.sequence import Sequence
-
+from tiercache.transfer.plan import DEVICE
 
 WARMUP_TOKEN = 7  # a control byte that no workload prompt contains
+SOURCES = ("cold", "L0", "cpu", "disk", "redis", "grpc")   # where a request's prefix came from, slowest last
 
 
 @dataclass(slots=True)
@@ -26,31 +31,52 @@ class RunRecord:
     output_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)     # per request: where its prefix came from
     prompt_tokens: int = 0
     l0_hit_tokens: int = 0
     tier_hit_tokens: int = 0
     hit_requests: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)   # tier → tokens of requests it served
     stats: dict = field(default_factory=dict)
 
 
+def _loaded(engine: LLMEngine) -> dict[str, int]:
+    return {name: t["loaded"] for name, t in engine.stats().get("connector", {}).get("tiers", {}).items()}
+
+
+def _source(before: dict[str, int], after: dict[str, int], seq: Sequence) -> str:
+    """The slowest tier that served the request's prefix (its chunks were promoted from there), else L0 or cold."""
+    served = [name for name in SOURCES[2:] if after.get(name, 0) > before.get(name, 0)]
+    if served:
+        return served[-1]
+    return "L0" if seq.metrics.l0_hit_tokens else "cold"
+
+
 def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCacheConfig | None,
-                 progress: Callable[[], None] | None = None, metrics_port: int | None = None) -> RunRecord:
+                 progress: Callable[[], None] | None = None, metrics_port: int | None = None,
+                 engine: LLMEngine | None = None) -> RunRecord:
+    """Run ``spec`` on a new engine (or on ``engine``, which is closed afterwards)."""
     record = RunRecord()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
-    with LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port) as engine:
+    with engine or LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port) as engine:
         # Warm-up on unrelated tokens: the first forwards after start-up (fresh allocator arenas,
         # just-faulted L1 pages) run up to 3x slower here and would otherwise land in one run only.
         engine.add_request([WARMUP_TOKEN] * 300, params)
         engine.run()
 
         def generate(prompt: list[int]) -> list[int]:
+            before = _loaded(engine)
             seq: Sequence = engine.add_request(prompt, params)
             engine.run()
             m = seq.metrics
+            source = _source(before, _loaded(engine), seq)
+            record.sources.append(source)
             record.ttft_s.append(m.ttft or 0.0)
             record.prompt_tokens += seq.num_prompt_tokens
             record.l0_hit_tokens += m.l0_hit_tokens
             record.tier_hit_tokens += m.external_hit_tokens
+            if m.external_hit_tokens:
+                record.tier_hits[source] = record.tier_hits.get(source, 0) + m.external_hit_tokens
             record.hit_requests += bool(m.l0_hit_tokens or m.external_hit_tokens)
             record.output_tokens += seq.num_output_tokens
             if progress:
@@ -70,15 +96,58 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _load_gbps(transfers: dict[str, dict], tier: str) -> float | None:
+    """GB/s while copying of ``tier``'s loads: its chunks going up to the tier above (L1 → L0, lower → L1),
+    summed over links (and ranks)."""
+    moved = seconds = 0.0
+    for link in transfers.values():
+        for route, r in link.get("routes", {}).items():
+            src, dst = route.split("→")
+            if src == tier and dst in (DEVICE, "cpu") and r["gbps"]:
+                moved += r["bytes"]
+                seconds += r["bytes"] / (r["gbps"] * 1e9)
+    return round(moved / seconds / 1e9, 3) if seconds else None
+
+
+def _by_tier(warm: RunRecord, chunk_bytes: int) -> dict[str, dict[str, object]]:
+    """Per tier: what it served (hit tokens of the requests it served, chunks and bytes it loaded, at what
+    rate) and the time to first token of those requests."""
+    tiers = warm.stats.get("connector", {}).get("tiers", {})
+    transfers = warm.stats.get("connector", {}).get("transfers", {})
+    out = {}
+    for source in SOURCES:
+        ttfts = [t for t, s in zip(warm.ttft_s, warm.sources) if s == source]
+        row: dict[str, object] = {"requests": len(ttfts),
+                                  "ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 2) if ttfts else None}
+        if source in tiers:
+            loaded = tiers[source]["loaded"]
+            row.update({"hit_tokens": warm.tier_hits.get(source, 0), "chunks_loaded": loaded,
+                        "bytes_loaded": loaded * chunk_bytes, "load_gbps": _load_gbps(transfers, source)})
+        out[source] = row
+    return out
+
+
 def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: EngineConfig,
-         progress: Callable[[], None] | None = None, metrics_port: int | None = None) -> dict[str, object]:
-    cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
-                               "enable_prefix_caching": False})
-    cold = run_workload(spec, cold_cfg, None, progress)
-    warm = run_workload(spec, engine_cfg, offload, progress, metrics_port)
+         progress: Callable[[], None] | None = None, metrics_port: int | None = None,
+         started: Callable[[], None] | None = None) -> dict[str, object]:
+    """Cold, then warm; ``started`` is called once the cached engine and its whole offload stack are built —
+    first, so a config that cannot work fails before any request runs."""
+    warm_engine = LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port)
+    try:
+        if started is not None:
+            started()
+        cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
+                                   "enable_prefix_caching": False})
+        cold = run_workload(spec, cold_cfg, None, progress)
+    except BaseException:
+        warm_engine.close()
+        raise
+    warm = run_workload(spec, engine_cfg, offload, progress, engine=warm_engine)
     hits = warm.l0_hit_tokens + warm.tier_hit_tokens
     cold_p50 = statistics.median(cold.ttft_s) * 1e3
     warm_p50 = statistics.median(warm.ttft_s) * 1e3
+    chunk_tokens = offload.keys.chunk_tokens if offload else 0
+    chunk_bytes = warm_engine.kv.block_bytes * (chunk_tokens // engine_cfg.block_size) if offload else 0
     return {
         "workload": spec.name,
         "requests": len(warm.outputs),
@@ -94,6 +163,10 @@ def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: Engine
         "hit_tokens_by_tier": {"l0": warm.l0_hit_tokens, "tiers": warm.tier_hit_tokens},
         "chunks_loaded_by_tier": {name: t["loaded"] for name, t in
                                   warm.stats.get("connector", {}).get("tiers", {}).items()},
+        "by_source": _by_tier(warm, chunk_bytes),
+        "request_sources": warm.sources,
+        "links": {name: {"bytes": link["bytes"], "gbps": round(link["gbps"], 3)}
+                  for name, link in warm.stats.get("connector", {}).get("transfers", {}).items()},
         "outputs_match": cold.outputs == warm.outputs,
         "spec": {f: getattr(spec, f) for f in spec.__slots__},
         "engine": {f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tiercache.bench.filled import filled_stack
+from tiercache.errors import ConfigError
 
 
 class RawBaseline(Protocol):
@@ -103,6 +104,98 @@ class Subprocess:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+class RedisServer:
+    """A `redis-server` of the benchmark's own on a free loopback port, without persistence, for one run."""
+
+    def __init__(self, maxmemory: int) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ConfigError("--redis-url", None, "no redis-server is installed to start one for the run; "
+                                                   "pass --redis-url redis://HOST:PORT")
+        self.port = _free_port()
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--maxmemory", str(maxmemory)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_for_redis(self.url, deadline_s=10.0, process=self.proc)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def _wait_for_redis(url: str, deadline_s: float, process: subprocess.Popen | None = None) -> None:
+    """Return once ``url`` answers PING; ConfigError naming --redis-url when it does not within the deadline."""
+    import redis
+
+    deadline = time.monotonic() + deadline_s
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.RedisError as err:
+                if time.monotonic() > deadline or (process is not None and process.poll() is not None):
+                    raise ConfigError("--redis-url", url, f"redis does not answer ({err})") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _wait_for_grpc(address: str, deadline_s: float) -> None:
+    import grpc
+
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=deadline_s)
+    except grpc.FutureTimeoutError:
+        raise ConfigError("--grpc-address", address, f"no gRPC server answers there within {deadline_s:g} s") \
+            from None
+    finally:
+        channel.close()
+
+
+class RemoteTarget:
+    """Where one remote benchmark runs: the server it was given (checked to answer before any work), or one it
+    started for the run — a `redis-server` for ``redis`` without a URL, a `tiercache serve` for the gRPC kinds
+    without an address (always for ``grpc-shm``, which needs a server on this host with ``--shm-dir``)."""
+
+    def __init__(self, kind: str, target: str | None, total_bytes: int) -> None:
+        self.kind = kind
+        self.shm: Path | None = None
+        self._server: Subprocess | RedisServer | None = None
+        if kind == "redis":
+            if target is None:
+                self._server = RedisServer(maxmemory=2 * total_bytes + (256 << 20))
+                target = self._server.url
+            else:
+                _wait_for_redis(target, deadline_s=2.0)
+        elif target is None or kind == "grpc-shm":
+            if kind == "grpc-shm":
+                self.shm = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=shm_root()))
+            self._server = Subprocess("tiercache.cli", "serve", "--capacity", str(2 * total_bytes + (256 << 20)),
+                                      "--log-format", "text",
+                                      *(["--shm-dir", str(self.shm / "server")] if self.shm else []))
+            target = self._server.address
+        else:
+            _wait_for_grpc(target, deadline_s=5.0)
+        self.address = target
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self.shm is not None:
+            shutil.rmtree(self.shm, ignore_errors=True)
 
 
 class _ProcessBaseline:
@@ -204,35 +297,25 @@ def shm_root() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
-def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: str | None,
+def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: RemoteTarget,
                  progress=None) -> dict:
-    """``kind`` is ``redis`` (``target``: its URL); ``grpc`` (the data channel) or ``grpc-stream`` (gRPC
-    streams only), ``target`` a server's host:port or None to start a `tiercache serve` for the run; or
-    ``grpc-shm`` (a `tiercache serve --shm-dir` started for the run, ``target`` ignored)."""
-    server = None
-    shm = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=shm_root())) if kind == "grpc-shm" else None
-    if kind != "redis" and (target is None or shm is not None):
-        server = Subprocess("tiercache.cli", "serve", "--capacity", str(2 * total_bytes + (256 << 20)),
-                            "--log-format", "text", *(["--shm-dir", str(shm / "server")] if shm else []))
-        target = server.address
+    """``kind`` is ``redis``, ``grpc`` (the data channel), ``grpc-stream`` (gRPC streams only) or ``grpc-shm``
+    (chunks as files in a `tiercache serve --shm-dir` on this host), against ``target``; the caller closes it."""
+    shm = target.shm
     section = {"enabled": True, "timeout": 30.0, "write_mode": "write-back",
-               **({"url": target} if kind == "redis" else
-                  {"address": target, "local": "auto" if shm else "off", "bulk": "off" if kind == "grpc-stream" else "auto"})}
+               **({"url": target.address} if kind == "redis" else
+                  {"address": target.address, "local": "auto" if shm else "off",
+                   "bulk": "off" if kind == "grpc-stream" else "auto"})}
     section_name = "redis" if kind == "redis" else "grpc"
-    try:
-        filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
-                              {section_name: section})
-    except BaseException:
-        if server is not None:
-            server.close()
-        raise
+    filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
+                          {section_name: section})
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     manager = stack.scheduler.manager
     cpu, remote = manager.l1, manager.lower[0]
     slab = stack.workers[0].stack.slab
     workers = manager.transfer_workers
-    raw: RawBaseline = {"redis": lambda: RedisRaw(target, len(keys)), "grpc": lambda: TcpRaw(workers),
+    raw: RawBaseline = {"redis": lambda: RedisRaw(target.address, len(keys)), "grpc": lambda: TcpRaw(workers),
                         "grpc-stream": GrpcRaw, "grpc-shm": lambda: FilesRaw(shm, workers)}[kind]()
     times: dict[str, list[float]] = {"raw_put": [], "put": [], "raw_get": [], "get": []}
     try:
@@ -271,10 +354,6 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
     finally:
         stack.close()
         raw.close()
-        if server is not None:
-            server.close()
-        if shm is not None:
-            shutil.rmtree(shm, ignore_errors=True)
 
     def gbps(name: str) -> float:
         return nbytes / statistics.median(times[name]) / 1e9

@@ -69,6 +69,20 @@ def long_doc(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int]
         yield prompt, generate(prompt)
 
 
+def docs(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
+    """Several documents (``prefix_tokens`` each) and a question at a time about one of them, in an order that
+    comes back to some soon (while their KV is in a fast tier) and to the first ones only at the end (long
+    after): 0, 1, 0, 2, 1, 3, 2, ... then 0, 1, 2, ...."""
+    rng = random.Random(spec.seed)
+    near = max(2, (spec.requests + 1) * 2 // 3 // 2)        # documents opened in the first part
+    order = [0] + [d for k in range(1, near) for d in (k, k - 1)]
+    order += [i % near for i in range(spec.requests - len(order))]
+    texts = [[BOS, *_text(rng, spec.prefix_tokens)] for _ in range(near)]
+    for d in order[:spec.requests]:
+        prompt = texts[d] + _text(rng, spec.suffix_tokens)
+        yield prompt, generate(prompt)
+
+
 def no_reuse(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
     """Every prompt is new: nothing can hit, so any difference from no cache is the cost of storing."""
     rng = random.Random(spec.seed)
@@ -77,4 +91,5 @@ def no_reuse(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int]
         yield prompt, generate(prompt)
 
 
-WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-doc": long_doc, "no-reuse": no_reuse}
+WORKLOADS = {"docs": docs, "shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-doc": long_doc,
+             "no-reuse": no_reuse}

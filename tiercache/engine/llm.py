@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tiercache.machine import physical_memory
 from tiercache.config import TierCacheConfig
 from tiercache.engine.config import EngineConfig, ModelConfig
 from tiercache.engine.runner import ModelRunner
@@ -79,6 +80,11 @@ class LLMEngine:
         if model_cfg.num_kv_heads % engine_cfg.tensor_parallel_size:
             raise ConfigError("engine.tensor_parallel_size", engine_cfg.tensor_parallel_size,
                               f"must divide the model's {model_cfg.num_kv_heads} KV heads")
+        kv_bytes = (engine_cfg.num_blocks * engine_cfg.block_size * model_cfg.num_layers * 2 * model_cfg.num_kv_heads
+                    * model_cfg.head_dim * torch.empty((), dtype=getattr(torch, model_cfg.dtype)).element_size())
+        if kv_bytes > physical_memory():
+            raise ConfigError("engine.num_blocks", engine_cfg.num_blocks,
+                              f"the pool would take {kv_bytes} B, more than this machine's memory")
         self.namespace = _namespace(model_cfg, engine_cfg, model_path, offload.keys.tenant_salt if offload else "")
         self.kv = PagedKVCache(self.namespace.geometry, engine_cfg.num_blocks, engine_cfg.block_size, engine_cfg.device,
                                num_shards=engine_cfg.tensor_parallel_size)
@@ -98,7 +104,11 @@ class LLMEngine:
         self._metrics = None
         if metrics_port is not None:
             from tiercache.metrics import serve_metrics
-            self._metrics = serve_metrics(self.stats, metrics_port)
+            try:
+                self._metrics = serve_metrics(self.stats, metrics_port)
+            except (OSError, OverflowError) as err:
+                self.close()
+                raise ConfigError("metrics_port", metrics_port, f"cannot listen: {getattr(err, 'strerror', err)}") from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,6 +27,7 @@ from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.data_server import DataServer
 from tiercache.server.service import CacheService
 from tiercache.server.store import ChunkStore, StoreConfig, StoreDirectoryError
+from tiercache.machine import physical_memory
 
 log = logging.getLogger("tiercache.server")
 
@@ -55,6 +58,9 @@ class ServeConfig:
             raise ConfigError("--data-port", self.data_port, "must be 0..65535 (0: any free port), or -1 for none")
         if self.capacity <= 0:
             raise ConfigError("--capacity", self.capacity, "must be positive")
+        if self.capacity > physical_memory():
+            raise ConfigError("--capacity", self.capacity, f"is more than this machine's memory "
+                                                           f"({physical_memory()} B)")
         if self.disk and self.disk_capacity <= 0:
             raise ConfigError("--disk-capacity", self.disk_capacity, "must be positive")
         if self.shm_dir and self.disk and Path(self.shm_dir).resolve() == Path(self.disk).resolve():
@@ -63,6 +69,14 @@ class ServeConfig:
             raise ConfigError("--max-message", self.max_message, "must be between 64 KiB and 1 GiB")
         if self.workers < 1:
             raise ConfigError("--workers", self.workers, "must be at least 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError("--metrics-port", self.metrics_port, "must be 0..65535")
+        if not math.isfinite(self.grace) or self.grace < 0:
+            raise ConfigError("--grace", self.grace, "must be a finite number of seconds >= 0")
+        try:
+            socket.getaddrinfo(self.host, None)
+        except OSError as err:
+            raise ConfigError("--host", self.host, f"does not resolve: {err.strerror}") from None
         try:
             eviction_policies.get(self.eviction)
         except RegistryError as err:
@@ -114,9 +128,13 @@ class CacheServer:
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=config.workers * 16,
         )
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        try:
+            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:    # grpc: "Failed to bind to address"
+            self.port = 0
         if self.port == 0:
-            raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port}")
+            raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port} (in use, or "
+                                                     "not an address of this host)")
         self.data: DataServer | None = None
         if config.data_port >= 0:
             try:
@@ -130,12 +148,15 @@ class CacheServer:
         self._metrics = None
 
     def start(self) -> None:
+        if self.config.metrics_port:   # first: a port in use is a config error before anything serves
+            from tiercache.metrics import serve_metrics
+            try:
+                self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
+            except OSError as err:
+                raise ConfigError("--metrics-port", self.config.metrics_port, f"cannot listen: {err.strerror}") from None
         self._server.start()
         if self.data is not None:
             self.data.start()
-        if self.config.metrics_port:
-            from tiercache.metrics import serve_metrics
-            self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
         log.info("serving on %s:%d", self.config.host, self.port,
                  extra={"event": "started", "port": self.port, "data_port": self.service.data_port or None,
                         "capacity": self.config.capacity,

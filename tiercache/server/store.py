@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from tiercache.wire.chunk_format import HEADER_BYTES
+from tiercache.wire.chunk_format import HEADER_BYTES, check_payload
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
@@ -50,6 +50,7 @@ from tiercache.server.values import (
 )
 from tiercache.wire.chunk_files import write_chunk_file
 from tiercache.tiers.index import IndexedTier
+from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StoreConfig:
 
 class ChunkStore:
     def __init__(self, config: StoreConfig) -> None:
+        self._warn = ThrottledLog(log)     # failing files, hostile clients: one line per kind and 10 s
         self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle
         try:
             self.memory: MemoryChunks | ShmChunks = (
@@ -168,14 +170,18 @@ class ChunkStore:
         self._write_spills(spills)
         return value
 
-    @staticmethod
-    def _read_file(tier: DiskChunks, k: StoreKey, namespace: bytes, key: bytes) -> bytes | None:
+    def _read_file(self, tier: DiskChunks, k: StoreKey, namespace: bytes, key: bytes) -> bytes | None:
+        """The file's value if it passes every check, payload checksum included: what the server read from
+        its own files is verified before it is served or kept in memory (a damaged file would otherwise be
+        served to every replica until one of them deleted it)."""
         try:
             value = tier.path(k).read_bytes()
-            check_value(namespace, key, memoryview(value)[:HEADER_BYTES], len(value))
+            view = memoryview(value)
+            parsed = check_value(namespace, key, view[:HEADER_BYTES], len(value))
+            check_payload(parsed, view[HEADER_BYTES:])
             return value
         except (OSError, ChunkFormatError) as err:
-            log.warning("chunk file for %s… failed: %s", key.hex()[:16], err)
+            self._warn.warning("read", "chunk file for %s… failed: %s", key.hex()[:16], err)
             return None
 
     # -- updates -------------------------------------------------------------
@@ -214,7 +220,7 @@ class ChunkStore:
             write_chunk_file(self.memory.path(k), *value_parts(stored), fsync=False)
             failed = []
         except OSError as err:
-            log.warning("writing a chunk to %s failed: %s", self.memory.root, err)
+            self._warn.warning("write shm", "writing a chunk to %s failed: %s", self.memory.root, err)
             failed = [k]
         with self._lock:
             self.memory.publish([k], failed)
@@ -254,7 +260,7 @@ class ChunkStore:
                 os.rename(src, final)
                 failed = []
             except OSError as err:
-                log.warning("adopting %s failed: %s", src, err)
+                self._warn.warning("adopt", "adopting %s failed: %s", src, err)
                 src.unlink(missing_ok=True)
                 failed = [k]
             shm.publish([k], failed)
@@ -320,7 +326,7 @@ class ChunkStore:
                     write_chunk_file(self.disk.path(spill.key), value[:HEADER_BYTES], value[HEADER_BYTES:],
                                      fsync=False)
             except OSError as err:
-                log.warning("spilling a chunk to %s failed: %s", self.disk.root, err)
+                self._warn.warning("spill", "spilling a chunk to %s failed: %s", self.disk.root, err)
                 failed.append(spill.key)
             finally:
                 if spill.file is not None and not spill.keep_file:

@@ -116,7 +116,8 @@ class DiskChunks(IndexedTier):
             if not ns_dir.is_dir() or len(namespace) != NAMESPACE_DIGEST_BYTES:
                 continue
             scan = scan_chunk_files(ns_dir, namespace)
-            self.counters.integrity_failures += scan.bad + scan.temp
+            self.counters.integrity_failures += scan.bad
+            self.counters.temp_removed += scan.temp
             for chunk in scan.found:
                 self._reserve(store_key(namespace, chunk.key), Entry(chunk.nbytes, ready=True))
                 self.policy.insert(store_key(namespace, chunk.key))

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.wire.chunk_format import HEADER_BYTES, check_header
+from tiercache.wire.chunk_format import HEADER_BYTES, ParsedHeader, check_header
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.wire.grpc_messages import parse_chunk, split_chunk
@@ -66,12 +66,13 @@ def store_key(namespace: bytes, key: bytes) -> StoreKey:
     return namespace + key
 
 
-def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int) -> None:
+def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int) -> ParsedHeader:
     """The checks a value (its header and whole length) passes before the server stores it; raises
-    `ChunkFormatError`. The payload checksum is the readers' to verify, end to end."""
+    `ChunkFormatError`. The payload checksum of what a client sends is the readers' to verify, end to end."""
     parsed = check_header(header, namespace, BlockHash(key))
     if total_len != HEADER_BYTES + parsed[3]:
         raise ChunkFormatError(f"value is {total_len} bytes, its header says {HEADER_BYTES + parsed[3]}")
+    return parsed
 
 
 class BufferPool:

@@ -61,6 +61,7 @@ class TierCounters:
     evicted: int = 0
     deleted: int = 0
     integrity_failures: int = 0
+    temp_removed: int = 0        # half-written files (a writer died mid-chunk) deleted at start
     errors: int = 0
 
     def as_dict(self) -> dict[str, int]:

@@ -89,6 +89,11 @@ class CpuIndex(IndexedTier):
     def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] | Sequence[BlockHash] = ()) -> None:
         self.publish(keys, failed)
 
+    def complete_promotion(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None:
+        """Chunks read up from a lower tier into reserved slots: a failed one is dropped, and counted by the
+        tier it came from (a read or its checks failed there, not here)."""
+        self.publish(keys, failed, own_errors=False)
+
     def is_private(self, key: BlockHash) -> bool:
         entry = self.entries.get(key)
         return entry is not None and entry.private

@@ -42,6 +42,7 @@ from tiercache.wire.chunk_files import ALIGN, WRITE_PIECE, ScanResult, chunk_pat
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 from tiercache.wire.grpc_messages import ChunkPieces
 from tiercache.wire.values import FileSource, PayloadStaging, receive_value
+from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class DiskIndex(IndexedTier, LowerIndex):
             return 0
         for scan in per_rank:
             self.counters.integrity_failures += scan.bad
+            self.counters.temp_removed += scan.temp
         maps = [{c.key: c for c in scan.found} for scan in per_rank]
         common = set(maps[0]).intersection(*maps[1:])
         partial = set().union(*maps) - common
@@ -139,6 +141,7 @@ class DiskTransport(Transport):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._staging = threading.local()
         self._payloads = PayloadStaging()
+        self._warn = ThrottledLog(log)     # a full or failing disk: one line per kind and 10 s, with a count
         if o_direct:
             self._probe_o_direct()
 
@@ -161,7 +164,8 @@ class DiskTransport(Transport):
             try:
                 self.write_chunk(meta, raw)
             except OSError as err:
-                log.warning("writing chunk %s… to %s failed: %s", meta.key.hex()[:16], self.name, err)
+                self._warn.warning("write", "writing chunk %s… to %s failed: %s", meta.key.hex()[:16], self.name,
+                              err)
                 failed.append((meta.key, Failure.IO))
         return tuple(failed)
 
@@ -179,7 +183,8 @@ class DiskTransport(Transport):
             try:
                 self.path(key).unlink(missing_ok=True)
             except OSError as err:   # a stray file is re-verified (and counted) at the next start
-                log.warning("deleting chunk %s… from %s failed: %s", key.hex()[:16], self.name, err)
+                self._warn.warning("delete", "deleting chunk %s… from %s failed: %s", key.hex()[:16], self.name,
+                              err)
 
     # -- reads ---------------------------------------------------------------
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
@@ -188,13 +193,14 @@ class DiskTransport(Transport):
             try:
                 out.append(self.read_chunk_into(key, buf))
             except FileNotFoundError:
-                log.warning("chunk %s… is missing from %s", key.hex()[:16], self.dir)
+                self._warn.warning("missing", "chunk %s… is missing from %s", key.hex()[:16], self.dir)
                 out.append(Failure.MISS)
             except ChunkFormatError as err:
-                log.warning("chunk %s… in %s failed verification: %s", key.hex()[:16], self.name, err)
+                self._warn.warning("corrupt", "chunk %s… in %s failed verification: %s", key.hex()[:16], self.name,
+                              err)
                 out.append(Failure.CORRUPT)
             except (OSError, ConnectionError) as err:
-                log.warning("reading chunk %s… from %s failed: %s", key.hex()[:16], self.name, err)
+                self._warn.warning("read", "reading chunk %s… from %s failed: %s", key.hex()[:16], self.name, err)
                 out.append(Failure.IO)
         return out
 

@@ -313,7 +313,7 @@ class GrpcTransport(RemoteTransport):
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)
         except WireError as err:   # a broken stream: what was placed stands, the rest are misses
-            log.warning("grpc tier %s: malformed Get stream: %s", self.name, err)
+            self._warn.warning("malformed", "grpc tier %s: malformed Get stream: %s", self.name, err)
             self.errors += 1
         self._outage.succeeded()
         return out
@@ -324,6 +324,7 @@ class GrpcTransport(RemoteTransport):
         if not head.value:
             return Failure.MISS
         if head.namespace != self.storage or head.key != key:
-            log.warning("grpc tier %s: the server answered for another namespace or key", self.name)
+            self._warn.warning("foreign", "grpc tier %s: the server answered for another namespace or key",
+                          self.name)
             return Failure.CORRUPT
         return self.receive(ChunkPieces(pieces), head.total, key, buf)

@@ -81,8 +81,9 @@ class IndexedTier(TierIndex):
         self.entries[key] = entry
         self._used += entry.nbytes
 
-    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = ()) -> None:
-        """Make written keys visible and drop the ``failed`` ones.
+    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), own_errors: bool = True) -> None:
+        """Make written keys visible and drop the ``failed`` ones — counted as this tier's errors unless
+        ``own_errors`` is False (the copy failed at its source, which counts it).
 
         Keys are published tail first so that, under LRU, a chain's head is the
         most recently used and outlives its tail.
@@ -94,7 +95,7 @@ class IndexedTier(TierIndex):
                 continue
             if key in bad:
                 self._drop(key, entry)
-                self.counters.errors += 1
+                self.counters.errors += own_errors
             else:
                 entry.ready = True
                 self.policy.insert(key)

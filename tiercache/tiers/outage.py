@@ -7,6 +7,11 @@ at most the one call that found it so. A daemon thread probes the server
 (``PING``, ``Health``) every ``retry_interval_s`` — never on the engine's
 threads — and the first probe that succeeds logs the recovery and marks the
 tier up again. ``close`` stops the probing.
+
+One tier has two guards in a process that holds both sides (the scheduler's
+lookups and a worker's transfers, as in the reference engine): they share a
+``tier`` name, and only the first to go down and the last to come back log,
+so an outage reads as one warning line and one recovery line.
 """
 from __future__ import annotations
 
@@ -18,14 +23,27 @@ log = logging.getLogger(__name__)
 
 MIN_PROBE_INTERVAL_S = 0.05
 
+_down_lock = threading.Lock()
+_down_guards: dict[str, int] = {}     # tier → guards of it that are down in this process
+
+
+def _mark(tier: str, down: bool) -> bool:
+    """Count one guard of ``tier`` down or up again; True for the first down and the last up."""
+    with _down_lock:
+        before = _down_guards.get(tier, 0)
+        _down_guards[tier] = before + 1 if down else before - 1
+        return before == 0 if down else before == 1
+
 
 class Outage:
-    def __init__(self, name: str, retry_interval_s: float, probe: Callable[[], object]) -> None:
+    def __init__(self, name: str, retry_interval_s: float, probe: Callable[[], object], tier: str = "") -> None:
         self.name = name
+        self.tier = tier or name        # guards of one tier log one outage between them
         self.retry_interval_s = max(retry_interval_s, MIN_PROBE_INTERVAL_S)
         self._probe = probe             # raises while the server is away
         self._lock = threading.Lock()
         self._down = False
+        self._counted = False           # this guard is one of its tier's guards counted down
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
         self.outages = 0                # times the tier went down
@@ -44,8 +62,10 @@ class Outage:
             self._down = True
             self.outages += 1
             self._probes_at_down = self.probes
-            log.warning("tier %s: %s failed (%s); answering misses, probing every %.2gs", self.name, what,
-                        _short(err), self.retry_interval_s)
+            self._counted = True
+            level = logging.WARNING if _mark(self.tier, down=True) else logging.DEBUG
+            log.log(level, "tier %s: %s failed (%s); answering misses, probing every %.2gs", self.name, what,
+                    _short(err), self.retry_interval_s)
             if self._prober is None or not self._prober.is_alive():
                 self._prober = threading.Thread(target=self._probe_until_back, name=f"tiercache-probe-{self.name}",
                                                 daemon=True)
@@ -55,11 +75,22 @@ class Outage:
         """A call or a probe went through: the tier is up."""
         with self._lock:
             if self._down:
-                log.warning("tier %s: back after %d probe(s)", self.name, self.probes - self._probes_at_down)
+                last = self._uncount()
+                level = logging.WARNING if last else logging.DEBUG
+                log.log(level, "tier %s: back after %d probe(s)", self.name, self.probes - self._probes_at_down)
                 self._down = False
 
+    def _uncount(self) -> bool:
+        """Take this guard off its tier's down count (once); True if it was the last one down."""
+        if not self._counted:
+            return False
+        self._counted = False
+        return _mark(self.tier, down=False)
+
     def close(self) -> None:
-        self._closed.set()
+        with self._lock:
+            self._uncount()
+            self._closed.set()
         prober = self._prober
         if prober is not None and prober is not threading.current_thread():
             prober.join(timeout=1.0)

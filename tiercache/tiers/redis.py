@@ -209,7 +209,7 @@ class RedisTransport(RemoteTransport):
                 try:
                     reader.set_reply()     # False: the chunk was there already, and is kept
                 except ReplyError as err:      # e.g. OOM under maxmemory noeviction: this chunk only
-                    log.warning("redis tier %s: SET refused: %s", self.name, err)
+                    self._warn.warning("set", "redis tier %s: SET refused: %s", self.name, err)
                     failed.append((meta.key, Failure.IO))
             return failed
         return self._on_connection("store", run, [(meta.key, Failure.UNAVAILABLE) for meta, _ in items])
@@ -306,7 +306,8 @@ class RedisTransport(RemoteTransport):
         try:
             return reader.integer()
         except ReplyError as err:
-            log.warning("redis tier %s: chunk %s… is not a value of ours: %s", self.name, key.hex()[:16], err)
+            self._warn.warning("foreign", "redis tier %s: chunk %s… is not a value of ours: %s", self.name,
+                          key.hex()[:16], err)
             return Failure.CORRUPT
 
     def _receive(self, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> int | Failure:

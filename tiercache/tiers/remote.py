@@ -36,6 +36,7 @@ from tiercache.tiers.outage import Outage
 from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat
 from tiercache.wire.values import PayloadStaging, ValueSource, receive_value
+from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class RemoteIndex(LowerIndex):
         super().__init__()
         self.name = name
         self.fmt = fmt or ChunkFormat()
-        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe)
+        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe, tier=name)
         self._storage: tuple[bytes, ...] = ()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
         self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
@@ -200,6 +201,7 @@ class RemoteTransport(Transport):
         self.writer = writer
         self._outage = Outage(name, retry_interval_s, probe=self._probe)
         self._payloads = PayloadStaging()
+        self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
         self.errors = 0
         self._lock = threading.Lock()
 
@@ -225,5 +227,6 @@ class RemoteTransport(Transport):
         try:
             return receive_value(source, n, self.storage, key, buf, self._payloads)
         except ChunkFormatError as err:
-            log.warning("%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+            self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name,
+                          key.hex()[:16], err)
             return Failure.CORRUPT

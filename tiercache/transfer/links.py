@@ -73,6 +73,7 @@ class LinkStats:
     busy_seconds: float = 0.0
     first_start: float | None = None
     last_finish: float | None = None
+    routes: dict[str, list[float]] = field(default_factory=dict)   # "src→dst" → [bytes, busy seconds]
 
 
 @dataclass(slots=True)
@@ -129,6 +130,10 @@ class Link:
         self.stats.bytes += moved_bytes
         self.stats.busy_seconds += seconds
         self.stats.last_finish = now
+        if plan.dst is not None:
+            route = self.stats.routes.setdefault(f"{plan.src}→{plan.dst}", [0, 0.0])
+            route[0] += moved_bytes
+            route[1] += seconds
 
     def as_dict(self) -> dict[str, float]:
         s = self.stats
@@ -140,6 +145,9 @@ class Link:
             "achieved_gbps": s.bytes / span / 1e9 if span else 0.0,                     # first start → last finish
             "queue_depth": len(self.queue), "in_flight_bytes": self.in_flight_bytes,
             "rate_limit_gbps": self.limits.rate / 1e9,
+            # Each direction on its own (a link is shared by loads and stores): bytes and GB/s while copying.
+            "routes": {name: {"bytes": int(b), "gbps": b / t / 1e9 if t else 0.0}
+                       for name, (b, t) in s.routes.items()},
         }
 
 

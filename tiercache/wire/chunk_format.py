@@ -57,6 +57,9 @@ class ChunkMeta:
         return n
 
 
+ParsedHeader = tuple[ChunkMeta, int, int, int, int]   # meta, codec code, checksum code, payload length, checksum
+
+
 @dataclass(frozen=True, slots=True)
 class DecodedChunk:
     meta: ChunkMeta
@@ -89,7 +92,7 @@ class ChunkFormat:
         return header + bytes(payload) if isinstance(payload, memoryview) else header + payload
 
 
-def read_header(blob: Buffer) -> tuple[ChunkMeta, int, int, int, int]:
+def read_header(blob: Buffer) -> ParsedHeader:
     """Parse and check the header alone: (meta, codec code, checksum code, payload length, payload checksum)."""
     view = memoryview(blob).cast("B")
     if len(view) < HEADER_BYTES:
@@ -112,7 +115,7 @@ def read_header(blob: Buffer) -> tuple[ChunkMeta, int, int, int, int]:
     return meta, codec, checksum, payload_len, payload_sum
 
 
-def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> tuple[ChunkMeta, int, int, int, int]:
+def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> ParsedHeader:
     """`read_header` plus the namespace and key checks."""
     parsed = read_header(header)
     meta = parsed[0]
@@ -123,13 +126,19 @@ def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> 
     return parsed
 
 
-def verify_payload(parsed: tuple[ChunkMeta, int, int, int, int], payload: Buffer) -> Buffer:
-    """Check a payload against its parsed header and decode it; returns the raw bytes (``payload`` itself for raw)."""
-    meta, codec_code, checksum_code, payload_len, payload_sum = parsed
+def check_payload(parsed: ParsedHeader, payload: Buffer) -> None:
+    """Check a payload's length and checksum against its parsed header, without decoding it."""
+    meta, _, checksum_code, payload_len, payload_sum = parsed
     if len(memoryview(payload).cast("B")) != payload_len:
         raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {payload_len}")
     if checksum_by_code(checksum_code)()(payload) != payload_sum:
         raise ChecksumMismatchError(f"payload checksum mismatch for chunk {meta.key.hex()[:16]}…")
+
+
+def verify_payload(parsed: ParsedHeader, payload: Buffer) -> Buffer:
+    """Check a payload against its parsed header and decode it; returns the raw bytes (``payload`` itself for raw)."""
+    check_payload(parsed, payload)
+    meta, codec_code = parsed[0], parsed[1]
     return codec_by_code(codec_code)().decode(memoryview(payload).cast("B"), meta.raw_len, DTYPE_SIZES[meta.dtype])
 
 
