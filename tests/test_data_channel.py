@@ -162,9 +162,12 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
     import time
 
     from tiercache.server.data_server import DataServer
-    from tiercache.server.store import ChunkStore, StoreConfig
-    server = DataServer(ChunkStore(StoreConfig(1 << 20)), "127.0.0.1", 0, None, 1 << 20,
-                        collections.Counter(), hello_timeout_s=0.3)
+    from tiercache.server.limits import InflightBytes, ServerLimits
+    from tiercache.server.store import StoreConfig
+    from tiercache.server.tenants import Tenancy, load_tenants
+    limits = ServerLimits.for_server(1 << 20, workers=4)
+    server = DataServer(Tenancy(load_tenants(""), StoreConfig(1 << 20)), "127.0.0.1", 0, limits,
+                        InflightBytes(limits.max_inflight_bytes), collections.Counter(), hello_timeout_s=0.3)
     server.start()
     try:
         with caplog.at_level(logging.WARNING, logger="tiercache.server"):

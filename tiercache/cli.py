@@ -308,7 +308,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
     v.add_argument("--max-message", type=_size, default=128 << 20, help="largest chunk message accepted, e.g. 128MiB")
-    v.add_argument("--workers", type=_positive, default=8, help="RPC handler threads")
+    v.add_argument("--workers", type=_positive, default=8, help="RPC handler threads (two are kept from streams, "
+                                                               "for health and lookups)")
+    v.add_argument("--read-timeout", type=lambda t: _finite(t, 0.001), default=10.0,
+                   help="seconds a client may leave a request (or a gRPC stream) without progress before it is "
+                        "dropped")
+    v.add_argument("--idle-timeout", type=lambda t: _finite(t, 0.001), default=60.0,
+                   help="seconds a data-channel connection may sit idle between requests")
+    v.add_argument("--max-value", type=_size, default=0,
+                   help="largest chunk value accepted (default: 256MiB, at most --capacity)")
+    v.add_argument("--max-inflight", type=_size, default=0,
+                   help="bytes being received from all clients at once, reserved before they arrive "
+                        "(default: four of the largest values, at most --capacity); memory stays within "
+                        "--capacity + this + a constant")
     v.add_argument("--grace", type=_finite, default=5.0, help="seconds running calls get at shutdown")
     v.add_argument("--metrics-port", type=_port, default=0, help="serve Prometheus metrics on this port")
     v.add_argument("--log-format", choices=["json", "text"], default="json")
@@ -342,6 +354,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          disk=args.disk, disk_capacity=args.disk_capacity, shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
+                         max_value=args.max_value, max_inflight=args.max_inflight,
+                         read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
                          metrics_port=args.metrics_port)
     return run(config, args.log_format)
 

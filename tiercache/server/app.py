@@ -21,13 +21,14 @@ from pathlib import Path
 
 import grpc
 
-from tiercache.config import read_secret
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.data_server import DataServer
 from tiercache.server.service import CacheService
-from tiercache.server.store import ChunkStore, StoreConfig, StoreDirectoryError
+from tiercache.server.store import StoreConfig, StoreDirectoryError
 from tiercache.machine import physical_memory
+from tiercache.server.tenants import Tenancy, load_tenants
+from tiercache.server.limits import IDLE_TIMEOUT_S, READ_TIMEOUT_S, InflightBytes, ServerLimits
 
 log = logging.getLogger("tiercache.server")
 
@@ -48,6 +49,10 @@ class ServeConfig:
     auth_token_file: str = ""
     max_message: int = 128 << 20
     workers: int = 8
+    max_value: int = 0          # 0: the default of `ServerLimits.for_server`
+    max_inflight: int = 0
+    read_timeout: float = READ_TIMEOUT_S
+    idle_timeout: float = IDLE_TIMEOUT_S
     grace: float = 5.0
     metrics_port: int = 0
 
@@ -69,8 +74,15 @@ class ServeConfig:
             raise ConfigError("--max-message", self.max_message, "must be between 64 KiB and 1 GiB")
         if self.workers < 1:
             raise ConfigError("--workers", self.workers, "must be at least 1")
+        if not 0 <= self.max_value <= self.capacity:
+            raise ConfigError("--max-value", self.max_value, "must be at most --capacity")
+        if self.max_inflight and self.max_inflight < self.limits().max_value_bytes:
+            raise ConfigError("--max-inflight", self.max_inflight, "must hold at least one value (--max-value)")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError("--metrics-port", self.metrics_port, "must be 0..65535")
+        for flag, value in (("--read-timeout", self.read_timeout), ("--idle-timeout", self.idle_timeout)):
+            if not (math.isfinite(value) and 0 < value <= 86400):
+                raise ConfigError(flag, value, "must be a number of seconds in (0, 86400]")
         if not math.isfinite(self.grace) or self.grace < 0:
             raise ConfigError("--grace", self.grace, "must be a finite number of seconds >= 0")
         try:
@@ -82,8 +94,9 @@ class ServeConfig:
         except RegistryError as err:
             raise ConfigError("--eviction", self.eviction, str(err)) from None
 
-    def auth_token(self) -> str | None:
-        return read_secret(self.auth_token_file, "--auth-token-file") if self.auth_token_file else None
+    def limits(self) -> ServerLimits:
+        return ServerLimits.for_server(self.capacity, self.workers, self.max_value, self.max_inflight,
+                                       read_timeout_s=self.read_timeout, idle_timeout_s=self.idle_timeout)
 
 
 class JsonLogFormatter(logging.Formatter):
@@ -112,21 +125,23 @@ class CacheServer:
 
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
+        tenants = load_tenants(config.auth_token_file)
         try:
-            self.store = ChunkStore(StoreConfig(config.capacity, config.eviction, config.disk, config.disk_capacity,
-                                                config.shm_dir))
+            self.tenancy = Tenancy(tenants, StoreConfig(config.capacity, config.eviction, config.disk,
+                                                        config.disk_capacity, config.shm_dir))
         except StoreDirectoryError as err:
             flag = {"shm": "--shm-dir", "disk": "--disk"}[err.tier]
             raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None
-        token = config.auth_token()
-        self.service = CacheService(self.store, config.max_message, token)
+        limits = config.limits()
+        inflight = InflightBytes(limits.max_inflight_bytes)
+        self.service = CacheService(self.tenancy, config.max_message, limits, inflight)
         hard = config.max_message * HARD_LIMIT_FACTOR
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc"),
             handlers=[self.service.handler()],
             options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
                      ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=config.workers * 16,
+            maximum_concurrent_rpcs=config.workers * 4,    # queued beyond the handler threads, then refused
         )
         try:
             self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
@@ -138,8 +153,8 @@ class CacheServer:
         self.data: DataServer | None = None
         if config.data_port >= 0:
             try:
-                self.data = DataServer(self.store, config.host, config.data_port, token,
-                                       max_value_bytes=config.capacity, counters=self.service.counters)
+                self.data = DataServer(self.tenancy, config.host, config.data_port, limits, inflight,
+                                       counters=self.service.counters)
             except OSError as err:
                 raise ConfigError("--data-port", config.data_port,
                                   f"cannot listen on {config.host}:{config.data_port}: {err.strerror}") from None
@@ -162,17 +177,19 @@ class CacheServer:
                         "capacity": self.config.capacity,
                         "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
                         "auth": self.config.auth_token_file != "",
-                        "chunks_on_disk": self.store.disk.num_chunks if self.store.disk else 0})
+                        "tenants": sorted(self.tenancy.tenants),
+                        "chunks_on_disk": sum(s.disk.num_chunks for s in self.tenancy.stores.values() if s.disk)})
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self.service.serving = False
         self._server.stop(self.config.grace).wait()
+        self.service.streams.close()
         if self.data is not None:
             self.data.stop()
         started = time.monotonic()
-        flushed = self.store.flush()
+        flushed = self.tenancy.flush()
         if self._metrics is not None:
             self._metrics[0].shutdown()
         log.info("stopped", extra={"event": "stopped", "flushed_to_disk": flushed,

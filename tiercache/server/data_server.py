@@ -8,28 +8,41 @@ buffer of its own (a recycled one when the store's `BufferPool` has one of
 that size), which the store keeps as it is. Anything malformed — a bad hello, a wrong token, a key or count out of
 range, a value over the size limit — gets one log line naming the peer and
 closes that connection; the server and its other connections go on.
+
+Bounds (`tiercache.server.limits`): a value's bytes are reserved from the
+server's in-flight budget before any is received (a value that gets no room
+in time is read past and answered ``PUT_REJECTED``: a busy server, not a
+broken one); every read has the server's deadline — the
+hello, each request once begun, each value at the minimum rate — and a
+connection idle between requests longer than the idle timeout is closed.
+Connections are capped in all and per peer host; at the cap the oldest idle
+one is closed to make room, and when none is idle the newcomer is told
+``HELLO_BUSY`` (its client moves its bytes over gRPC streams instead).
 """
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import socket
 import threading
+import time
 from collections import Counter
+from dataclasses import dataclass
 
 from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.wire import data_frames as dw
-from tiercache.server.store import ChunkStore, PutOutcome
+from tiercache.log_limits import ThrottledLog
+from tiercache.server.limits import InflightBytes, ServerLimits
+from tiercache.server.store import PutOutcome
+from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
 from tiercache.wire.grpc_messages import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
 from tiercache.wire.streams import ProtocolError, StreamReader
 
 log = logging.getLogger("tiercache.server")
 
-MAX_CONNECTIONS = 256
-HELLO_TIMEOUT_S = 10.0     # a connection that does not say hello in time is dropped (after it, it may idle)
+HELLO_TIMEOUT_S = 10.0     # a connection that does not say hello in time is dropped
 _OUTCOME = {PutOutcome.STORED: dw.PUT_STORED, PutOutcome.PRESENT: dw.PUT_PRESENT,
             PutOutcome.REJECTED: dw.PUT_REJECTED}
 
@@ -38,17 +51,25 @@ class _Refused(Exception):
     """A connection the server drops: the reason goes in the log line."""
 
 
+@dataclass(slots=True)
+class _Connection:
+    sock: socket.socket
+    host: str
+    idle_since: float | None = None      # waiting for its next request since (None: in a request)
+
+
 class DataServer:
-    def __init__(self, store: ChunkStore, host: str, port: int, auth_token: str | None, max_value_bytes: int,
-                 counters: Counter[str], hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
-        self.store = store
+    def __init__(self, tenancy: Tenancy, host: str, port: int, limits: ServerLimits,
+                 inflight: InflightBytes, counters: Counter[str], hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
+        self.tenancy = tenancy
+        self.limits = limits
+        self.inflight = inflight
         self.hello_timeout_s = hello_timeout_s
-        self.max_value_bytes = max_value_bytes
         self.counters = counters
-        self._token = (auth_token or "").encode()
+        self._warn = ThrottledLog(log)     # hostile or broken clients: one line per kind and 10 s
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
         self.port = self._listener.getsockname()[1]
-        self._connections: set[socket.socket] = set()
+        self._connections: dict[socket.socket, _Connection] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="tiercache-data-accept", daemon=True)
@@ -67,60 +88,102 @@ class DataServer:
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
 
+    @property
+    def num_connections(self) -> int:
+        return len(self._connections)
+
     def _accept(self) -> None:
         while True:
             try:
                 conn, peer = self._listener.accept()
             except OSError:
                 return      # closed by stop()
-            with self._lock:
-                if self._closed or len(self._connections) >= MAX_CONNECTIONS:
-                    conn.close()
-                    self.counters["data_refused_connections"] += 1
-                    continue
-                self._connections.add(conn)
+            if not self._admit(conn, peer[0]):
+                continue
             threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
                              name="tiercache-data", daemon=True).start()
+
+    def _admit(self, conn: socket.socket, host: str) -> bool:
+        """Room for a new connection: under both caps, or by closing the oldest idle connection (of this host
+        when it is the host's cap that is reached); otherwise the newcomer is told the server is busy."""
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return False
+            mine = [c for c in self._connections.values() if c.host == host]
+            crowd = mine if len(mine) >= self.limits.max_connections_per_peer else \
+                list(self._connections.values()) if len(self._connections) >= self.limits.max_connections else None
+            victim = None
+            if crowd is not None:
+                idle = [c for c in crowd if c.idle_since is not None]
+                if not idle:
+                    self.counters["data_refused_connections"] += 1
+                    with contextlib.suppress(OSError):
+                        conn.settimeout(1.0)
+                        conn.sendall(bytes([dw.HELLO_BUSY]))
+                    conn.close()
+                    return False
+                victim = min(idle, key=lambda c: c.idle_since)
+                del self._connections[victim.sock]
+            self._connections[conn] = _Connection(conn, host)
+        if victim is not None:
+            self.counters["data_idle_closed"] += 1
+            with contextlib.suppress(OSError):
+                victim.sock.shutdown(socket.SHUT_RDWR)
+        return True
 
     # -- one connection --------------------------------------------------------
     def _serve(self, conn: socket.socket, peer: str) -> None:
         self.counters["data_connections"] += 1
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = StreamReader(conn)
+        state = self._connections.get(conn)
         try:
             conn.settimeout(self.hello_timeout_s)
-            self._hello(conn, reader)
-            conn.settimeout(None)
+            try:
+                tenant = self._hello(conn, reader)
+            except TimeoutError:
+                raise _Refused(f"no hello within {self.hello_timeout_s:.0f} s") from None
             while True:
+                if state is not None:
+                    state.idle_since = time.monotonic()
+                conn.settimeout(self.limits.idle_timeout_s)
                 try:
                     head = reader.exactly(dw.REQUEST.size)
-                except ConnectionError:
-                    return      # the client closed between requests
+                except TimeoutError:
+                    self.counters["data_idle_closed"] += 1
+                    return      # idle too long: the client opens a new connection when it needs one
+                except (ConnectionError, OSError):
+                    return      # the client closed between requests (or we closed it as the oldest idle)
+                if state is not None:
+                    state.idle_since = None
+                conn.settimeout(self.limits.read_timeout_s)
                 op, namespace, count = dw.REQUEST.unpack(head)
                 if count > MAX_KEYS_PER_CALL:
                     raise _Refused(f"{count} chunks in one request, limit {MAX_KEYS_PER_CALL}")
                 if op == dw.OP_GET:
-                    self._get(conn, reader, namespace, count)
+                    self._get(conn, reader, tenant, namespace, count)
                 elif op == dw.OP_PUT:
-                    self._put(conn, reader, namespace, count)
+                    self._put(conn, reader, tenant, namespace, count)
                 else:
                     raise _Refused(f"unknown op {op}")
         except (_Refused, ProtocolError) as err:
             self.counters["data_rejected"] += 1
-            log.warning("data channel: dropped %s: %s", peer, err,
-                        extra={"event": "data_rejected", "peer": peer, "reason": str(err)})
-        except TimeoutError:
+            self._warn.warning("data rejected", "data channel: dropped %s: %s", peer, err,
+                            extra={"event": "data_rejected", "peer": peer, "reason": str(err)})
+        except TimeoutError as err:
             self.counters["data_rejected"] += 1
-            log.warning("data channel: dropped %s: no hello within %.0f s", peer, self.hello_timeout_s,
-                        extra={"event": "data_rejected", "peer": peer, "reason": "hello timeout"})
+            self._warn.warning("data timeout", "data channel: dropped %s: too slow (%s)", peer, err or "no progress",
+                            extra={"event": "data_rejected", "peer": peer, "reason": "timeout"})
         except (ConnectionError, OSError) as err:
             log.info("data channel: %s went away: %s", peer, err, extra={"event": "data_disconnected", "peer": peer})
         finally:
             with self._lock:
-                self._connections.discard(conn)
+                self._connections.pop(conn, None)
             conn.close()
 
-    def _hello(self, conn: socket.socket, reader: StreamReader) -> None:
+    def _hello(self, conn: socket.socket, reader: StreamReader) -> Tenant:
+        """The connection's tenant, from its token."""
         magic = reader.exactly(len(dw.MAGIC))
         if magic != dw.MAGIC:
             conn.sendall(bytes([dw.HELLO_BAD_VERSION]))
@@ -128,11 +191,12 @@ class DataServer:
         (n,) = dw.U16.unpack(reader.exactly(dw.U16.size))
         if n > dw.MAX_TOKEN_BYTES:
             raise _Refused(f"a {n}-byte token")
-        token = reader.exactly(n)
-        if self._token and not hmac.compare_digest(token, self._token):
+        tenant = self.tenancy.who(reader.exactly(n))
+        if tenant is None:
             conn.sendall(bytes([dw.HELLO_UNAUTHENTICATED]))
             raise _Refused("missing or wrong auth token")
         conn.sendall(bytes([dw.HELLO_OK]))
+        return tenant
 
     def _key(self, reader: StreamReader) -> bytes:
         n = reader.exactly(1)[0]
@@ -140,10 +204,11 @@ class DataServer:
             raise _Refused(f"key of {n} bytes (1..{MAX_KEY_BYTES})")
         return reader.exactly(n)
 
-    def _get(self, conn: socket.socket, reader: StreamReader, namespace: bytes, count: int) -> None:
+    def _get(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int) -> None:
         keys = [self._key(reader) for _ in range(count)]
+        stores = self.tenancy.readable(tenant)
         for key in keys:
-            pieces = self.store.get_value(namespace, key)
+            pieces = next((p for p in (s.get_value(namespace, key) for s in stores) if p is not None), None)
             if pieces is None:
                 conn.sendall(dw.U64.pack(0))
                 continue
@@ -154,29 +219,43 @@ class DataServer:
             self.counters["data_get_chunks"] += 1
             self.counters["bytes_out"] += total
 
-    def _put(self, conn: socket.socket, reader: StreamReader, namespace: bytes, count: int) -> None:
+    def _put(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int) -> None:
+        if not tenant.write:
+            raise _Refused(f"tenant {tenant.name!r} may not write")
+        store = self.tenancy.own(tenant)
         outcomes = bytearray()
         for _ in range(count):
             key = self._key(reader)
             (size,) = dw.U64.unpack(reader.exactly(dw.U64.size))
-            if not HEADER_BYTES <= size <= self.max_value_bytes:
-                raise _Refused(f"a value of {size} bytes ({HEADER_BYTES}..{self.max_value_bytes})")
+            if not HEADER_BYTES <= size <= self.limits.max_value_bytes:
+                raise _Refused(f"a value of {size} bytes ({HEADER_BYTES}..{self.limits.max_value_bytes})")
             header = reader.exactly(HEADER_BYTES)
+            deadline = time.monotonic() + self.limits.value_deadline_s(size)
             try:
                 check_value(namespace, key, memoryview(header), size)
             except ChunkFormatError as err:
-                reader.skip(size - HEADER_BYTES)
+                reader.skip(size - HEADER_BYTES, deadline)
                 self.counters["data_put_bad_values"] += 1
-                log.warning("data channel: chunk %s… rejected: %s", key.hex()[:16], err,
-                            extra={"event": "data_put_rejected", "reason": str(err)})
+                self._warn.warning("data bad value", "data channel: chunk %s… rejected: %s", key.hex()[:16], err,
+                                extra={"event": "data_put_rejected", "reason": str(err)})
                 outcomes.append(dw.PUT_REJECTED)
                 continue
-            value = self.store.pool.take(size)
-            value[:HEADER_BYTES] = header
-            reader.read_into(memoryview(value)[HEADER_BYTES:])
-            outcome = self.store.put(namespace, key, value)
+            # Room for the bytes before any is received: a client declaring large values and going silent
+            # holds at most the in-flight budget, never memory of its own choosing.
+            if not self.inflight.reserve(size, self.limits.admit_wait_s):
+                reader.skip(size - HEADER_BYTES, deadline)     # read past it, into no memory of its own
+                self.counters["data_put_busy"] += 1
+                outcomes.append(dw.PUT_REJECTED)
+                continue
+            try:
+                value = store.pool.take(size)
+                value[:HEADER_BYTES] = header
+                reader.read_into(memoryview(value)[HEADER_BYTES:], deadline)
+                outcome = store.put(namespace, key, value)
+            finally:
+                self.inflight.release(size)
             if outcome is not PutOutcome.STORED:
-                self.store.pool.give(value)
+                store.pool.give(value)
             outcomes.append(_OUTCOME[outcome])
             self.counters["data_put_chunks"] += 1
             self.counters["bytes_in"] += size

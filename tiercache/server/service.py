@@ -5,16 +5,24 @@ malformed request is parsed here and answered with ``INVALID_ARGUMENT`` and a
 log line (protobuf deserialisers failing inside gRPC would give ``INTERNAL``
 and no context), and a `Chunk` is parsed without copying its value.
 
+Every call but ``Health`` runs as the tenant its token names
+(`tiercache.server.tenants`): reads look in that tenant's store and the ones it
+was granted, writes and deletes in its own only.
+
 Error statuses, each with one log line naming the peer:
-- ``UNAUTHENTICATED``: a token is configured and the call lacks it;
+- ``UNAUTHENTICATED``: tokens are configured and the call has none of them;
+- ``PERMISSION_DENIED``: the tenant may not do this (write, delete, stats);
 - ``INVALID_ARGUMENT``: a malformed message, a namespace or key of the wrong
   size, a value whose header is damaged or names another namespace or key;
 - ``RESOURCE_EXHAUSTED``: a message larger than ``max_message_bytes`` (gRPC
-  itself refuses anything above twice that before it reaches a handler).
+  itself refuses anything above twice that before it reaches a handler), a
+  chunk declaring a value over the value limit, a chunk that finds no room in
+  the in-flight budget in time, a stream when every stream slot is taken
+  (`tiercache.server.limits`). A stream that stops moving is cancelled.
 """
 from __future__ import annotations
 
-import hmac
+import contextlib
 import logging
 import re
 from collections import Counter
@@ -29,10 +37,12 @@ from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.wire import tiercache_pb2 as pb
-from tiercache.server.store import ChunkStore, PutOutcome
+from tiercache.server.limits import InflightBytes, ServerLimits, StreamWatch
+from tiercache.server.store import PutOutcome
+from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
 from tiercache.wire.grpc_messages import (
-    AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, WireError, encode_chunk, read_chunk,
+    AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, ChunkView, WireError, encode_chunk, read_chunk,
 )
 
 log = logging.getLogger("tiercache.server")
@@ -52,10 +62,13 @@ def _identity(data: bytes) -> bytes:
 
 
 class CacheService:
-    def __init__(self, store: ChunkStore, max_message_bytes: int, auth_token: str | None = None) -> None:
-        self.store = store
+    def __init__(self, tenancy: Tenancy, max_message_bytes: int, limits: ServerLimits,
+                 inflight: InflightBytes) -> None:
+        self.tenancy = tenancy
         self.max_message_bytes = max_message_bytes
-        self._auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self.limits = limits
+        self.inflight = inflight
+        self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s)
         self.serving = True
         self.data_port = 0          # set by the server when its data channel listens
         self.counters: Counter[str] = Counter()
@@ -81,9 +94,9 @@ class CacheService:
         def run(request: Any, context: grpc.ServicerContext) -> bytes:
             self.counters[f"rpc_{name}"] += 1
             try:
-                if auth:
-                    self._authorize(context)
-                return fn(request, context)
+                if not auth:
+                    return fn(request, context)
+                return fn(request, context, self._authorize(context))
             except _Rejected as err:
                 self._reject(name, context, err)
                 raise AssertionError("unreachable: context.abort raises")
@@ -95,11 +108,26 @@ class CacheService:
         def run(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
             self.counters[f"rpc_{name}"] += 1
             try:
-                self._authorize(context)
-                yield from fn(request, context)
+                tenant = self._authorize(context)
+                with self._stream_slot(context) as moved:
+                    for message in fn(request, context, tenant):
+                        yield message
+                        moved()
             except _Rejected as err:
                 self._reject(name, context, err)
         return run
+
+    @contextlib.contextmanager
+    def _stream_slot(self, context: grpc.ServicerContext):
+        """One of the stream slots, for as long as the stream runs; yields the call that says it moved."""
+        sid = self.streams.admit(context)
+        if sid is None:
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"all {self.streams.limit} stream slots are busy; try again")
+        try:
+            yield lambda: self.streams.moved(sid)
+        finally:
+            self.streams.done(sid)
 
     def _reject(self, name: str, context: grpc.ServicerContext, err: _Rejected) -> None:
         self.counters[f"rejected_{err.code.name.lower()}"] += 1
@@ -108,12 +136,18 @@ class CacheService:
         context.abort(err.code, err.details)
 
     # -- checks --------------------------------------------------------------
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        if self._auth is None:
-            return
+    def _authorize(self, context: grpc.ServicerContext) -> Tenant:
         given = next((v for k, v in context.invocation_metadata() if k == AUTH_HEADER), "")
-        if not hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._auth):
+        given = given.decode(errors="replace") if isinstance(given, bytes) else given
+        tenant = self.tenancy.who(given.removeprefix("Bearer "))
+        if tenant is None:
             raise _Rejected(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
+        return tenant
+
+    @staticmethod
+    def _allowed(tenant: Tenant, right: str) -> None:
+        if not getattr(tenant, right):
+            raise _Rejected(grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} may not {right}")
 
     def _sized(self, data: bytes) -> bytes:
         if len(data) > self.max_message_bytes:
@@ -141,62 +175,119 @@ class CacheService:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"key of {len(key)} bytes (1..{MAX_KEY_BYTES})")
 
     # -- RPCs ----------------------------------------------------------------
-    def contains(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def contains(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
         req = self._parse(pb.ContainsRequest, request)
         self._names(req.namespace, req.keys)
-        return pb.ContainsReply(present=self.store.contains(req.namespace, list(req.keys))).SerializeToString()
+        return pb.ContainsReply(present=self._present(tenant, req.namespace, list(req.keys))).SerializeToString()
 
-    def get(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _present(self, tenant: Tenant, namespace: bytes, keys: list[bytes]) -> int:
+        """How many leading keys some store the tenant reads holds (a shared prefix may lie in a granted
+        store and the rest in its own)."""
+        stores = self.tenancy.readable(tenant)
+        n = stores[0].contains(namespace, keys)
+        if len(stores) == 1:
+            return n
+        while n < len(keys) and any(s.contains(namespace, [keys[n]]) for s in stores):
+            n += 1
+        return n
+
+    def get(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> Iterator[bytes]:
         req = self._parse(pb.GetRequest, request)
         self._names(req.namespace, req.keys)
+        stores = self.tenancy.readable(tenant)
         for key in req.keys:
-            messages = self.store.get(req.namespace, key)
+            messages = next((m for m in (s.get(req.namespace, key) for s in stores) if m is not None), None)
             if messages is None:
                 yield encode_chunk(req.namespace, key)
                 continue
             self.counters["bytes_out"] += sum(len(m) for m in messages)
             yield from messages
 
-    def put(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    def put(self, requests: Iterator[bytes], context: grpc.ServicerContext, tenant: Tenant) -> bytes:
+        self._allowed(tenant, "write")
+        store = self.tenancy.own(tenant)
         reply = pb.PutReply()
-        messages = (self._sized(m) for m in requests)
-        while (chunk := self._chunk(messages)) is not None:
-            head, raw = chunk
-            self.counters["bytes_in"] += head.total
-            outcome = self.store.put(head.namespace, head.key, raw)
-            if outcome is PutOutcome.STORED:
-                reply.stored += 1
-            elif outcome is PutOutcome.PRESENT:
-                reply.present += 1
-            else:
-                reply.rejected.append(head.key)
+        with self._stream_slot(context) as moved:
+            def messages() -> Iterator[bytes]:
+                for m in requests:
+                    moved()
+                    yield self._sized(m)
+            stream = messages()
+            try:
+                while (chunk := self._chunk(stream)) is not None:
+                    head, raw = chunk
+                    try:
+                        self.counters["bytes_in"] += head.total
+                        outcome = store.put(head.namespace, head.key, raw)
+                    finally:
+                        self.inflight.release(head.total)
+                    if outcome is PutOutcome.STORED:
+                        reply.stored += 1
+                    elif outcome is PutOutcome.PRESENT:
+                        reply.present += 1
+                    else:
+                        reply.rejected.append(head.key)
+            except grpc.RpcError:        # cancelled (stalled past the read timeout) or gone: nobody to answer
+                self.counters["streams_cancelled"] += 1
+                return b""
         return reply.SerializeToString()
 
+    def _admit(self, head: ChunkView) -> None:
+        """A chunk's declared length, checked and reserved before any more of it is received."""
+        self._names(head.namespace, [head.key])
+        if head.total < HEADER_BYTES:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a value of {head.total} bytes, shorter than a chunk header ({HEADER_BYTES})")
+        if head.total > self.limits.max_value_bytes:
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"a value of {head.total} bytes, over the server's value limit of "
+                            f"{self.limits.max_value_bytes}")
+        if not self.inflight.reserve(head.total, self.limits.admit_wait_s):
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no room for a {head.total}-byte value in the server's in-flight budget; try again")
+
     def _chunk(self, messages):
-        """The next chunk of a Put stream, checked: (first message parsed, its raw messages); None at the end."""
+        """The next chunk of a Put stream, checked, its bytes reserved in the in-flight budget (the caller
+        releases them): (first message parsed, its raw messages); None at the end."""
+        admitted: list[ChunkView] = []
+
+        def admit(head: ChunkView) -> None:
+            self._admit(head)
+            admitted.append(head)
         try:
-            got = read_chunk(messages)
+            got = read_chunk(messages, admit)
         except WireError as err:
+            self._release(admitted)
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Chunk: {err}") from None
+        except BaseException:
+            self._release(admitted)
+            raise
         if got is None:
             return None
         head, pieces, raw = got
-        self._names(head.namespace, [head.key])
         try:
             check_value(head.namespace, head.key, pieces[0][:HEADER_BYTES], head.total)
         except ChunkFormatError as err:
+            self._release(admitted)
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"chunk {head.key.hex()[:16]}… rejected: {type(err).__name__}: {err}") from None
         return head, raw
 
-    def delete(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def _release(self, admitted: list[ChunkView]) -> None:
+        for head in admitted:
+            self.inflight.release(head.total)
+
+    def delete(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
+        self._allowed(tenant, "delete")
         req = self._parse(pb.DeleteRequest, request)
         self._names(req.namespace, req.keys)
-        return pb.DeleteReply(deleted=self.store.delete(req.namespace, list(req.keys))).SerializeToString()
+        deleted = self.tenancy.own(tenant).delete(req.namespace, list(req.keys))
+        return pb.DeleteReply(deleted=deleted).SerializeToString()
 
-    def stats(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def stats(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
+        self._allowed(tenant, "stats")
         self._parse(pb.StatsRequest, request)
-        s = self.stats_dict()
+        s = self.stats_dict() if tenant.admin else self.tenancy.own(tenant).stats()
         reply = pb.StatsReply(namespaces=s["namespaces"])
         for name, t in s["tiers"].items():
             counters = {k: int(v) for k, v in t.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -213,17 +304,19 @@ class CacheService:
         return pb.HealthReply(status=status, version=__version__, max_message_bytes=self.max_message_bytes,
                               data_port=self.data_port).SerializeToString()
 
-    def local(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def local(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
         self._parse(pb.LocalRequest, request)
-        shm = self.store.shm
+        shm = self.tenancy.own(tenant).shm
         if shm is None:
             return pb.LocalReply().SerializeToString()
         return pb.LocalReply(directory=str(shm.root), instance=shm.instance).SerializeToString()
 
-    def adopt(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def adopt(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
+        self._allowed(tenant, "write")
         req = self._parse(pb.AdoptRequest, request)
         self._names(req.namespace, req.keys)
-        if self.store.shm is None:
+        store = self.tenancy.own(tenant)
+        if store.shm is None:
             raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION, "this server has no local data path (--shm-dir)")
         if len(req.files) != len(req.keys):
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(req.files)} files for {len(req.keys)} keys")
@@ -234,7 +327,7 @@ class CacheService:
         reply = pb.PutReply()
         for key, name in zip(req.keys, req.files):
             try:
-                outcome = self.store.adopt(req.namespace, key, name)
+                outcome = store.adopt(req.namespace, key, name)
             except ChunkFormatError as err:
                 self.counters["adopt_bad_files"] += 1
                 log.warning("adopt from %s: chunk %s… rejected: %s", context.peer(), key.hex()[:16], err,
@@ -248,12 +341,31 @@ class CacheService:
                 reply.rejected.append(key)
         return reply.SerializeToString()
 
-    def touch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+    def touch(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
         req = self._parse(pb.TouchRequest, request)
         self._names(req.namespace, req.keys)
-        return pb.TouchReply(touched=self.store.touch(req.namespace, list(req.keys))).SerializeToString()
+        touched = sum(s.touch(req.namespace, list(req.keys)) for s in self.tenancy.readable(tenant))
+        return pb.TouchReply(touched=touched).SerializeToString()
 
     def stats_dict(self) -> dict[str, Any]:
-        s = self.store.stats()
-        s["server"] = {**s["server"], **self.counters}
+        """The whole server: every tenant's store (its tiers named ``tenant/tier`` when there are several) and
+        the server's own counters."""
+        stores = self.tenancy.stores
+        if len(stores) == 1:
+            s = next(iter(stores.values())).stats()
+        else:
+            per = {name: store.stats() for name, store in stores.items()}
+            merged: Counter[str] = Counter()
+            for one in per.values():
+                merged.update(one["server"])
+            s = {"tiers": {f"{name}/{tier}": t for name, one in per.items() for tier, t in one["tiers"].items()},
+                 "namespaces": sum(one["namespaces"] for one in per.values()), "server": dict(merged),
+                 "hot_chunks": sorted((h for one in per.values() for h in one["hot_chunks"]),
+                                      key=lambda h: -h[2])[:10],
+                 "tenants": {name: {"namespaces": one["namespaces"],
+                                    "used_bytes": sum(t["used_bytes"] for t in one["tiers"].values())}
+                             for name, one in per.items()}}
+        s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
+                       "inflight_refused": self.inflight.refused, "streams_refused": self.streams.refused,
+                       "streams_stalled": self.streams.cancelled}
         return s

@@ -30,6 +30,11 @@ class DataChannelRefused(ConnectionError):
     """The server refused the hello: another protocol version, or a wrong token."""
 
 
+class DataChannelBusy(ConnectionError):
+    """No new connection could be made: the server's connection slots are all busy (``HELLO_BUSY``), or the
+    data port does not answer. The caller moves these bytes over gRPC streams instead."""
+
+
 class StaleConnection(ConnectionError):
     """A kept connection failed: worth one retry on a fresh one."""
 
@@ -57,17 +62,25 @@ class DataChannel:
         conn = getattr(self._thread, "conn", None)
         if conn is not None:
             return conn
-        sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        where = f"{self.address[0]}:{self.address[1]}"
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        except OSError as err:
+            raise DataChannelBusy(f"the data channel at {where} does not answer: {err}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(self._hello)
-            reader = StreamReader(sock)
-            status = reader.exactly(1)[0]
+            try:
+                sock.sendall(self._hello)
+                reader = StreamReader(sock)
+                status = reader.exactly(1)[0]
+            except OSError as err:     # closed or reset before a status: a server at its connection cap
+                raise DataChannelBusy(f"the data channel at {where} closed the connection: {err}") from None
+            if status == dw.HELLO_BUSY:
+                raise DataChannelBusy(f"the data channel at {where} has no free connection slot")
             if status != dw.HELLO_OK:
                 reason = "a wrong or missing auth token" if status == dw.HELLO_UNAUTHENTICATED else \
                     "another protocol version"
-                raise DataChannelRefused(f"the data channel at {self.address[0]}:{self.address[1]} refused "
-                                         f"this client: {reason}")
+                raise DataChannelRefused(f"the data channel at {where} refused this client: {reason}")
             kernel_timeouts(sock, self.timeout_s)
         except BaseException:
             sock.close()
@@ -100,8 +113,8 @@ class DataChannel:
     def _exchange(self, what: str, body: Callable[[socket.socket, StreamReader], T]) -> T:
         """Run one request on this thread's connection; on any failure the connection is dropped (a stream
         left mid-reply is never reused) and transport or protocol errors become `ConnectionError`."""
+        sock, reader = self._connection()      # DataChannelBusy, DataChannelRefused: for the caller
         try:
-            sock, reader = self._connection()
             result = body(sock, reader)
             if reader.buffered:
                 raise ProtocolError(f"{reader.buffered} bytes beyond the reply to {what}")

@@ -41,7 +41,7 @@ import grpc
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.tiers.data_client import DataChannel, StaleConnection
+from tiercache.tiers.data_client import DataChannel, DataChannelBusy, StaleConnection
 from tiercache.tiers.grpc_index import ServerChannel
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
@@ -86,6 +86,7 @@ class GrpcTransport(RemoteTransport):
         self._server = ServerChannel(address, auth_token, timeout_s, retry_interval_s, max_message_bytes)
         self._use_local, self._use_bulk = local == "auto", bulk == "auto"
         self._known_paths: _Paths | None = None     # None: not asked yet
+        self.busy = 0           # calls a busy server refused (RESOURCE_EXHAUSTED): failed, but not an outage
 
     def close(self) -> None:
         super().close()
@@ -110,9 +111,16 @@ class GrpcTransport(RemoteTransport):
         return self._server.health(timeout_s)
 
     def _probe(self) -> None:
-        self._server.probe(self.probe_timeout_s)
+        self._server.probe(max(self.probe_timeout_s, self._server.retry_interval_s))
 
     def _failed(self, what: str, err: Exception) -> None:
+        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # The server is there and refused this call for room (stream slots, in-flight bytes): these
+            # chunks fail, the tier stays up.
+            self.busy += 1
+            self._warn.warning("busy", "grpc tier %s: %s refused by a busy server: %s", self.name, what,
+                               err.details())
+            return
         super()._failed(what, err)
         self._forget_paths()     # a restarted server may offer other paths, or none
 
@@ -183,8 +191,15 @@ class GrpcTransport(RemoteTransport):
             if failed is not None:
                 return failed
         if paths.bulk is not None:
-            return self._write_bulk(paths.bulk, items)
+            try:
+                return self._write_bulk(paths.bulk, items)
+            except DataChannelBusy as err:
+                self._warn.warning("bulk busy", "grpc tier %s: %s; moving these chunks over gRPC streams",
+                                   self.name, err)
+        return self._write_streams(items)
 
+    def _write_streams(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
+        """One streamed gRPC ``Put``."""
         def messages() -> Iterator[bytes]:
             for meta, raw in items:
                 header, payload = self.fmt.encode_parts(meta, raw)
@@ -197,7 +212,7 @@ class GrpcTransport(RemoteTransport):
                                                    metadata=self._server.metadata))
         except grpc.RpcError as err:
             self._failed("store", err)
-            return down
+            return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
         return tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
@@ -239,10 +254,13 @@ class GrpcTransport(RemoteTransport):
             return call(bulk)
 
     def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
-        """One ``PUT`` on the data channel: each chunk's header and payload sent as they are."""
+        """One ``PUT`` on the data channel: each chunk's header and payload sent as they are; raises
+        `DataChannelBusy` when no connection could be had."""
         chunks = [(meta.key, *self.fmt.encode_parts(meta, raw)) for meta, raw in items]
         try:
             outcomes = self._on_bulk(bulk, lambda channel: channel.put(chunks))
+        except DataChannelBusy:
+            raise                  # the caller moves them over gRPC streams
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("store", err)
             return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
@@ -291,6 +309,10 @@ class GrpcTransport(RemoteTransport):
             return self._read_remote(items)
         try:
             out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, self.receive))
+        except DataChannelBusy as err:
+            self._warn.warning("bulk busy", "grpc tier %s: %s; moving these chunks over gRPC streams", self.name,
+                               err)
+            return self._read_remote(items)
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)

@@ -30,13 +30,17 @@ class ServerChannel:
         self.address = address
         self.timeout_s = timeout_s
         self.metadata = ((AUTH_HEADER, f"Bearer {auth_token}"),) if auth_token else ()
-        backoff_ms = max(100, int(retry_interval_s * 1000))
+        # A channel whose server went away reconnects on its own, every half probe interval (gRPC adds its
+        # jitter): by the time a probe asks, the channel has tried again, so a server that is back is seen
+        # within ``retry_interval_s`` of its return (gRPC's own backoff grows to minutes).
+        self.retry_interval_s = retry_interval_s
+        backoff_ms = max(50, int(retry_interval_s * 500))
         self.channel = grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", max_message_bytes * 2),
             ("grpc.max_receive_message_length", max_message_bytes * 2),
             ("grpc.initial_reconnect_backoff_ms", backoff_ms),
             ("grpc.min_reconnect_backoff_ms", backoff_ms),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms * 4),
+            ("grpc.max_reconnect_backoff_ms", backoff_ms),
             ("grpc.enable_retries", 0),
         ])
         unary = {n: self.channel.unary_unary(method(n), _identity, _identity)
@@ -54,7 +58,12 @@ class ServerChannel:
         return reply
 
     def probe(self, timeout_s: float) -> None:
-        if self.health(timeout_s).status != pb.HealthReply.SERVING:
+        """Ask for health, waiting up to ``timeout_s`` for the channel to connect (a probe that finds it
+        between reconnection attempts waits for the next rather than failing at once)."""
+        reply = pb.HealthReply()
+        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=timeout_s,
+                                           metadata=self.metadata, wait_for_ready=True))
+        if reply.status != pb.HealthReply.SERVING:
             raise ConnectionError(f"tiercache server {self.address} is not serving (shutting down)")
 
     def close(self) -> None:
@@ -91,7 +100,7 @@ class GrpcIndex(RemoteIndex):
         self._server.close()
 
     def _probe(self) -> None:
-        self._server.probe(self.lookup_timeout_s)
+        self._server.probe(max(self.lookup_timeout_s, self._server.retry_interval_s))
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
         """One ``Contains`` per rank's digest, all in flight at once."""

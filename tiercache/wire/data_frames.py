@@ -11,7 +11,8 @@ advertises the channel's port in ``HealthReply.data_port``.
 Frames (integers little-endian)::
 
     hello     client: MAGIC (8 bytes: b"TCDATA" + version u16) | u16 token length | token
-              server: u8 status (HELLO_OK, or HELLO_BAD_VERSION / HELLO_UNAUTHENTICATED, then it closes)
+              server: u8 status (HELLO_OK, or HELLO_BAD_VERSION / HELLO_UNAUTHENTICATED, then it closes;
+              HELLO_BUSY, sent before the hello is read, when every connection slot is taken)
     request   client: u8 op | 16-byte namespace digest | u32 count, then per op:
       GET       count × (u8 key length | key)
                 server: count × (u64 value length | value)        length 0: not present
@@ -30,7 +31,7 @@ import struct
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 
 MAGIC = b"TCDATA" + (1).to_bytes(2, "little")
-HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED = 0, 1, 2
+HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED, HELLO_BUSY = 0, 1, 2, 3
 OP_GET, OP_PUT = 1, 2
 PUT_STORED, PUT_PRESENT, PUT_REJECTED = 0, 1, 2
 

@@ -15,7 +15,7 @@ Every other message is small and goes through the generated classes in
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tiercache.codecs import Buffer, copy_into
@@ -143,13 +143,18 @@ def parse_chunk(message: Buffer) -> ChunkView:
     return ChunkView(bytes(fields.get(_NAMESPACE, b"")), bytes(fields.get(_KEY, b"")), value, value_len)
 
 
-def read_chunk(messages: Iterator[bytes]) -> tuple[ChunkView, list[memoryview], list[bytes]] | None:
+def read_chunk(messages: Iterator[bytes], admit: Callable[[ChunkView], None] | None = None,
+               ) -> tuple[ChunkView, list[memoryview], list[bytes]] | None:
     """Take one chunk's messages from a stream: (its first message parsed, the value's pieces, the raw
-    messages). None at the end of the stream; `WireError` for a piece that names a chunk or a short stream."""
+    messages). None at the end of the stream; `WireError` for a piece that names a chunk or a short stream.
+    ``admit`` sees the first message before any other piece is read (a server checks and reserves the
+    declared length there, and raises to refuse it)."""
     first = next(messages, None)
     if first is None:
         return None
     head = parse_chunk(first)
+    if admit is not None:
+        admit(head)
     pieces, raw, got = [head.value], [first], len(head.value)
     while got < head.total:
         message = next(messages, None)

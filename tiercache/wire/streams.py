@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import time
 
 LINE_BUFFER_BYTES = 64 << 10
 _CRLF = b"\r\n"
@@ -82,18 +83,30 @@ class StreamReader:
                 raise ProtocolError(f"a reply line longer than {len(self._buf)} bytes")
             self._fill()
 
-    def read_into(self, dest: memoryview) -> None:
-        """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream."""
+    def read_into(self, dest: memoryview, deadline: float | None = None) -> None:
+        """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream; with a
+        ``deadline`` (``time.monotonic()``), raise `TimeoutError` once it passes, however the bytes trickle
+        in (the socket must have a timeout: each receive waits at most until the deadline)."""
         n = len(dest)
         have = min(n, self._hi - self._lo)
         dest[:have] = self._view[self._lo:self._lo + have]
         self._lo += have
         pos = have
-        while pos < n:
-            got = self._sock.recv_into(dest[pos:], 0, self._bulk_flags)
-            if got == 0:
-                raise ConnectionError("the peer closed the connection mid-value")
-            pos += got
+        step_timeout = self._sock.gettimeout() if deadline is not None else None
+        try:
+            while pos < n:
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"{n - pos} of {n} bytes had not arrived by the deadline")
+                    self._sock.settimeout(min(left, step_timeout or left))
+                got = self._sock.recv_into(dest[pos:], 0, self._bulk_flags)
+                if got == 0:
+                    raise ConnectionError("the peer closed the connection mid-value")
+                pos += got
+        finally:
+            if deadline is not None:
+                self._sock.settimeout(step_timeout)
 
     def exactly(self, n: int) -> bytes:
         """The next ``n`` bytes: a small field (a length, a key), taken through the buffer."""
@@ -109,11 +122,11 @@ class StreamReader:
         self._lo += n
         return field
 
-    def skip(self, n: int) -> None:
+    def skip(self, n: int, deadline: float | None = None) -> None:
         """Consume and drop ``n`` bytes (the rest of a value nobody wants)."""
         if self._discard is None:
-            self._discard = memoryview(bytearray(1 << 20))
+            self._discard = memoryview(bytearray(64 << 10))
         while n:
             step = min(n, len(self._discard))
-            self.read_into(self._discard[:step])
+            self.read_into(self._discard[:step], deadline)
             n -= step

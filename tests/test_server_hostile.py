@@ -1,0 +1,241 @@
+"""`tiercache serve` against careless and hostile clients: a real server in a subprocess, real sockets.
+
+Memory stays within capacity + the in-flight budget under clients that declare values and never send them;
+stalled gRPC streams and hundreds of idle data connections cannot keep a real client's loads and stores out;
+a restarted server is picked up within ``grpc.retry_interval``.
+"""
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+
+from tests.conftest import CacheServerProcess, eventually  # noqa: E402
+from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tiercache.keys import BlockHash  # noqa: E402
+from tiercache.transfer.plan import Failure  # noqa: E402
+from tiercache.wire import data_frames as dw  # noqa: E402
+from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
+from tiercache.wire.grpc_messages import encode_chunk, method  # noqa: E402
+
+MiB = 1 << 20
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def header_for(key: bytes, payload_bytes: int) -> bytes:
+    """A valid chunk header (checksum and all) for a float16 payload of ``payload_bytes``."""
+    raw = np.zeros(payload_bytes // 2, dtype=np.float16)
+    header, _ = ChunkFormat().encode_parts(ChunkMeta(NS, BlockHash(key), 16, "float16", (payload_bytes // 2,)), raw)
+    return bytes(header)
+
+
+def data_port(server) -> int:
+    return pb.HealthReply.FromString(raw_call(server, "Health", b"")).data_port
+
+
+def open_data(server, port: int) -> socket.socket:
+    """A data-channel connection that said a valid hello."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(dw.hello(None))
+    assert sock.recv(1) == bytes([dw.HELLO_OK])
+    return sock
+
+
+def test_values_declared_and_never_sent_cannot_grow_the_server_past_its_budget(tmp_path):
+    """12 data-channel PUTs each declaring a 64 MiB value and sending 16 MiB of it, and 8 gRPC Puts declaring
+    1 TiB: before, each declaration was given its buffer (12 × 16 MiB received into them; the gRPC pieces kept
+    until the stream ended); now the declared bytes wait for room in the in-flight budget (here 64 MiB, one
+    value), the rest are read past into no memory, and a 1 TiB declaration is refused at its first message."""
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "30", "--log-format", "text")
+    held = []
+    try:
+        port = data_port(server)
+        before = rss_mib(server.proc.pid)
+        head = header_for(b"h" * 32, 64 * MiB - 4096)
+        part = b"\1" * (16 * MiB)
+        for i in range(12):             # each sends a quarter of its value, then nothing
+            sock = open_data(server, port)
+            key = bytes([i]) * 32
+            sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(len(head) + 64 * MiB
+                                                                                            - 4096)
+                         + header_for(key, 64 * MiB - 4096))
+            sock.sendall(part)
+            held.append(sock)
+
+        def one_tib(i: int) -> grpc.StatusCode:
+            first = encode_chunk(NS, bytes([100 + i]) * 32, head, b"\0" * (1 * MiB), value_len=1 << 40)
+            stop = threading.Event()
+
+            def stream():
+                yield first
+                stop.wait(30)           # and never another piece
+            channel = grpc.insecure_channel(server.address)
+            try:
+                call = channel.stream_unary(method("Put"), lambda b: b, lambda b: b).future(stream(), timeout=20)
+                try:
+                    call.result()
+                    return grpc.StatusCode.OK
+                except grpc.RpcError as err:
+                    return err.code()
+            finally:
+                stop.set()
+                channel.close()
+
+        codes = []
+        threads = [threading.Thread(target=lambda i=i: codes.append(one_tib(i))) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 8
+        time.sleep(1.5)                 # the refused data-channel PUTs had 0.5 s to find room
+        grown = rss_mib(server.proc.pid) - before
+        assert grown < 64 + 48, f"RSS grew {grown:.0f} MiB"
+        stats = json.loads(raw_stats(server))
+        assert stats["inflight_refused"] >= 11 and stats["inflight_bytes"] <= 64 * MiB
+        client = Client(server.address, NS)
+        try:
+            items = chunks(2)
+            keys = [m.key for m, _ in items]
+            # While the budget is held, a store is refused as busy: the chunks fail, the tier stays up.
+            assert {why for _, why in client.write_chunks(items)} <= {Failure.IO} and client.available
+            for sock in held:           # the silent clients go: their reservations are released at once
+                sock.close()
+            eventually(lambda: json.loads(raw_stats(server))["inflight_bytes"] == 0, 5, "the budget released")
+            assert client.write_chunks(items) == () and client.contains(keys) == 2
+        finally:
+            client.close()
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
+
+
+def raw_stats(server) -> str:
+    reply = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
+    return json.dumps(dict(reply.counters))
+
+
+def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path):
+    """8 Put streams that stop mid-chunk (every handler but the reserved two would be held) and 300 idle
+    authenticated data connections (more than the server takes): Health and Contains still answer at once,
+    a client's stores and loads go through (the data channel makes room by closing the oldest idle connection),
+    a client that finds no data-channel slot moves its bytes over gRPC streams, and the stalled streams are
+    cancelled after the read timeout."""
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "8", "--read-timeout", "3",
+                                "--log-format", "text")
+    stop = threading.Event()
+    channels, idle = [], []
+    try:
+        port = data_port(server)
+        head = header_for(b"s" * 32, 4 * MiB)
+
+        def stalled_put(i: int) -> None:
+            first = encode_chunk(NS, bytes([i]) * 32, head, b"\0" * MiB, value_len=len(head) + 4 * MiB)
+
+            def stream():
+                yield first
+                stop.wait(60)
+            channel = grpc.insecure_channel(server.address)
+            channels.append(channel)
+            try:
+                channel.stream_unary(method("Put"), lambda b: b, lambda b: b)(stream(), timeout=60)
+            except grpc.RpcError:
+                pass
+        threads = [threading.Thread(target=stalled_put, args=(i,), daemon=True) for i in range(8)]
+        for t in threads:
+            t.start()
+        for _ in range(300):
+            try:
+                idle.append(open_data(server, port))
+            except (AssertionError, OSError):
+                pass                    # past the cap: refused, or an older one of ours closed for it
+        time.sleep(0.5)
+
+        start = time.monotonic()
+        assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
+        client = Client(server.address, NS, timeout_s=5.0)
+        try:
+            items = chunks(4, seed=3)
+            keys = [m.key for m, _ in items]
+            assert client.contains(keys) == 0
+            assert client.write_chunks(items) == ()
+            assert client.contains(keys) == 4
+            bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+            assert client.read_chunks_into(list(zip(keys, bufs))) == [1 << 16] * 4
+            assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
+            assert client.available and time.monotonic() - start < 3
+        finally:
+            client.close()
+
+        stats = json.loads(raw_stats(server))
+        assert stats["data_idle_closed"] > 0 or stats["data_refused_connections"] > 0
+        eventually(lambda: json.loads(raw_stats(server))["streams_stalled"] >= 6, 10, "stalled streams cancelled")
+    finally:
+        stop.set()
+        for sock in idle:
+            sock.close()
+        for channel in channels:
+            channel.close()
+        server.stop()
+
+
+def test_a_client_without_a_data_channel_slot_uses_grpc_streams(tmp_path):
+    """Every data-channel slot held by busy-looking connections of another host is simulated by a cap of one
+    per peer, held by a connection in the middle of a request: the client is told HELLO_BUSY and moves its
+    chunks over gRPC streams, and the tier stays up."""
+    from tiercache.server.limits import MAX_CONNECTIONS_PER_PEER
+
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "20", "--log-format", "text")
+    busy = []
+    try:
+        port = data_port(server)
+        for i in range(MAX_CONNECTIONS_PER_PEER):   # each one mid-GET: not idle, so none is closed for room
+            sock = open_data(server, port)
+            sock.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 1))
+            busy.append(sock)
+        time.sleep(0.3)
+        client = Client(server.address, NS)
+        try:
+            items = chunks(2, seed=5)
+            assert client.write_chunks(items) == ()
+            bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+            assert client.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+            assert client.available
+        finally:
+            client.close()
+        assert json.loads(raw_stats(server))["data_refused_connections"] >= 1
+    finally:
+        for sock in busy:
+            sock.close()
+        server.stop()
+
+
+def test_a_restarted_server_is_picked_up_within_the_retry_interval(tmp_path):
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--log-format", "text")
+    client = Client(server.address, NS, retry_interval_s=0.5, lookup_timeout_s=0.25)
+    try:
+        items = chunks(1, seed=7)
+        assert client.write_chunks(items) == ()
+        server.stop()
+        assert client.write_chunks(items) != ()          # finds it gone: the tier is down, probing
+        assert not client.available
+        time.sleep(1.5)                                  # a while away: gRPC's own backoff would have grown
+        server.start()
+        back = time.monotonic()
+        eventually(lambda: client.available, 10, "the tier back")
+        assert time.monotonic() - back <= 0.5 + 0.4
+    finally:
+        client.close()
+        server.stop()

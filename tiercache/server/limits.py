@@ -1,0 +1,155 @@
+"""What bounds `tiercache serve` against its clients, whatever they send or withhold.
+
+- **Memory.** A chunk's bytes are admitted before they are received: its
+  declared length must be within ``max_value_bytes`` and is reserved from one
+  server-wide budget of bytes in flight (`InflightBytes`, ``max_inflight_bytes``)
+  — received but not yet stored — and released once the store has taken or
+  refused it. A client that declares a huge value, or many clients that
+  declare values and then go silent, hold at most that budget; nothing is
+  allocated for them beyond it. Stored chunks are bounded by ``--capacity``
+  (and ``--disk-capacity``), so the server's memory stays within capacity +
+  in-flight budget + a constant (the interpreter, gRPC's own buffers: at most
+  ``max_streams`` messages of ``2 × --max-message``).
+- **Time.** Every read from a client has a deadline of the server's own:
+  ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
+  between requests on the data channel, and a value must arrive at
+  ``min_rate_bytes_s`` or faster. gRPC streams (``Put``, ``Get``) that stop
+  moving for ``read_timeout_s`` are cancelled by a watchdog (`StreamWatch`).
+- **Slots.** At most ``max_streams`` gRPC streams at once (fewer than the
+  handler threads, so ``Health``, ``Contains`` and the other unary calls
+  always find a thread), further streams refused with ``RESOURCE_EXHAUSTED``;
+  data-channel connections at most ``max_connections`` in all and
+  ``max_connections_per_peer`` from one host, the oldest idle one dropped to
+  make room, a client refused only when every connection is busy.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+IDLE_TIMEOUT_S = 60.0
+READ_TIMEOUT_S = 10.0
+MIN_RATE_BYTES_S = 8 << 20          # 8 MiB/s: a 32 MiB chunk may take 4 s beyond the read timeout
+RESERVED_HANDLERS = 2               # gRPC handler threads no stream may take
+MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_PEER = 64
+ADMIT_WAIT_S = 0.5                  # how long a value waits for room in the in-flight budget (well within a
+                                    # client's own timeout) before it is refused as busy
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_value_bytes: int
+    max_inflight_bytes: int
+    max_streams: int
+    read_timeout_s: float = READ_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    min_rate_bytes_s: float = MIN_RATE_BYTES_S
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER
+    admit_wait_s: float = ADMIT_WAIT_S
+
+    @classmethod
+    def for_server(cls, capacity: int, workers: int, max_value_bytes: int = 0, max_inflight_bytes: int = 0,
+                   **overrides) -> "ServerLimits":
+        """Defaults that follow the server's size: a value at most 256 MiB and the capacity; in flight, room
+        for four of the largest values, at most the capacity (never less than one value)."""
+        value = max_value_bytes or min(256 << 20, capacity)
+        inflight = max_inflight_bytes or max(value, min(4 * value, capacity))
+        return cls(value, inflight, max(1, workers - RESERVED_HANDLERS), **overrides)
+
+    def value_deadline_s(self, nbytes: int) -> float:
+        """Seconds a value of ``nbytes`` may take to arrive."""
+        return self.read_timeout_s + nbytes / self.min_rate_bytes_s
+
+
+class InflightBytes:
+    """Bytes being received from clients and not yet stored: reserved before they arrive, from a fixed budget."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._cond = threading.Condition()
+        self.refused = 0
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def reserve(self, nbytes: int, wait_s: float) -> bool:
+        """Take ``nbytes`` from the budget, waiting up to ``wait_s`` for others to release theirs; False
+        (and counted) when the value is larger than the whole budget or there is no room in time."""
+        if nbytes > self.limit:
+            self.refused += 1
+            return False
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while self._used + nbytes > self.limit:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    if self._used + nbytes > self.limit:
+                        self.refused += 1
+                        return False
+            self._used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
+
+
+class StreamWatch:
+    """The gRPC streams in progress: admitted up to ``limit`` at once, and cancelled when one stops moving for
+    ``stall_s`` (a client that opens a ``Put`` and goes silent, or stops reading a ``Get``)."""
+
+    def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.stall_s = stall_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._streams: dict[int, list] = {}       # id → [context, last progress]
+        self._ids = iter(range(1 << 62))
+        self.cancelled = 0
+        self.refused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tiercache-stream-watch", daemon=True)
+        self._thread.start()
+
+    def admit(self, context: grpc.ServicerContext) -> int | None:
+        """A slot for a new stream, or None (counted) when every slot is taken."""
+        with self._lock:
+            if len(self._streams) >= self.limit:
+                self.refused += 1
+                return None
+            sid = next(self._ids)
+            self._streams[sid] = [context, self._clock()]
+            return sid
+
+    def moved(self, sid: int) -> None:
+        entry = self._streams.get(sid)
+        if entry is not None:
+            entry[1] = self._clock()
+
+    def done(self, sid: int) -> None:
+        with self._lock:
+            self._streams.pop(sid, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.stall_s / 4)):
+            now = self._clock()
+            with self._lock:
+                stalled = [(sid, e[0]) for sid, e in self._streams.items() if now - e[1] > self.stall_s]
+                for sid, _ in stalled:
+                    del self._streams[sid]
+            for _, context in stalled:
+                self.cancelled += 1
+                context.cancel()
