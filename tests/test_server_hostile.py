@@ -16,6 +16,10 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
 from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tiercache.bench.demo import run_workload  # noqa: E402
+from tiercache.bench.workloads import WorkloadSpec  # noqa: E402
+from tiercache.config import TierCacheConfig  # noqa: E402
+from tiercache.engine import EngineConfig  # noqa: E402
 from tiercache.keys import BlockHash  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
@@ -130,10 +134,10 @@ def raw_stats(server) -> str:
 def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path):
     """8 Put streams that stop mid-chunk (every handler but the reserved two would be held) and 300 idle
     authenticated data connections (more than the server takes): Health and Contains still answer at once,
-    a client's stores and loads go through (the data channel makes room by closing the oldest idle connection),
-    a client that finds no data-channel slot moves its bytes over gRPC streams, and the stalled streams are
-    cancelled after the read timeout."""
-    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "8", "--read-timeout", "3",
+    a client's stores and loads go through (the data channel makes room by closing the oldest idle
+    connection), real engines store a workload and hit it back with the same tokens, and the stalled streams
+    are cancelled after the read timeout."""
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "8", "--read-timeout", "8",
                                 "--log-format", "text")
     stop = threading.Event()
     channels, idle = [], []
@@ -179,9 +183,19 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
         finally:
             client.close()
 
+        # And a real engine: one stores a workload through the server, a fresh one takes its prefixes back.
+        spec = WorkloadSpec("shared-prefix", requests=3, prefix_tokens=256, output_tokens=2)
+        cfg = TierCacheConfig().replace(keys={"block_size": 16, "chunk_tokens": 64},
+                                        cpu={"capacity": "2MiB", "prefault": False},
+                                        grpc={"enabled": True, "address": server.address, "timeout": 5.0})
+        first = run_workload(spec, EngineConfig(num_blocks=64), cfg)
+        second = run_workload(spec, EngineConfig(num_blocks=64), cfg)
+        assert second.tier_hit_tokens >= 256 and second.outputs == first.outputs
+        assert json.loads(raw_stats(server))["streams_stalled"] == 0      # all of this while they were held
+
         stats = json.loads(raw_stats(server))
         assert stats["data_idle_closed"] > 0 or stats["data_refused_connections"] > 0
-        eventually(lambda: json.loads(raw_stats(server))["streams_stalled"] >= 6, 10, "stalled streams cancelled")
+        eventually(lambda: json.loads(raw_stats(server))["streams_stalled"] >= 6, 15, "stalled streams cancelled")
     finally:
         stop.set()
         for sock in idle:

@@ -38,7 +38,7 @@ from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,14 @@ def _named(registry, name: str, field: str):
 
 
 def chunk_format(config: TierCacheConfig) -> ChunkFormat:
+    signer = None
+    if config.format.signing_key_file:
+        try:
+            signer = ChunkSigner(read_secret(config.format.signing_key_file, "format.signing_key_file").encode())
+        except ValueError as err:
+            raise ConfigError("format.signing_key_file", config.format.signing_key_file, str(err)) from None
     try:
-        return ChunkFormat(config.format.codec, config.format.checksum)
+        return ChunkFormat(config.format.codec, config.format.checksum, signer)
     except RegistryError as err:
         raise ConfigError("format", f"{config.format.codec}/{config.format.checksum}", str(err)) from None
 

@@ -188,6 +188,9 @@ class GrpcTierConfig:
 class FormatConfig:
     codec: str = _opt("raw", "payload codec for L2/L3: raw | lz4 | lz4-shuffle")
     checksum: str = _opt("xxh3_64", "payload checksum: xxh3_64 | crc32")
+    signing_key_file: str = _opt("", "file holding a secret (16+ bytes) shared by one tenant's engines: every "
+                                     "L2/L3 chunk is signed with it (HMAC-SHA256), and chunks not signed with "
+                                     "it are misses")
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,5 +54,9 @@ class ChecksumMismatchError(ChunkFormatError):
     """The payload's checksum does not match the header."""
 
 
+class SignatureError(ChunkFormatError):
+    """A chunk's signature is missing where chunks must be signed, or does not verify with this key."""
+
+
 class CodecError(ChunkFormatError):
     """The payload could not be decoded by its codec."""

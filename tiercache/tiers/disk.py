@@ -210,7 +210,8 @@ class DiskTransport(Transport):
         if self.o_direct:
             return self._read_direct(key, out)
         with open(self.path(key), "rb", buffering=0) as f:
-            return receive_value(FileSource(f), os.fstat(f.fileno()).st_size, self.storage, key, out, self._payloads)
+            return receive_value(FileSource(f), os.fstat(f.fileno()).st_size, self.storage, key, out, self._payloads,
+                                 self.fmt.signer)
 
     def _read_direct(self, key: BlockHash, out: memoryview) -> int:
         fd = os.open(self.path(key), os.O_RDONLY | os.O_DIRECT)
@@ -226,7 +227,7 @@ class DiskTransport(Transport):
                 got += n
         finally:
             os.close(fd)
-        return receive_value(ChunkPieces([buf[:got]]), got, self.storage, key, out, self._payloads)
+        return receive_value(ChunkPieces([buf[:got]]), got, self.storage, key, out, self._payloads, self.fmt.signer)
 
     # -- O_DIRECT staging ----------------------------------------------------
     def _probe_o_direct(self) -> None:

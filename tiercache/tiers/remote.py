@@ -225,7 +225,7 @@ class RemoteTransport(Transport):
         """One value from ``source`` into ``buf``, verified (`receive_value`): its raw length, or
         `Failure.CORRUPT` for a value that is there but must not be served. Transport errors propagate."""
         try:
-            return receive_value(source, n, self.storage, key, buf, self._payloads)
+            return receive_value(source, n, self.storage, key, buf, self._payloads, self.fmt.signer)
         except ChunkFormatError as err:
             self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name,
                           key.hex()[:16], err)

@@ -13,13 +13,15 @@ Header (little endian, 124 bytes = HEADER_BYTES):
 """
 from __future__ import annotations
 
+import hmac
 import struct
 import zlib
 from dataclasses import dataclass
 
 from tiercache.codecs import Buffer, checksum_by_code, checksums, codec_by_code, codecs
 from tiercache.errors import (
-    ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, TruncatedChunkError,
+    ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, SignatureError,
+    TruncatedChunkError,
 )
 from tiercache.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
 
@@ -66,12 +68,66 @@ class DecodedChunk:
     data: Buffer   # raw payload bytes, verified
 
 
-class ChunkFormat:
-    """Encodes and verifies chunks with one configured codec and checksum."""
+SIGNED = 0x80          # checksum code of a signed chunk: its payload sum is a MAC (`ChunkSigner`)
+_SIGNED_FIELDS = struct.Struct(f"<{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}sIBBQQ")
 
-    def __init__(self, codec: str = "raw", checksum: str = "xxh3_64") -> None:
+
+class _Mac:
+    def __init__(self, mac: hmac.HMAC) -> None:
+        self._mac = mac
+
+    def update(self, data: Buffer) -> None:
+        self._mac.update(data)
+
+    def intdigest(self) -> int:
+        return int.from_bytes(self._mac.digest()[:8], "little")
+
+
+class ChunkSigner:
+    """A tenant's secret, which never leaves its clients: each chunk's payload sum is HMAC-SHA256 (its first
+    8 bytes) over what the header says — namespace, key, tokens, dtype, shape, lengths, codec — and the
+    payload, so whoever can write to a store (a peer on a shared Redis, a compromised server) cannot make a
+    chunk an engine with this key will use, nor pass one chunk off as another."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError(f"a signing key of {len(key)} bytes is too short (16 or more)")
+        self._key = key
+
+    def running(self, meta: ChunkMeta, codec_code: int, payload_len: int) -> _Mac:
+        mac = hmac.new(self._key, digestmod="sha256")
+        mac.update(_SIGNED_FIELDS.pack(meta.namespace, meta.key, meta.num_tokens, DTYPE_CODES[meta.dtype],
+                                       codec_code, meta.raw_len, payload_len))
+        mac.update(struct.pack(f"<{len(meta.shape)}Q", *meta.shape))
+        return _Mac(mac)
+
+    def sign(self, meta: ChunkMeta, codec_code: int, payload: Buffer) -> int:
+        mac = self.running(meta, codec_code, len(memoryview(payload).cast("B")))
+        mac.update(payload)
+        return mac.intdigest()
+
+
+def payload_sum(parsed: "ParsedHeader", signer: ChunkSigner | None):
+    """The running sum that checks a payload against its header: the header's checksum, or — for a signed
+    chunk — the MAC of ``signer``. `SignatureError` for a signed chunk with no key to check it, and for an
+    unsigned one where chunks must be signed (a planted chunk with a valid checksum is refused here)."""
+    meta, codec_code, checksum_code, payload_len, _ = parsed
+    if checksum_code == SIGNED:
+        if signer is None:
+            raise SignatureError(f"chunk {meta.key.hex()[:16]}… is signed, and there is no key here to check it")
+        return signer.running(meta, codec_code, payload_len)
+    if signer is not None:
+        raise SignatureError(f"chunk {meta.key.hex()[:16]}… is not signed, and chunks here must be")
+    return checksum_by_code(checksum_code)().running()
+
+
+class ChunkFormat:
+    """Encodes and verifies chunks with one configured codec and checksum (or signature)."""
+
+    def __init__(self, codec: str = "raw", checksum: str = "xxh3_64", signer: ChunkSigner | None = None) -> None:
         self.codec = codecs.get(codec)()
         self.checksum = checksums.get(checksum)()
+        self.signer = signer
 
     def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
         """Header and payload as two buffers, for writers that can write both without joining."""
@@ -80,10 +136,14 @@ class ChunkFormat:
             raise ValueError(f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}")
         payload = self.codec.encode(raw_view, DTYPE_SIZES[meta.dtype])
         shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
+        if self.signer is not None:
+            code, total = SIGNED, self.signer.sign(meta, self.codec.code, payload)
+        else:
+            code, total = self.checksum.code, self.checksum(payload)
         body = _BODY.pack(
-            MAGIC, VERSION, HEADER_BYTES, self.codec.code, self.checksum.code, DTYPE_CODES[meta.dtype],
+            MAGIC, VERSION, HEADER_BYTES, self.codec.code, code, DTYPE_CODES[meta.dtype],
             len(meta.shape), meta.namespace, meta.key, meta.num_tokens, meta.raw_len, len(payload),
-            self.checksum(payload), *shape,
+            total, *shape,
         )
         return body + _CRC.pack(zlib.crc32(body)), payload
 
@@ -126,24 +186,29 @@ def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> 
     return parsed
 
 
-def check_payload(parsed: ParsedHeader, payload: Buffer) -> None:
-    """Check a payload's length and checksum against its parsed header, without decoding it."""
-    meta, _, checksum_code, payload_len, payload_sum = parsed
+def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | None = None) -> None:
+    """Check a payload's length and checksum (or signature) against its parsed header, without decoding it."""
+    meta, payload_len, expected = parsed[0], parsed[3], parsed[4]
     if len(memoryview(payload).cast("B")) != payload_len:
         raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {payload_len}")
-    if checksum_by_code(checksum_code)()(payload) != payload_sum:
-        raise ChecksumMismatchError(f"payload checksum mismatch for chunk {meta.key.hex()[:16]}…")
+    running = payload_sum(parsed, signer)
+    running.update(payload)
+    if running.intdigest() != expected:
+        what = "signature" if parsed[2] == SIGNED else "checksum"
+        raise (SignatureError if parsed[2] == SIGNED else ChecksumMismatchError)(
+            f"payload {what} mismatch for chunk {meta.key.hex()[:16]}…")
 
 
-def verify_payload(parsed: ParsedHeader, payload: Buffer) -> Buffer:
+def verify_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | None = None) -> Buffer:
     """Check a payload against its parsed header and decode it; returns the raw bytes (``payload`` itself for raw)."""
-    check_payload(parsed, payload)
+    check_payload(parsed, payload, signer)
     meta, codec_code = parsed[0], parsed[1]
     return codec_by_code(codec_code)().decode(memoryview(payload).cast("B"), meta.raw_len, DTYPE_SIZES[meta.dtype])
 
 
-def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None) -> DecodedChunk:
+def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None,
+           signer: ChunkSigner | None = None) -> DecodedChunk:
     """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
     parsed = check_header(blob, namespace, key)
-    data = verify_payload(parsed, memoryview(blob).cast("B")[HEADER_BYTES:])
+    data = verify_payload(parsed, memoryview(blob).cast("B")[HEADER_BYTES:], signer)
     return DecodedChunk(parsed[0], data)

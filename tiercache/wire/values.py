@@ -17,10 +17,12 @@ import os
 import threading
 from typing import Protocol
 
-from tiercache.codecs import checksum_by_code, copy_into
-from tiercache.errors import ChecksumMismatchError, ChunkFormatError, TruncatedChunkError
+from tiercache.codecs import copy_into
+from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureError, TruncatedChunkError
 from tiercache.keys import BlockHash
-from tiercache.wire.chunk_format import HEADER_BYTES, check_header, verify_payload
+from tiercache.wire.chunk_format import (
+    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum, verify_payload,
+)
 
 VERIFY_PIECE = 4 << 20    # a raw payload is hashed in pieces of this size as each lands (still in cache)
 
@@ -74,7 +76,7 @@ class PayloadStaging:
 
 
 def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash, buf: memoryview,
-                  staging: PayloadStaging) -> int:
+                  staging: PayloadStaging, signer: ChunkSigner | None = None) -> int:
     """Take the next ``n`` bytes of ``source`` — one stored chunk — into ``buf``, verified; returns the raw
     length. Raises `ChunkFormatError` for a value that is damaged, foreign or too large (all ``n`` bytes
     consumed first); transport errors propagate."""
@@ -83,24 +85,26 @@ def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash,
         raise TruncatedChunkError(f"value of {n} B is shorter than a chunk header")
     try:
         parsed = check_header(source.exactly(HEADER_BYTES), namespace, key)
-        meta, codec, checksum_code, payload_len, payload_sum = parsed
+        meta, codec, checksum_code, payload_len, expected = parsed
         if n != HEADER_BYTES + payload_len:
             raise TruncatedChunkError(f"value of {n} B, its header says {HEADER_BYTES + payload_len}")
         if meta.raw_len > len(buf):
             raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
+        running = payload_sum(parsed, signer)      # a signature where one is required, and the key to check it
     except ChunkFormatError:
         source.skip(n - HEADER_BYTES)
         raise
     if codec == 0 and payload_len == meta.raw_len:   # raw: into place, hashed piece by piece as it lands
-        running = checksum_by_code(checksum_code)().running()
         for offset in range(0, payload_len, VERIFY_PIECE):
             piece = buf[offset:min(offset + VERIFY_PIECE, payload_len)]
             source.read_into(piece)
             running.update(piece)
-        if running.intdigest() != payload_sum:
+        if running.intdigest() != expected:
+            if checksum_code == SIGNED:
+                raise SignatureError(f"payload signature mismatch for chunk {key.hex()[:16]}…")
             raise ChecksumMismatchError(f"payload checksum mismatch for chunk {key.hex()[:16]}…")
         return meta.raw_len
     landing = staging(payload_len)
     source.read_into(landing)
-    copy_into(buf, verify_payload(parsed, landing))
+    copy_into(buf, verify_payload(parsed, landing, signer))
     return meta.raw_len
