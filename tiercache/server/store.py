@@ -99,6 +99,8 @@ class ChunkStore:
         self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for t in self._file_tiers for k in t.entries}
         self.counters: Counter[str] = Counter()
         self.hot = HotChunks()      # store keys (namespace + key) by reads served
+        # storage namespace → the namespace its chunks' headers name, for tenant-scoped namespaces
+        self._header_ns: dict[bytes, bytes] = dict(self.disk.header_namespaces) if self.disk else {}
 
     @property
     def tiers(self) -> list[IndexedTier]:
@@ -125,10 +127,20 @@ class ChunkStore:
             self.counters["contains_hits"] += n
         return n
 
-    def get(self, namespace: bytes, key: bytes) -> Messages | None:
-        """The stored chunk as the `Chunk` messages of a gRPC ``Get``, or None."""
+    def scope(self, storage_ns: bytes, header_ns: bytes) -> None:
+        """Chunks stored under ``storage_ns`` (a tenant's scoped digest) name ``header_ns`` in their headers."""
+        if self._header_ns.get(storage_ns) == header_ns:
+            return
+        with self._lock:
+            self._header_ns[storage_ns] = header_ns
+            if self.disk is not None:
+                self.disk.name_scope(storage_ns, header_ns)
+
+    def get(self, namespace: bytes, key: bytes, header_ns: bytes | None = None) -> Messages | None:
+        """The stored chunk as the `Chunk` messages of a gRPC ``Get`` (naming ``header_ns``, the client's
+        namespace, when ``namespace`` is a scoped one), or None."""
         stored = self._fetch(namespace, key)
-        return None if stored is None else as_messages(namespace, key, stored)
+        return None if stored is None else as_messages(header_ns or namespace, key, stored)
 
     def get_value(self, namespace: bytes, key: bytes) -> list[memoryview] | None:
         """The stored chunk's value (header + payload) as views of the buffers that hold it, or None."""
@@ -177,7 +189,7 @@ class ChunkStore:
         try:
             value = tier.path(k).read_bytes()
             view = memoryview(value)
-            parsed = check_value(namespace, key, view[:HEADER_BYTES], len(value))
+            parsed = check_value(self._header_ns.get(namespace, namespace), key, view[:HEADER_BYTES], len(value))
             if parsed[2] != SIGNED:     # a signed chunk's key is its tenant's clients' alone: they check it
                 check_payload(parsed, view[HEADER_BYTES:])
             return value

@@ -5,8 +5,8 @@ is the tenant ``default``, with every right) or a TOML table of tenants::
 
     [tenants.acme]
     token = "…"                    # or token_file = "/etc/tiercache/acme.token"
-    memory = "4GiB"                # its share of --capacity (default: an equal share of what is left)
-    disk = "40GiB"                 # its share of --disk-capacity (same default)
+    memory = "4GiB"                # a store of its own, this much of --capacity (default: the shared pool)
+    disk = "40GiB"                 # and this much of --disk-capacity (none given: no disk of its own)
     reads_from = ["public"]        # other tenants whose chunks it may read, never write or delete
     delete = true                  # Delete (default true)
     stats = true                   # Stats of its own store (default true); admin = true: the whole server
@@ -14,15 +14,21 @@ is the tenant ``default``, with every right) or a TOML table of tenants::
     [tenants.public]               # e.g. a system prompt every tenant may read, written by one
     token = "…"
 
-Each tenant's chunks live in a `ChunkStore` of its own — memory and disk,
-bounded by its quota, with its own eviction — so no token can see, read,
-overwrite, delete or evict another tenant's chunks: the namespace a client
-names is looked up in its own store (and, for reads, in the stores it was
-granted), nowhere else. A tenant reading another's namespace digest finds
-nothing. Calls a tenant's rights do not allow get ``PERMISSION_DENIED``.
+Quotas are the operator's choice, per tenant: a tenant with a ``memory``
+quota has a `ChunkStore` of its own — memory and disk bounded by its quota,
+its own eviction — so no other tenant's churn evicts its chunks; the tenants
+without one share one pool, the capacity the quotas leave, evicted as one.
+Either way no token can see, read, overwrite or delete another tenant's
+chunks: in the pool every namespace is scoped by its tenant (`ScopedStore`:
+the namespace a client names is stored under a digest of tenant name and
+namespace), and the namespace a client names is looked up only among its own
+chunks and, for reads, the chunks of the tenants it was granted. A tenant
+reading another's namespace digest finds nothing. Calls a tenant's rights do
+not allow get ``PERMISSION_DENIED``.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import tomllib
 from collections.abc import Sequence
@@ -31,7 +37,9 @@ from pathlib import Path
 
 from tiercache.config import parse_size, read_secret
 from tiercache.errors import ConfigError
-from tiercache.server.store import ChunkStore, StoreConfig
+from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
+from tiercache.server.values import Messages, Stored
 
 FIELD = "--auth-token-file"
 DEFAULT = "default"
@@ -109,18 +117,65 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
     return Tenant(name, token, sizes["memory"], sizes["disk"], tuple(reads), **flags)
 
 
-def _shares(tenants: Sequence[Tenant], total: int, attr: str, flag: str) -> dict[str, int]:
-    """Each tenant's bytes of ``total``: its quota, or an equal part of what the quotas leave."""
+def _quotas(tenants: Sequence[Tenant], total: int, attr: str, flag: str) -> int:
+    """What the quotas leave of ``total`` for the shared pool (`ConfigError` when they take more than all)."""
     fixed = sum(getattr(t, attr) for t in tenants)
     if fixed > total:
         raise ConfigError(FIELD, fixed, f"the tenants' {attr} quotas add up to more than {flag} ({total} B)")
-    rest = [t for t in tenants if not getattr(t, attr)]
-    each = (total - fixed) // len(rest) if rest else 0
-    out = {t.name: getattr(t, attr) or each for t in tenants}
-    for name, share in out.items():
-        if share <= 0:
-            raise ConfigError(FIELD, name, f"tenant {name!r} is left no {attr} ({flag} is all taken by quotas)")
-    return out
+    if fixed == total and any(not getattr(t, attr) for t in tenants):
+        raise ConfigError(FIELD, fixed, f"the tenants without a {attr} quota are left nothing of {flag}")
+    return total - fixed
+
+
+class ScopedStore:
+    """One tenant's view of the shared pool: every namespace it names is stored under a digest of its tenant
+    name and that namespace, so tenants in one pool never meet; headers keep the client's namespace."""
+
+    def __init__(self, pool: ChunkStore, tenant: str) -> None:
+        self._pool = pool
+        self._tag = tenant.encode() + b"\0"
+        self._mine: set[bytes] = set()
+
+    def _ns(self, namespace: bytes) -> bytes:
+        return hashlib.blake2b(self._tag + namespace, digest_size=NAMESPACE_DIGEST_BYTES).digest()
+
+    @property
+    def pool(self):
+        return self._pool.pool
+
+    @property
+    def shm(self):
+        return None
+
+    def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return self._pool.contains(self._ns(namespace), keys)
+
+    def get(self, namespace: bytes, key: bytes) -> Messages | None:
+        return self._pool.get(self._ns(namespace), key, header_ns=namespace)
+
+    def get_value(self, namespace: bytes, key: bytes) -> list[memoryview] | None:
+        return self._pool.get_value(self._ns(namespace), key)
+
+    def put(self, namespace: bytes, key: bytes, stored: Stored) -> PutOutcome:
+        scoped = self._ns(namespace)
+        self._pool.scope(scoped, namespace)
+        self._mine.add(scoped)
+        return self._pool.put(scoped, key, stored)
+
+    def touch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return self._pool.touch(self._ns(namespace), keys)
+
+    def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        return self._pool.delete(self._ns(namespace), keys)
+
+    def flush(self) -> int:
+        return 0          # the pool is flushed once, by its owner
+
+    def stats(self) -> dict[str, object]:
+        """The pool's tiers (shared by nature), and of the hot chunks and namespaces only this tenant's."""
+        s = self._pool.stats()
+        hot = [(ns, key, n) for ns, key, n in s["hot_chunks"] if ns in self._mine]
+        return {**s, "hot_chunks": hot, "namespaces": len(self._mine), "server": {}}
 
 
 class Tenancy:
@@ -128,18 +183,25 @@ class Tenancy:
 
     def __init__(self, tenants: Sequence[Tenant], store: StoreConfig) -> None:
         self.tenants = {t.name: t for t in tenants}
-        single = len(tenants) == 1
-        if store.shm_path and not single:
+        named = any(t.token for t in tenants) and not (len(tenants) == 1 and tenants[0].name == DEFAULT)
+        if store.shm_path and named:
             raise ConfigError("--shm-dir", store.shm_path, "serves one tenant only: its files are readable by "
                                                            "every client on the host")
-        memory = _shares(tenants, store.capacity, "memory", "--capacity")
-        disk = _shares(tenants, store.disk_capacity, "disk", "--disk-capacity") if store.disk_path else {}
-        self.stores: dict[str, ChunkStore] = {}
+        pool_memory = _quotas(tenants, store.capacity, "memory", "--capacity")
+        pool_disk = _quotas(tenants, store.disk_capacity, "disk", "--disk-capacity") if store.disk_path else 0
+        self.stores: dict[str, ChunkStore] = {}       # every store, by owner ("pool": the shared one)
+        self._views: dict[str, ChunkStore | ScopedStore] = {}
+        pooled = [t for t in tenants if not t.memory]
+        if pooled:
+            self.stores["pool"] = ChunkStore(StoreConfig(pool_memory, store.eviction, store.disk_path, pool_disk,
+                                                         store.shm_path))
         for t in tenants:
-            # One tenant keeps the layout of a server without tenants (its directory is the --disk root).
-            root = store.disk_path if single or not store.disk_path else str(Path(store.disk_path) / "tenants" / t.name)
-            self.stores[t.name] = ChunkStore(StoreConfig(memory[t.name], store.eviction, root,
-                                                         disk.get(t.name, 0), store.shm_path))
+            if t.memory:
+                root = str(Path(store.disk_path) / "tenants" / t.name) if store.disk_path and t.disk else ""
+                self.stores[t.name] = ChunkStore(StoreConfig(t.memory, store.eviction, root, t.disk))
+                self._views[t.name] = self.stores[t.name]
+            else:   # a server without named tenants keeps the unscoped layout of before
+                self._views[t.name] = ScopedStore(self.stores["pool"], t.name) if named else self.stores["pool"]
         self.open = not any(t.token for t in tenants)       # no token asked of anyone
 
     def who(self, token: bytes | str | None) -> Tenant | None:
@@ -153,12 +215,12 @@ class Tenancy:
                 found = t
         return found
 
-    def own(self, tenant: Tenant) -> ChunkStore:
-        return self.stores[tenant.name]
+    def own(self, tenant: Tenant) -> ChunkStore | ScopedStore:
+        return self._views[tenant.name]
 
-    def readable(self, tenant: Tenant) -> list[ChunkStore]:
+    def readable(self, tenant: Tenant) -> list[ChunkStore | ScopedStore]:
         """The stores a tenant reads: its own first, then those it was granted, in the order given."""
-        return [self.stores[tenant.name], *(self.stores[n] for n in tenant.reads_from)]
+        return [self._views[tenant.name], *(self._views[n] for n in tenant.reads_from)]
 
     def flush(self) -> int:
         return sum(s.flush() for s in self.stores.values())

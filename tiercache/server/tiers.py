@@ -98,6 +98,9 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
         return [Spill(k, value_size(v), value=v) for k, v in self.values.items() if not on_disk(k)]
 
 
+MANIFEST = ".namespace"     # in a tenant-scoped directory: the namespace its chunks' headers name
+
+
 class DiskChunks(IndexedTier):
     """The server's disk tier: one chunk file per key, the index rebuilt from the files at start."""
     medium = Medium.DISK
@@ -108,6 +111,7 @@ class DiskChunks(IndexedTier):
         self.root = Path(root)
         self._capacity = capacity_bytes
         self.root.mkdir(parents=True, exist_ok=True)
+        self.header_namespaces: dict[bytes, bytes] = {}    # a scoped directory's name → what its headers name
         for ns_dir in sorted(self.root.iterdir()):
             try:
                 namespace = bytes.fromhex(ns_dir.name)
@@ -115,7 +119,10 @@ class DiskChunks(IndexedTier):
                 continue
             if not ns_dir.is_dir() or len(namespace) != NAMESPACE_DIGEST_BYTES:
                 continue
-            scan = scan_chunk_files(ns_dir, namespace)
+            header_ns = self._manifest(ns_dir) or namespace
+            if header_ns != namespace:
+                self.header_namespaces[namespace] = header_ns
+            scan = scan_chunk_files(ns_dir, header_ns)
             self.counters.integrity_failures += scan.bad
             self.counters.temp_removed += scan.temp
             for chunk in scan.found:
@@ -126,6 +133,22 @@ class DiskChunks(IndexedTier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    @staticmethod
+    def _manifest(ns_dir: Path) -> bytes | None:
+        try:
+            named = bytes.fromhex((ns_dir / MANIFEST).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return named if len(named) == NAMESPACE_DIGEST_BYTES else None
+
+    def name_scope(self, storage_ns: bytes, header_ns: bytes) -> None:
+        """Record that the chunks under ``storage_ns`` (a tenant-scoped digest) carry ``header_ns`` in their
+        headers, so a restart checks them against it."""
+        ns_dir = self.root / storage_ns.hex()
+        ns_dir.mkdir(parents=True, exist_ok=True)
+        (ns_dir / MANIFEST).write_text(header_ns.hex() + "\n")
+        self.header_namespaces[storage_ns] = header_ns
 
     def path(self, key: StoreKey) -> Path:
         namespace, chunk = key[:NAMESPACE_DIGEST_BYTES], key[NAMESPACE_DIGEST_BYTES:]
