@@ -199,3 +199,24 @@ def test_tenants_in_the_shared_pool_keep_apart_across_a_restart_from_disk(tmp_pa
         rival.close()
     finally:
         server.stop()
+
+
+def test_the_metrics_endpoint_exports_each_tenant_store(tmp_path):
+    import urllib.request
+
+    from tests.conftest import free_port
+    port = free_port()
+    server = CacheServerProcess(tmp_path, "--capacity", "2MiB", "--metrics-port", str(port), "--auth-token-file",
+                                tenants_file(tmp_path, quota='memory = "512KiB"'), "--log-format", "text")
+    try:
+        acme, rival = as_(server, "acme"), as_(server, "rival")
+        assert acme.write_chunks(chunks(2, seed=30)) == () and rival.write_chunks(chunks(3, seed=31)) == ()
+        acme.close()
+        rival.close()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'tiercache_server_store_namespaces{store="acme"} 1.0' in body
+        assert 'tiercache_server_store_namespaces{store="pool"} 1.0' in body
+        assert 'tiercache_tier_chunks{tier="acme/memory"} 2.0' in body
+        assert 'tiercache_tier_chunks{tier="pool/memory"} 3.0' in body
+    finally:
+        server.stop()

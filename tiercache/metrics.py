@@ -77,6 +77,17 @@ class StatsCollector(Collector):
                                           value=float(value))
             yield GaugeMetricFamily("tiercache_server_namespaces", "namespaces with chunks on this server",
                                     value=float(stats.get("namespaces", 0)))
+            stores = stats.get("tenants")
+            if stores:      # a server with tenants: each store (a quota'd tenant's, or "pool") on its own
+                used = GaugeMetricFamily("tiercache_server_store_used_bytes", "bytes held by a tenant's store",
+                                         labels=["store"])
+                spaces = GaugeMetricFamily("tiercache_server_store_namespaces", "namespaces in a tenant's store",
+                                           labels=["store"])
+                for name, one in sorted(stores.items()):
+                    used.add_metric([name], float(one["used_bytes"]))
+                    spaces.add_metric([name], float(one["namespaces"]))
+                yield used
+                yield spaces
         if "lookups" in connector:
             for name in CONNECTOR_COUNTERS:
                 yield CounterMetricFamily(f"tiercache_connector_{name}", f"connector {name.replace('_', ' ')}",
