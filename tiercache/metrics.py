@@ -77,13 +77,13 @@ class StatsCollector(Collector):
                                           value=float(value))
             yield GaugeMetricFamily("tiercache_server_namespaces", "namespaces with chunks on this server",
                                     value=float(stats.get("namespaces", 0)))
-            stores = stats.get("tenants")
-            if stores:      # a server with tenants: each store (a quota'd tenant's, or "pool") on its own
-                used = GaugeMetricFamily("tiercache_server_store_used_bytes", "bytes held by a tenant's store",
-                                         labels=["store"])
-                spaces = GaugeMetricFamily("tiercache_server_store_namespaces", "namespaces in a tenant's store",
-                                           labels=["store"])
-                for name, one in sorted(stores.items()):
+            tenants = stats.get("tenants")
+            if tenants:     # a server with tenants: each one's chunks, in its own store or its part of the pool
+                used = GaugeMetricFamily("tiercache_server_tenant_used_bytes", "bytes of a tenant's chunks",
+                                         labels=["tenant"])
+                spaces = GaugeMetricFamily("tiercache_server_tenant_namespaces", "namespaces a tenant holds "
+                                           "chunks in", labels=["tenant"])
+                for name, one in sorted(tenants.items()):
                     used.add_metric([name], float(one["used_bytes"]))
                     spaces.add_metric([name], float(one["namespaces"]))
                 yield used

@@ -362,9 +362,7 @@ class CacheService:
                  "namespaces": sum(one["namespaces"] for one in per.values()), "server": dict(merged),
                  "hot_chunks": sorted((h for one in per.values() for h in one["hot_chunks"]),
                                       key=lambda h: -h[2])[:10],
-                 "tenants": {name: {"namespaces": one["namespaces"],
-                                    "used_bytes": sum(t["used_bytes"] for t in one["tiers"].values())}
-                             for name, one in per.items()}}
+                 "tenants": self.tenancy.usage()}
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "streams_refused": self.streams.refused,
                        "streams_stalled": self.streams.cancelled}

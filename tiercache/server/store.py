@@ -127,6 +127,18 @@ class ChunkStore:
             self.counters["contains_hits"] += n
         return n
 
+    def scoped_namespaces(self) -> dict[bytes, bytes]:
+        """Every scoped storage namespace and the namespace its chunks' headers name."""
+        with self._lock:
+            return dict(self._header_ns)
+
+    def usage(self, namespaces: set[bytes]) -> dict[str, tuple[int, int]]:
+        """Per tier: (chunks, bytes) held under ``namespaces`` (one tenant's share of a shared pool)."""
+        with self._lock:
+            return {t.name: (len(mine := [e.nbytes for k, e in t.entries.items()
+                                          if e.ready and k[:NAMESPACE_DIGEST_BYTES] in namespaces]), sum(mine))
+                    for t in self.tiers}
+
     def scope(self, storage_ns: bytes, header_ns: bytes) -> None:
         """Chunks stored under ``storage_ns`` (a tenant's scoped digest) name ``header_ns`` in their headers."""
         if self._header_ns.get(storage_ns) == header_ns:

@@ -134,7 +134,6 @@ class ScopedStore:
     def __init__(self, pool: ChunkStore, tenant: str) -> None:
         self._pool = pool
         self._tag = tenant.encode() + b"\0"
-        self._mine: set[bytes] = set()
 
     def _ns(self, namespace: bytes) -> bytes:
         return hashlib.blake2b(self._tag + namespace, digest_size=NAMESPACE_DIGEST_BYTES).digest()
@@ -159,8 +158,12 @@ class ScopedStore:
     def put(self, namespace: bytes, key: bytes, stored: Stored) -> PutOutcome:
         scoped = self._ns(namespace)
         self._pool.scope(scoped, namespace)
-        self._mine.add(scoped)
         return self._pool.put(scoped, key, stored)
+
+    def _mine(self) -> set[bytes]:
+        """This tenant's scoped namespaces (after a restart too: each names its header namespace, and only
+        this tenant's name digests to it)."""
+        return {s for s, h in self._pool.scoped_namespaces().items() if self._ns(h) == s}
 
     def touch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._pool.touch(self._ns(namespace), keys)
@@ -172,10 +175,15 @@ class ScopedStore:
         return 0          # the pool is flushed once, by its owner
 
     def stats(self) -> dict[str, object]:
-        """The pool's tiers (shared by nature), and of the hot chunks and namespaces only this tenant's."""
+        """This tenant's part of the pool: per tier its chunks and bytes (the capacity is the pool's), its hot
+        chunks and namespaces; the pool's own counters are everyone's, and left out."""
+        mine = self._mine()
         s = self._pool.stats()
-        hot = [(ns, key, n) for ns, key, n in s["hot_chunks"] if ns in self._mine]
-        return {**s, "hot_chunks": hot, "namespaces": len(self._mine), "server": {}}
+        usage = self._pool.usage(mine)
+        tiers = {name: {"name": name, "capacity_bytes": t["capacity_bytes"], "used_bytes": usage[name][1],
+                        "chunks": usage[name][0]} for name, t in s["tiers"].items()}
+        hot = [(ns, key, n) for ns, key, n in s["hot_chunks"] if ns in mine]
+        return {"tiers": tiers, "hot_chunks": hot, "namespaces": len(mine), "server": {}}
 
 
 class Tenancy:
@@ -224,3 +232,12 @@ class Tenancy:
 
     def flush(self) -> int:
         return sum(s.flush() for s in self.stores.values())
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant: the namespaces it holds chunks in and their bytes, over every tier of its store (or its
+        part of the pool)."""
+        out = {}
+        for name, view in self._views.items():
+            s = view.stats()
+            out[name] = {"namespaces": s["namespaces"], "used_bytes": sum(t["used_bytes"] for t in s["tiers"].values())}
+        return out
