@@ -74,7 +74,7 @@ class GrpcTransport(RemoteTransport):
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
                  name: str = "grpc", local: str = "auto", bulk: str = "auto", writer: bool = True,
                  probe_timeout_s: float = 0.25) -> None:
-        super().__init__(name, storage, fmt, retry_interval_s, writer)
+        super().__init__(name, storage, fmt, retry_interval_s, writer, where=address)
         for what, mode in (("local", local), ("bulk", bulk)):
             if mode not in PATH_MODES:
                 raise ValueError(f"grpc tier {what} must be auto or off, got {mode!r}")

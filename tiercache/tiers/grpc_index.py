@@ -74,7 +74,7 @@ class GrpcIndex(RemoteIndex):
     def __init__(self, address: str, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  lookup_timeout_s: float = 0.25, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
                  name: str = "grpc", local: str = "auto", bulk: str = "auto") -> None:
-        super().__init__(name, fmt, retry_interval_s)
+        super().__init__(name, fmt, retry_interval_s, where=address)
         self.lookup_timeout_s = lookup_timeout_s
         self._server = ServerChannel(address, auth_token, lookup_timeout_s, retry_interval_s, max_message_bytes)
         self._local_or_bulk = local == "auto" or bulk == "auto"

@@ -10,8 +10,9 @@ tier up again. ``close`` stops the probing.
 
 One tier has two guards in a process that holds both sides (the scheduler's
 lookups and a worker's transfers, as in the reference engine): they share a
-``tier`` name, and only the first to go down and the last to come back log,
-so an outage reads as one warning line and one recovery line.
+``tier`` key (the tier's name and server), and only the first to go down and
+the last to come back log, so an outage reads as one warning line and one
+recovery line.
 """
 from __future__ import annotations
 

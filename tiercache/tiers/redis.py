@@ -86,7 +86,7 @@ def transport_errors() -> tuple[type[BaseException], ...]:
 class RedisIndex(RemoteIndex):
     def __init__(self, url: str, fmt: ChunkFormat | None = None, lookup_timeout_s: float = 0.25,
                  retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis") -> None:
-        super().__init__(name, fmt, retry_interval_s)
+        super().__init__(name, fmt, retry_interval_s, where=url)
         # lookups hold the request they serve for at most lookup_timeout_s (then the tier is down)
         self._client = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                    socket_connect_timeout=lookup_timeout_s)
@@ -116,7 +116,7 @@ class RedisTransport(RemoteTransport):
     def __init__(self, url: str, storage: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False,
                  name: str = "redis", writer: bool = True) -> None:
-        super().__init__(name, storage, fmt, retry_interval_s, writer)
+        super().__init__(name, storage, fmt, retry_interval_s, writer, where=url)
         self.ttl_s = ttl_s
         self._errors = transport_errors()
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

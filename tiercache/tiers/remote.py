@@ -48,11 +48,12 @@ class RemoteIndex(LowerIndex):
     medium = Medium.REMOTE
     indexed = False
 
-    def __init__(self, name: str, fmt: ChunkFormat | None, retry_interval_s: float) -> None:
+    def __init__(self, name: str, fmt: ChunkFormat | None, retry_interval_s: float, where: str = "") -> None:
         super().__init__()
         self.name = name
         self.fmt = fmt or ChunkFormat()
-        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe, tier=name)
+        # one outage line per tier and server between this and the transports' guards of the same process
+        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
         self._storage: tuple[bytes, ...] = ()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
         self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
@@ -194,12 +195,12 @@ class RemoteTransport(Transport):
     medium = Medium.REMOTE
 
     def __init__(self, name: str, storage: bytes, fmt: ChunkFormat | None, retry_interval_s: float,
-                 writer: bool = True) -> None:
+                 writer: bool = True, where: str = "") -> None:
         self.name = name
         self.storage = storage
         self.fmt = fmt or ChunkFormat()
         self.writer = writer
-        self._outage = Outage(name, retry_interval_s, probe=self._probe)
+        self._outage = Outage(name, retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
         self._payloads = PayloadStaging()
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
         self.errors = 0
