@@ -206,9 +206,9 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
 
 
 def test_a_client_without_a_data_channel_slot_uses_grpc_streams(tmp_path):
-    """Every data-channel slot held by busy-looking connections of another host is simulated by a cap of one
-    per peer, held by a connection in the middle of a request: the client is told HELLO_BUSY and moves its
-    chunks over gRPC streams, and the tier stays up."""
+    """Every data-channel slot this host may have (the per-peer cap) is held by a connection in the middle of a
+    request, so none is idle to be closed for room: the client is told HELLO_BUSY and moves its chunks over
+    gRPC streams, and the tier stays up."""
     from tiercache.server.limits import MAX_CONNECTIONS_PER_PEER
 
     server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "20", "--log-format", "text")

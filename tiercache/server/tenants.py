@@ -94,7 +94,7 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
     if unknown:
         raise ConfigError(FIELD, path, f"{where}: unknown field(s) {', '.join(sorted(unknown))}; "
                                        f"known: {', '.join(sorted(_KEYS))}")
-    if "token" in entry and "token_file" in entry or not ("token" in entry or "token_file" in entry):
+    if ("token" in entry) == ("token_file" in entry):          # neither, or both
         raise ConfigError(FIELD, path, f"{where} needs one of token, token_file")
     token = str(entry["token"]).strip() if "token" in entry else read_secret(str(entry["token_file"]), FIELD)
     if len(token) < 16:
