@@ -22,7 +22,7 @@ def payload(m: ChunkMeta) -> bytes:
     return rng.standard_normal(m.raw_len // 2).astype(np.float16).tobytes()
 
 
-@pytest.mark.parametrize("codec", codecs.names())
+@pytest.mark.parametrize("codec", [n for n in codecs.names() if not codecs.get(n).lossy])
 @pytest.mark.parametrize("checksum", checksums.names())
 def test_round_trip(codec, checksum):
     m = meta()

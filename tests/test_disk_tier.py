@@ -50,7 +50,7 @@ class Disk:
 
     def store(self, ids) -> None:
         keys = [key(i) for i in ids]
-        assert all(self.index.prepare_store(keys, [self.index.reserve_bytes(RAW)] * len(keys)))
+        assert all(self.index.prepare_store(keys, [self.index.reserve_bytes(meta(0).layout)] * len(keys)))
         self.settle()
         assert self.files.write_chunks([(meta(i, self.files.storage), data(i)) for i in ids]) == ()
         self.index.complete_store(keys)
@@ -78,8 +78,19 @@ def test_every_codec_reads_back(tmp_path, codec):
     assert d.read(1) == data(1) and d.read(2) == data(2)
 
 
+@pytest.mark.parametrize("codec", ["int8", "fp8-e4m3"])
+def test_a_quantized_chunk_reads_back_close_and_its_file_holds_a_byte_per_value(tmp_path, codec):
+    d = Disk(tmp_path, 10 * tier_size(codec), fmt=ChunkFormat(codec))
+    d.store([1])
+    got = np.frombuffer(d.read(1), np.float16).astype(np.float32)
+    want = np.frombuffer(data(1), np.float16).astype(np.float32)
+    assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
+    values = RAW // 2
+    assert os.path.getsize(d.files.path(key(1))) == tier_size(codec) == HEADER_BYTES + values + values // 8 * 2
+
+
 def tier_size(codec):
-    return HEADER_BYTES + ChunkFormat(codec).codec.max_encoded_len(RAW)
+    return ChunkFormat(codec).max_stored_len(meta(0).layout)
 
 
 def test_index_survives_a_restart_and_other_namespaces_are_left_alone(tmp_path):

@@ -39,7 +39,8 @@ def assert_back_to_baseline(engine: LLMEngine):
         manager = engine.connector.scheduler.manager
         assert manager.num_in_flight == 0
         for tier in manager.tiers:
-            assert all(e.pins == 0 and e.ready for e in tier.entries.values())
+            if tier.indexed:                  # a remote tier keeps no pins (its server does the counting)
+                assert all(e.pins == 0 and e.ready for e in tier.entries.values())
 
 
 @pytest.fixture(scope="module")

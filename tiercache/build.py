@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.codecs import ChunkLayout, codecs
 from tiercache.config import TierCacheConfig, read_secret
 from tiercache.connector.api import WorkerHandshake
 from tiercache.errors import ConfigError, RegistryError
@@ -67,6 +68,12 @@ def chunk_format(config: TierCacheConfig) -> ChunkFormat:
         return ChunkFormat(config.format.codec, config.format.checksum, signer)
     except RegistryError as err:
         raise ConfigError("format", f"{config.format.codec}/{config.format.checksum}", str(err)) from None
+
+
+def lossy_codec(config: TierCacheConfig) -> str:
+    """The name of the tiers' codec if it is lossy (it goes into the storage digest), else ""."""
+    codec = _named(codecs, config.format.codec, "format.codec")
+    return codec.name if codec.lossy else ""
 
 
 class LowerTier:
@@ -237,7 +244,7 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
         raise ConfigError("cpu.capacity", config.cpu.capacity,
                           f"gives each of {shard.num_ranks} ranks {share} B, less than one chunk of {slot_bytes} B")
     slab = HostSlab(num_slots, slot_bytes, pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
-    storage = namespace.storage_digest(config.keys.chunk_tokens, shard)
+    storage = namespace.storage_digest(config.keys.chunk_tokens, shard, lossy_codec(config))
     transports: dict[str, Transport] = {}
     try:
         for name in enabled_lower_tiers(config):
@@ -263,7 +270,7 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
         if scan is not None:
             stored[name] = scan
     handshake = WorkerHandshake(shard.rank, shard.num_ranks, kv.block_bytes, num_slots, storage, shard.writer,
-                                stored, copies_in_step)
+                                stored, copies_in_step, ChunkLayout(kv.geometry.dtype, kv.chunk_shape(1)))
     log.info("tiercache rank %d/%d: L1 %d slots of %d B (%d B of cpu.capacity %d B), tiers %s", shard.rank,
              shard.num_ranks, num_slots, slot_bytes, num_slots * slot_bytes, config.cpu.capacity,
              [L1, *transports])
@@ -297,10 +304,11 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
             index.close()
         raise
     admission = admission_policies.get(config.disk.admission)(config.disk.min_hits)
+    layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
                            store_partial_chunks=config.keys.store_partial_chunks,
                            write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
-                           transfer_workers=config.transfer.workers)
+                           transfer_workers=config.transfer.workers, block_layout=layout)
     log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,
              [t.name for t in manager.tiers],
              "".join(f", {t.name} {t.capacity_bytes} B per rank" for t in lower if t.capacity_bytes))

@@ -2,11 +2,14 @@
 
 Runs on the worker side inside transfer handlers. Each codec and checksum has a
 stable one-byte code written into the chunk header, so a reader can decode a
-chunk whatever its own configuration.
+chunk whatever its own configuration. A codec sees a chunk as a `ChunkLayout`
+(the dtype and shape of its raw bytes); the lossy ones (KV quantization,
+`tiercache.kv_quant`) say so, and their name goes into the storage digest.
 """
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -16,16 +19,52 @@ from tiercache.registry import Registry
 
 Buffer = bytes | bytearray | memoryview
 
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+BLOCK_AXIS = 2   # chunks are [layers, planes, blocks, ...] in both L0 layouts (kv_cache, layer_tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """The dtype and shape of a chunk's raw bytes: what a codec knows of a chunk."""
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def raw_len(self) -> int:
+        return self.numel * self.itemsize
+
+    def blocks(self, n: int) -> "ChunkLayout":
+        """The layout of a chunk of ``n`` blocks, given this one's."""
+        return ChunkLayout(self.dtype, self.shape[:BLOCK_AXIS] + (n,) + self.shape[BLOCK_AXIS + 1:])
+
 
 class Codec(Protocol):
     name: ClassVar[str]
     code: ClassVar[int]
+    lossy: ClassVar[bool]     # decodes to other values than were encoded: named in the storage digest
 
-    def encode(self, raw: memoryview, itemsize: int) -> Buffer: ...
+    def accepts(self, layout: ChunkLayout) -> bool:
+        """Whether this codec applies to such a chunk (where not, the chunk is stored raw)."""
+        ...
 
-    def decode(self, payload: memoryview, raw_len: int, itemsize: int) -> Buffer: ...
+    def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer: ...
 
-    def max_encoded_len(self, raw_len: int) -> int: ...
+    def decode_into(self, payload: memoryview, layout: ChunkLayout, out: memoryview) -> None:
+        """Decode into ``out`` (``layout.raw_len`` bytes); `CodecError` for a payload that does not decode."""
+        ...
+
+    def max_encoded_len(self, layout: ChunkLayout) -> int: ...
 
 
 class RunningChecksum(Protocol):
@@ -53,17 +92,21 @@ checksums: Registry[type[Checksum]] = Registry("checksum")
 class RawCodec:
     name = "raw"
     code = 0
+    lossy = False
 
-    def encode(self, raw: memoryview, itemsize: int) -> Buffer:
+    def accepts(self, layout: ChunkLayout) -> bool:
+        return True
+
+    def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer:
         return raw
 
-    def decode(self, payload: memoryview, raw_len: int, itemsize: int) -> Buffer:
-        if len(payload) != raw_len:
-            raise CodecError(f"raw payload is {len(payload)} bytes, header says {raw_len}")
-        return payload
+    def decode_into(self, payload: memoryview, layout: ChunkLayout, out: memoryview) -> None:
+        if len(payload) != layout.raw_len:
+            raise CodecError(f"raw payload is {len(payload)} bytes, header says {layout.raw_len}")
+        copy_into(out, payload)
 
-    def max_encoded_len(self, raw_len: int) -> int:
-        return raw_len
+    def max_encoded_len(self, layout: ChunkLayout) -> int:
+        return layout.raw_len
 
 
 @codecs.register("lz4")
@@ -71,15 +114,23 @@ class Lz4Codec:
     """LZ4 block format; the raw length lives in the chunk header, not the block."""
     name = "lz4"
     code = 1
+    lossy = False
 
-    def max_encoded_len(self, raw_len: int) -> int:
-        return raw_len + raw_len // 255 + 16   # LZ4's worst case for incompressible input
+    def accepts(self, layout: ChunkLayout) -> bool:
+        return True
 
-    def encode(self, raw: memoryview, itemsize: int) -> Buffer:
+    def max_encoded_len(self, layout: ChunkLayout) -> int:
+        return layout.raw_len + layout.raw_len // 255 + 16   # LZ4's worst case for incompressible input
+
+    def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer:
         import lz4.block
         return lz4.block.compress(raw, store_size=False)
 
-    def decode(self, payload: memoryview, raw_len: int, itemsize: int) -> Buffer:
+    def decode_into(self, payload: memoryview, layout: ChunkLayout, out: memoryview) -> None:
+        copy_into(out, self._decompress(payload, layout.raw_len))
+
+    @staticmethod
+    def _decompress(payload: memoryview, raw_len: int) -> bytes:
         import lz4.block
         try:
             out = lz4.block.decompress(payload, uncompressed_size=raw_len)
@@ -101,17 +152,24 @@ class Lz4ShuffleCodec(Lz4Codec):
     name = "lz4-shuffle"
     code = 2
 
-    def encode(self, raw: memoryview, itemsize: int) -> Buffer:
+    def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer:
+        itemsize = layout.itemsize
         if itemsize > 1 and len(raw) % itemsize == 0:
             planes = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize).T.copy()
             raw = memoryview(planes).cast("B")
-        return super().encode(raw, itemsize)
+        return super().encode(raw, layout)
 
-    def decode(self, payload: memoryview, raw_len: int, itemsize: int) -> Buffer:
-        out = super().decode(payload, raw_len, itemsize)
-        if itemsize > 1 and raw_len % itemsize == 0:
-            return np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
-        return out
+    def decode_into(self, payload: memoryview, layout: ChunkLayout, out: memoryview) -> None:
+        data, itemsize = self._decompress(payload, layout.raw_len), layout.itemsize
+        if itemsize > 1 and layout.raw_len % itemsize == 0:
+            planes = np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1)
+            np.frombuffer(out, dtype=np.uint8)[:layout.raw_len].reshape(-1, itemsize)[:] = planes.T
+        else:
+            copy_into(out, data)
+
+
+codecs.register("int8", "tiercache.kv_quant:Int8Codec")
+codecs.register("fp8-e4m3", "tiercache.kv_quant:Fp8E4M3Codec")
 
 
 @checksums.register("xxh3_64")

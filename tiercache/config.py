@@ -186,7 +186,8 @@ class GrpcTierConfig:
 
 @dataclass(frozen=True, slots=True)
 class FormatConfig:
-    codec: str = _opt("raw", "payload codec for L2/L3: raw | lz4 | lz4-shuffle")
+    codec: str = _opt("raw", "payload codec for every tier below L1: raw | lz4 | lz4-shuffle | int8 | fp8-e4m3 "
+                           "(the last two quantize KV to a byte per value: lossy, so off by default)")
     checksum: str = _opt("xxh3_64", "payload checksum: xxh3_64 | crc32")
     signing_key_file: str = _opt("", "file holding a secret (16+ bytes) shared by one tenant's engines: every "
                                      "L2/L3 chunk is signed with it (HMAC-SHA256), and chunks not signed with "

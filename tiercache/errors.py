@@ -60,3 +60,7 @@ class SignatureError(ChunkFormatError):
 
 class CodecError(ChunkFormatError):
     """The payload could not be decoded by its codec."""
+
+
+class NonFiniteKVError(TierCacheError, ValueError):
+    """A chunk to be quantized holds inf or nan: it is not stored (a raw chunk would keep them as they are)."""

@@ -76,15 +76,18 @@ class Namespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"tiercache-namespace-v1\0" + canonical).digest()[:NAMESPACE_DIGEST_BYTES]
 
-    def storage_digest(self, chunk_tokens: int, shard: KVShard | None = None) -> bytes:
+    def storage_digest(self, chunk_tokens: int, shard: KVShard | None = None, lossy_codec: str = "") -> bytes:
         """What one rank's stored chunks are filed under (Redis key prefix, server namespace, L2 directory,
-        chunk headers): the namespace, the chunk size and the rank's share of the KV. A chunk's key is the
-        hash of its last block, so a 512-token chunk and the second 256-token chunk of the same prompt share
-        a key; and rank 1 of a TP=2 deployment holds other bytes for a key than rank 0, or a TP=1 one.
-        Deployments that differ in any of these must not read (and, failing to, delete) each other's chunks."""
+        chunk headers): the namespace, the chunk size, the rank's share of the KV and a lossy codec's name.
+        A chunk's key is the hash of its last block, so a 512-token chunk and the second 256-token chunk of
+        the same prompt share a key; rank 1 of a TP=2 deployment holds other bytes for a key than rank 0, or
+        a TP=1 one; and a quantized chunk holds other values than a raw one. Deployments that differ in any
+        of these must not read (and, failing to, delete) each other's chunks. (A lossless codec decodes to
+        the same bytes, so it is not named: such chunks serve any reader.)"""
         label = (shard or KVShard()).label().encode()
+        lossy = b";codec=" + lossy_codec.encode() if lossy_codec else b""
         return hashlib.sha256(b"tiercache-chunks-v2\0" + self.digest() + chunk_tokens.to_bytes(4, "little")
-                              + label).digest()[:NAMESPACE_DIGEST_BYTES]
+                              + label + lossy).digest()[:NAMESPACE_DIGEST_BYTES]
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 
+from tiercache.codecs import ChunkLayout
 from tiercache.hot_chunks import HotChunks
 from tiercache.keys import BlockHash, chunk_keys
 from tiercache.lookup import PrefixFinder, PrefixLookup
@@ -76,6 +77,7 @@ class CacheManager:
         write_mode: str | Sequence[str] = "write-back",
         admission: AdmissionPolicy | None = None,
         transfer_workers: int = 2,
+        block_layout: ChunkLayout | None = None,
     ) -> None:
         modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
         if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
@@ -91,6 +93,8 @@ class CacheManager:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
+        # dtype and shape of a one-block chunk: what a lower tier's codec makes of a chunk's bytes
+        self.block_layout = block_layout or ChunkLayout("uint8", (1, 1, 1, block_bytes))
         self.store_partial_chunks = store_partial_chunks
         self.write_modes = dict(zip(names[1:], modes))
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
@@ -245,7 +249,7 @@ class CacheManager:
 
     def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerIndex) -> list[ChunkCopy]:
         """Reserve ``lower`` for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
-        sizes = [lower.reserve_bytes(c.chunk_blocks * self.block_bytes) for c in chunks]
+        sizes = [lower.reserve_bytes(self.block_layout.blocks(c.chunk_blocks)) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
         for part in self._split(taken, lower):

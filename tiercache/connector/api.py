@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tiercache.codecs import ChunkLayout
 from tiercache.keys import BlockHash
 from tiercache.transfer.plan import JobId, JobOutcome, JobReport, TransferPlan
 from tiercache.wire.chunk_files import ScanResult
@@ -56,6 +57,7 @@ class WorkerHandshake:
     writer: bool                          # writes lower tiers (False: replicated KV another rank writes)
     stored: Mapping[str, ScanResult] = field(default_factory=dict)   # what persistent tiers hold, per tier
     copies_in_step: bool = False          # L0 ↔ L1 copies complete within the step that asked for them
+    block_layout: ChunkLayout | None = None   # dtype and shape of a one-block chunk (sizes quantized chunks)
 
 
 @dataclass(frozen=True, slots=True)

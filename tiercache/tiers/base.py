@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, ChunkLayout
 from tiercache.keys import BlockHash
 from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_files import ScanResult
@@ -164,8 +164,8 @@ class LowerIndex(TierIndex):
     parallel_jobs = True  # split a batch across transfer workers (False: one job, e.g. one gRPC stream)
 
     @abstractmethod
-    def reserve_bytes(self, raw_len: int) -> int:
-        """Room one chunk of ``raw_len`` raw bytes may take, headers and codec overhead included."""
+    def reserve_bytes(self, layout: ChunkLayout) -> int:
+        """Room one chunk of this layout may take, headers and codec overhead (or savings) included."""
 
     @abstractmethod
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tiercache.codecs import Buffer
+from tiercache.codecs import Buffer, ChunkLayout
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.policies import DEFAULT_EVICTION
@@ -84,8 +84,8 @@ class DiskIndex(IndexedTier, LowerIndex):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def reserve_bytes(self, raw_len: int) -> int:
-        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
+    def reserve_bytes(self, layout: ChunkLayout) -> int:
+        return self.fmt.max_stored_len(layout)
 
     def take_deletes(self) -> list[BlockHash]:
         out, self._deletes = self._deletes, []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tiercache.codecs import ChunkLayout
 from tiercache.keys import BlockHash
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import LowerIndex, Medium
@@ -28,7 +29,7 @@ class MetadataIndex(IndexedTier, LowerIndex):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def reserve_bytes(self, raw_len: int) -> int:
+    def reserve_bytes(self, layout: ChunkLayout) -> int:
         return 1
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:

@@ -29,12 +29,13 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from tiercache.codecs import ChunkLayout
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.outage import Outage
 from tiercache.transfer.plan import Failure
-from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat
+from tiercache.wire.chunk_format import ChunkFormat
 from tiercache.wire.values import PayloadStaging, ValueSource, receive_value
 from tiercache.log_limits import ThrottledLog
 
@@ -163,8 +164,8 @@ class RemoteIndex(LowerIndex):
     def num_chunks(self) -> int:
         return 0
 
-    def reserve_bytes(self, raw_len: int) -> int:
-        return HEADER_BYTES + self.fmt.codec.max_encoded_len(raw_len)
+    def reserve_bytes(self, layout: ChunkLayout) -> int:
+        return self.fmt.max_stored_len(layout)
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         ok = self.available

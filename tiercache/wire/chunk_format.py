@@ -18,7 +18,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from tiercache.codecs import Buffer, checksum_by_code, checksums, codec_by_code, codecs
+from tiercache.codecs import Buffer, ChunkLayout, checksum_by_code, checksums, codec_by_code, codecs
 from tiercache.errors import (
     ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, SignatureError,
     TruncatedChunkError,
@@ -34,7 +34,6 @@ HEADER_BYTES = _BODY.size + _CRC.size
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5, "int8": 6, "uint8": 7}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +51,12 @@ class ChunkMeta:
             raise ValueError(f"shape {self.shape} has more than {MAX_DIMS} dims")
 
     @property
+    def layout(self) -> ChunkLayout:
+        return ChunkLayout(self.dtype, self.shape)
+
+    @property
     def raw_len(self) -> int:
-        n = DTYPE_SIZES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return self.layout.raw_len
 
 
 ParsedHeader = tuple[ChunkMeta, int, int, int, int]   # meta, codec code, checksum code, payload length, checksum
@@ -122,26 +122,36 @@ def payload_sum(parsed: "ParsedHeader", signer: ChunkSigner | None):
 
 
 class ChunkFormat:
-    """Encodes and verifies chunks with one configured codec and checksum (or signature)."""
+    """Encodes and verifies chunks with one configured codec and checksum (or signature). A chunk the codec
+    does not apply to (8-bit KV under a quantizing codec) is stored raw, and its header says so."""
 
     def __init__(self, codec: str = "raw", checksum: str = "xxh3_64", signer: ChunkSigner | None = None) -> None:
         self.codec = codecs.get(codec)()
+        self.raw = codecs.get("raw")()
         self.checksum = checksums.get(checksum)()
         self.signer = signer
+
+    def codec_for(self, layout: ChunkLayout):
+        return self.codec if self.codec.accepts(layout) else self.raw
+
+    def max_stored_len(self, layout: ChunkLayout) -> int:
+        """Bytes a stored chunk of this layout takes at most, header included."""
+        return HEADER_BYTES + self.codec_for(layout).max_encoded_len(layout)
 
     def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
         """Header and payload as two buffers, for writers that can write both without joining."""
         raw_view = memoryview(raw).cast("B")
         if len(raw_view) != meta.raw_len:
             raise ValueError(f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}")
-        payload = self.codec.encode(raw_view, DTYPE_SIZES[meta.dtype])
+        codec = self.codec_for(meta.layout)
+        payload = codec.encode(raw_view, meta.layout)
         shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
         if self.signer is not None:
-            code, total = SIGNED, self.signer.sign(meta, self.codec.code, payload)
+            code, total = SIGNED, self.signer.sign(meta, codec.code, payload)
         else:
             code, total = self.checksum.code, self.checksum(payload)
         body = _BODY.pack(
-            MAGIC, VERSION, HEADER_BYTES, self.codec.code, code, DTYPE_CODES[meta.dtype],
+            MAGIC, VERSION, HEADER_BYTES, codec.code, code, DTYPE_CODES[meta.dtype],
             len(meta.shape), meta.namespace, meta.key, meta.num_tokens, meta.raw_len, len(payload),
             total, *shape,
         )
@@ -199,16 +209,18 @@ def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | N
             f"payload {what} mismatch for chunk {meta.key.hex()[:16]}…")
 
 
-def verify_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | None = None) -> Buffer:
-    """Check a payload against its parsed header and decode it; returns the raw bytes (``payload`` itself for raw)."""
+def verify_payload_into(parsed: ParsedHeader, payload: Buffer, out: memoryview,
+                        signer: ChunkSigner | None = None) -> None:
+    """Check a payload against its parsed header and decode it into ``out`` (at least its raw length)."""
     check_payload(parsed, payload, signer)
     meta, codec_code = parsed[0], parsed[1]
-    return codec_by_code(codec_code)().decode(memoryview(payload).cast("B"), meta.raw_len, DTYPE_SIZES[meta.dtype])
+    codec_by_code(codec_code)().decode_into(memoryview(payload).cast("B"), meta.layout, out)
 
 
 def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None,
            signer: ChunkSigner | None = None) -> DecodedChunk:
     """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
     parsed = check_header(blob, namespace, key)
-    data = verify_payload(parsed, memoryview(blob).cast("B")[HEADER_BYTES:], signer)
+    data = bytearray(parsed[0].raw_len)
+    verify_payload_into(parsed, memoryview(blob).cast("B")[HEADER_BYTES:], memoryview(data), signer)
     return DecodedChunk(parsed[0], data)

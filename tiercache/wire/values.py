@@ -17,11 +17,10 @@ import os
 import threading
 from typing import Protocol
 
-from tiercache.codecs import copy_into
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureError, TruncatedChunkError
 from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import (
-    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum, verify_payload,
+    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum, verify_payload_into,
 )
 
 VERIFY_PIECE = 4 << 20    # a raw payload is hashed in pieces of this size as each lands (still in cache)
@@ -106,5 +105,5 @@ def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash,
         return meta.raw_len
     landing = staging(payload_len)
     source.read_into(landing)
-    copy_into(buf, verify_payload(parsed, landing, signer))
+    verify_payload_into(parsed, landing, buf, signer)
     return meta.raw_len
