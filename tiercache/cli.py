@@ -88,6 +88,15 @@ def _capacity_list(text: str) -> list[int]:
 
 
 
+def _codec_list(text: str) -> list[str]:
+    from tiercache.codecs import codecs
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in codecs]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown codec {unknown or text!r}; known: {', '.join(codecs.names())}")
+    return names
+
+
 def _policy_list(text: str) -> list[str]:
     from tiercache.policies import eviction_policies
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -238,6 +247,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=commands.cmd_bench_trace)
+
+    c = bench.add_parser("codecs", help="chunk codecs: bytes, encode/decode GB/s beside the disk, KV error and "
+                                        "the accuracy of a trained model served from quantized chunks")
+    c.add_argument("--codecs", type=_codec_list, default=["raw", "lz4", "lz4-shuffle", "int8", "fp8-e4m3"],
+                   help="comma-separated codecs (default: all)")
+    c.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
+                   help="KV geometry of the speed chunk (llama-8b: bf16, 32 layers, 8 KV heads, dim 128)")
+    c.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per chunk (multiple of 16)")
+    c.add_argument("--reps", type=_positive, default=5, help="repetitions (medians are reported)")
+    c.add_argument("--model", metavar="DIR", help="a local Hugging Face Llama checkpoint for the accuracy runs "
+                                                  "(default: the reference model trained on a synthetic corpus, "
+                                                  "trained once and cached)")
+    c.add_argument("--train-steps", type=_positive, default=None, help="steps for the trained default model")
+    c.add_argument("--requests", type=_positive, default=16, help="accuracy requests (4 documents, questions)")
+    c.add_argument("--max-tokens", type=_positive, default=16, help="greedy tokens generated per request")
+    c.add_argument("--no-accuracy", action="store_true", help="bytes, speed and synthetic-KV error only")
+    c.add_argument("--disk-path", help="directory for the disk measurements and chunks (default: $TMPDIR)")
+    c.add_argument("--out", metavar="DIR", help="write codecs.json, codecs.md and codecs.png here")
+    c.add_argument("--json", metavar="PATH")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=commands.cmd_bench_codecs)
 
     e = bench.add_parser("engine", help="reference-engine workloads across tier setups")
     e.add_argument("--workloads", default="shared-prefix,multi-turn,long-doc,no-reuse",

@@ -1,4 +1,4 @@
-"""The ``tiercache bench`` subcommands: tiers, trace and engine, each with a table and report files.
+"""The ``tiercache bench`` subcommands: tiers, trace, codecs and engine, each with a table and report files.
 
 Called by `tiercache.cli`; bad input raises `ConfigError` / `ValueError`, which
 the CLI prints as one line.
@@ -164,6 +164,37 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         table.add_row(*map(str, row))
     Console(width=max(80, Console().width)).print(table)
     return 0
+
+
+def cmd_bench_codecs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from tqdm import tqdm
+
+    from tiercache.bench.codecs import bench_codecs
+    from tiercache.bench.codecs_report import codec_tables, write_codec_reports
+
+    if args.chunk_tokens % 16:
+        raise ConfigError("--chunk-tokens", args.chunk_tokens, "must be a multiple of the block size, 16")
+    if args.model and not Path(args.model, "config.json").is_file():
+        raise ConfigError("--model", args.model, "is not a Hugging Face checkpoint directory (no config.json)")
+    lossy = [n for n in args.codecs if n == "raw" or _lossy(n)]
+    with tqdm(desc="bench codecs", file=sys.stderr, disable=args.quiet) as bar:
+        report = bench_codecs(args.codecs, None if args.no_accuracy else lossy, args.shape, args.chunk_tokens,
+                              args.reps, args.model, args.train_steps, args.requests, args.max_tokens,
+                              args.disk_path, progress=lambda: bar.update(1))
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    if args.out:
+        write_codec_reports(Path(args.out), report)
+    _write_json(args.json, report)
+    console = Console(width=max(120, Console().width))
+    for table in codec_tables(report):
+        console.print(table)
+    return 0
+
+
+def _lossy(name: str) -> bool:
+    from tiercache.codecs import codecs
+    return codecs.get(name).lossy
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
