@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--reps", type=_positive, default=5, help="repetitions (medians are reported)")
     tiers.add_argument("--layout", choices=["allocated", "scattered", "both"], default="both",
                        help="L0 block placement: as the pool allocates, shuffled, or both")
+    tiers.add_argument("--codecs", type=_codec_list, default=None,
+                       help="disk and remote tiers: run each with these chunk codecs in turn and report tokens/s "
+                            "against the first, e.g. raw,int8 (default: format.codec)")
     tiers.add_argument("--json", metavar="PATH", help="write the report as JSON")
     tiers.add_argument("--out", metavar="DIR", help="write tiers.json, tiers.md and tiers.png here")
     tiers.add_argument("--quiet", action="store_true", help="no progress bar")

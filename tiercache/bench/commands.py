@@ -65,7 +65,8 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
     from tiercache.bench.disk import bench_disk
     from tiercache.bench.tiers import SHAPES, CpuBenchSpec, bench_cpu
 
-    total = (len(layouts) if "cpu" in args.tiers else 0) + (1 if "disk" in args.tiers else 0) + len(remotes)
+    codecs = args.codecs or [cfg.format.codec]
+    total = (len(layouts) if "cpu" in args.tiers else 0) + ((1 if "disk" in args.tiers else 0) + len(remotes)) * len(codecs)
     report: dict = {"tiers": {}, "runs": []}
     with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
         if "cpu" in args.tiers:
@@ -79,19 +80,21 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
                 headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
             report["tiers"]["cpu"] = headline
             report["runs"] += runs
-        if "disk" in args.tiers:
-            directory = args.disk_path or cfg.disk.path or None
-            r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
-                           fsync=args.fsync, codec=cfg.format.codec, o_direct=cfg.disk.o_direct,
-                           progress=lambda: bar.update(1))
-            report["tiers"]["disk"] = r
-            report["runs"].append(r)
-        for kind in remotes:
-            from tiercache.bench.remote import bench_remote
-            r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, targets[kind],
-                             progress=lambda: bar.update(1))
-            report["tiers"][kind] = r
-            report["runs"].append(r)
+        for codec in codecs:
+            if "disk" in args.tiers:
+                directory = args.disk_path or cfg.disk.path or None
+                r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
+                               fsync=args.fsync, codec=codec, o_direct=cfg.disk.o_direct,
+                               progress=lambda: bar.update(1))
+                report["tiers"].setdefault("disk", r)
+                report["runs"].append(r)
+            for kind in remotes:
+                from tiercache.bench.remote import bench_remote
+                r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, targets[kind],
+                                 progress=lambda: bar.update(1), codec=codec)
+                report["tiers"].setdefault(kind, r)
+                report["runs"].append(r)
+    report["codec_gains"] = _codec_gains(report["runs"], codecs[0])
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version()}
     report["command"] = "tiercache " + " ".join(sys.argv[1:])
     _write_json(args.json, report)
@@ -116,8 +119,31 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
             + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
         table.add_row("disk", variant, f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
                       f"{r['raw_write_gbps']:.2f}", f"{r['raw_read_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
-    Console(width=max(110, Console().width)).print(table)
+    console = Console(width=max(110, Console().width))
+    console.print(table)
+    if len(codecs) > 1:
+        gains = Table(title=f"tokens/s through each tier by codec, against {codecs[0]} in this run")
+        for col in ("tier", "codec", "put tokens/s", "get tokens/s", "put gain", "get gain"):
+            gains.add_column(col, justify="right")
+        for g in report["codec_gains"]:
+            gains.add_row(g["tier"], g["codec"], str(g["put_tokens_per_s"]), str(g["get_tokens_per_s"]),
+                          f"{g['put_gain']:.2f}", f"{g['get_gain']:.2f}")
+        console.print(gains)
     return 0
+
+
+def _codec_gains(runs: list[dict], base: str) -> list[dict]:
+    """Per tier and codec: tokens/s put and got, and the gain over the ``base`` codec's run of that tier."""
+    out = []
+    tiered = [r for r in runs if "put_tokens_per_s" in r]
+    for r in tiered:
+        tier = r.get("tier", "disk")
+        ref = next(x for x in tiered if x.get("tier", "disk") == tier and x["codec"] == base)
+        out.append({"tier": tier, "codec": r["codec"], "put_tokens_per_s": r["put_tokens_per_s"],
+                    "get_tokens_per_s": r["get_tokens_per_s"],
+                    "put_gain": round(r["put_tokens_per_s"] / ref["put_tokens_per_s"], 3),
+                    "get_gain": round(r["get_tokens_per_s"] / ref["get_tokens_per_s"], 3)})
+    return out
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:

@@ -139,6 +139,8 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
         "bytes": nbytes, "reps": reps, "fsync": fsync, "codec": codec, "o_direct": o_direct,
         "reads": "cold (page cache dropped)" if cold else "page cache (dropping it is not permitted here)",
         "put_gbps": round(put, 3), "get_gbps": round(get, 3),
+        "put_tokens_per_s": round(num_chunks * chunk_tokens / statistics.median(times["put"])),
+        "get_tokens_per_s": round(num_chunks * chunk_tokens / statistics.median(times["get"])),
         "raw_write_gbps": round(rw, 3), "raw_read_gbps": round(rr, 3),
         "put_ratio": round(ratio("put", "raw_write"), 3), "get_ratio": round(ratio("get", "raw_read"), 3),
         "samples_s": {k: [round(x, 5) for x in v] for k, v in times.items()},

@@ -298,7 +298,7 @@ def shm_root() -> Path:
 
 
 def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: RemoteTarget,
-                 progress=None) -> dict:
+                 progress=None, codec: str = "raw") -> dict:
     """``kind`` is ``redis``, ``grpc`` (the data channel), ``grpc-stream`` (gRPC streams only) or ``grpc-shm``
     (chunks as files in a `tiercache serve --shm-dir` on this host), against ``target``; the caller closes it."""
     shm = target.shm
@@ -308,7 +308,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                    "bulk": "off" if kind == "grpc-stream" else "auto"})}
     section_name = "redis" if kind == "redis" else "grpc"
     filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
-                          {section_name: section})
+                          {section_name: section, "format": {"codec": codec}})
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     manager = stack.scheduler.manager
@@ -351,6 +351,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                     samples.clear()
             elif progress:
                 progress()
+        cpu.delete(keys)       # nothing left in L1 for close to flush down: the server ends as it began
     finally:
         stack.close()
         raw.close()
@@ -364,8 +365,10 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                 "grpc-stream": "bare gRPC bytes stream, 4 MiB messages (own process)",
                 "grpc-shm": "file write / readinto of the same bytes in the same shared-memory directory"}[kind]
     return {
-        "tier": kind, "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": filled.chunk_bytes,
+        "tier": kind, "codec": codec, "shape": shape, "chunk_tokens": chunk_tokens, "chunk_bytes": filled.chunk_bytes,
         "chunks": len(keys), "bytes": nbytes, "reps": reps, "raw_baseline": raw_name,
+        "put_tokens_per_s": round(len(keys) * chunk_tokens / statistics.median(times["put"])),
+        "get_tokens_per_s": round(len(keys) * chunk_tokens / statistics.median(times["get"])),
         "put_gbps": round(put_g, 3), "get_gbps": round(get_g, 3),
         "raw_put_gbps": round(rp, 3), "raw_get_gbps": round(rg, 3),
         "put_ratio": round(put_g / rp, 3), "get_ratio": round(get_g / rg, 3),
