@@ -88,6 +88,16 @@ def _capacity_list(text: str) -> list[int]:
 
 
 
+def _byte_list(text: str) -> list[int]:
+    try:
+        values = [parse_size(v.strip(), "--capacity-bytes") for v in text.split(",") if v.strip()]
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive sizes such as 64GiB,128GiB, got {text!r}")
+    return values
+
+
 def _codec_list(text: str) -> list[str]:
     from tiercache.codecs import codecs
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -244,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
     t.add_argument("--capacity-tokens", type=_capacity_list, default=[1_000_000, 3_000_000],
                    help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
+    t.add_argument("--capacity-bytes", type=_byte_list, default=None,
+                   help="comma-separated capacities in bytes (e.g. 64GiB,128GiB) instead: each codec of --codecs "
+                        "gets the tokens its chunks of --shape fit in them")
+    t.add_argument("--codecs", type=_codec_list, default=["raw"], help="with --capacity-bytes, e.g. raw,int8")
+    t.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
+                   help="with --capacity-bytes: the KV geometry whose chunks fill the bytes")
     t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
                    help="comma-separated eviction policies (default: lru,lfu-da,s3-fifo)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")

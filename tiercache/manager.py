@@ -177,8 +177,12 @@ class CacheManager:
     # -- plans ---------------------------------------------------------------
     def _plan(self, kind: JobKind, src: TierIndex | None, dst: TierIndex | None, priority: Priority,
               chunks: list[ChunkCopy], lower: LowerIndex | None = None, private: bool = False) -> TransferPlan:
-        """A plan between two tiers (None: L0) — or, for a delete, from ``src`` to nowhere."""
-        nbytes = sum(len(c.block_ids) or c.chunk_blocks for c in chunks) * self.block_bytes
+        """A plan between two tiers (None: L0) — or, for a delete, from ``src`` to nowhere. Its bytes are what
+        crosses the link: a lower tier's stored bytes (its codec's, headers included), else the raw ones."""
+        if lower is not None and kind is not JobKind.DELETE:
+            nbytes = sum(lower.reserve_bytes(self.block_layout.blocks(c.chunk_blocks)) for c in chunks)
+        else:
+            nbytes = sum(len(c.block_ids) or c.chunk_blocks for c in chunks) * self.block_bytes
         src_medium = Medium.DEVICE if src is None else src.medium
         if kind is JobKind.DELETE:
             link, dst_name = link_name(src_medium, None), None

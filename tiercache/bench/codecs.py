@@ -170,14 +170,14 @@ def bench_accuracy(model_path: Path, names: list[str], dtype: str = "bfloat16", 
                                             disk={"enabled": True, "path": tmp, "write_mode": "write-through"})
             _generate(model_path, dtype, prompts, max_tokens, cfg)          # stores every prefix down to disk
             runs, stats = _generate(model_path, dtype, prompts, max_tokens, cfg)   # a fresh engine loads them
-        rows.append(_compare(name, base, runs, stats))
+        rows.append(compare(name, base, runs, stats))
         if progress is not None:
             progress()
     return {"model": str(model_path), "dtype": dtype, "requests": len(prompts), "max_tokens": max_tokens,
             "prompt_tokens": statistics.mean(len(p) for p in prompts), "results": rows}
 
 
-def _compare(name: str, base: list, runs: list, stats: dict) -> dict:
+def compare(name: str, base: list, runs: list, stats: dict) -> dict:
     first = same = 0
     dlogp: list[float] = []
     kl: list[float] = []

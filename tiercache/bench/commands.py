@@ -80,18 +80,19 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
                 headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
             report["tiers"]["cpu"] = headline
             report["runs"] += runs
+        rates = {f"{link}_rate": getattr(cfg.transfer, f"{link}_rate") for link in ("host_disk", "host_network")}
         for codec in codecs:
             if "disk" in args.tiers:
                 directory = args.disk_path or cfg.disk.path or None
                 r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
                                fsync=args.fsync, codec=codec, o_direct=cfg.disk.o_direct,
-                               progress=lambda: bar.update(1))
+                               progress=lambda: bar.update(1), link_rates=rates)
                 report["tiers"].setdefault("disk", r)
                 report["runs"].append(r)
             for kind in remotes:
                 from tiercache.bench.remote import bench_remote
                 r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, targets[kind],
-                                 progress=lambda: bar.update(1), codec=codec)
+                                 progress=lambda: bar.update(1), codec=codec, link_rates=rates)
                 report["tiers"].setdefault(kind, r)
                 report["runs"].append(r)
     report["codec_gains"] = _codec_gains(report["runs"], codecs[0])
@@ -156,30 +157,36 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
+    points = _trace_points(args)
     results = []
-    with tqdm(total=len(args.capacity_tokens) * len(args.policy), desc="bench trace", file=sys.stderr,
+    with tqdm(total=len(points) * len(args.policy), desc="bench trace", file=sys.stderr,
               disable=args.quiet) as bar:
         for policy in args.policy:
-            for capacity in args.capacity_tokens:
-                r = replay(trace, capacity, policy)
-                results.append({"policy": policy, "capacity_tokens": capacity,
-                                "token_hit_ratio": round(r.token_hit_ratio, 4),
+            for point in points:
+                r = replay(trace, point["capacity_tokens"], policy)
+                results.append({"policy": policy, **point, "token_hit_ratio": round(r.token_hit_ratio, 4),
                                 "request_hit_ratio": round(r.request_hit_ratio, 4)})
                 bar.update(1)
     report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
               "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
               "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "results": results,
               "command": "tiercache " + " ".join(sys.argv[1:])}
-    rows = [(r["policy"], r["capacity_tokens"], r["token_hit_ratio"], r["request_hit_ratio"]) for r in results]
-    headers = ("policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
+    by_bytes = args.capacity_bytes is not None
+    lead = ("codec", "capacity (bytes)") if by_bytes else ()
+    rows = [(*((r["codec"], f"{r['capacity_bytes'] / 2**30:g} GiB") if by_bytes else ()), r["policy"], r["capacity_tokens"],
+             r["token_hit_ratio"], r["request_hit_ratio"]) for r in results]
+    headers = (*lead, "policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
     if args.out:
         out = Path(args.out)
         write_json(out / "trace.json", report)
         (out / "trace.md").write_text(f"# Trace replay: {args.trace}\n\nCeiling (infinite capacity): token hit ratio "
                                       f"{report['ceiling_token_hit_ratio']}\n\n" + markdown_table(headers, rows))
-        series = {p: ([r["capacity_tokens"] for r in results if r["policy"] == p],
-                      [r["token_hit_ratio"] for r in results if r["policy"] == p]) for p in args.policy}
-        plot_lines(out / "trace.png", f"Token hit ratio vs capacity ({Path(args.trace).name})", "capacity (tokens)",
+        x, label = ("capacity_bytes", "capacity (bytes)") if by_bytes else ("capacity_tokens", "capacity (tokens)")
+        keys = list(dict.fromkeys((r["policy"], r.get("codec", "")) for r in results))
+        series = {" ".join(filter(None, k)): ([r[x] for r in results if (r["policy"], r.get("codec", "")) == k],
+                                              [r["token_hit_ratio"] for r in results
+                                               if (r["policy"], r.get("codec", "")) == k]) for k in keys}
+        plot_lines(out / "trace.png", f"Token hit ratio vs capacity ({Path(args.trace).name})", label,
                    "token hit ratio", series, ("infinite capacity", report["ceiling_token_hit_ratio"]))
     if args.json:
         write_json(args.json, report)
@@ -221,6 +228,28 @@ def cmd_bench_codecs(args: argparse.Namespace) -> int:
 def _lossy(name: str) -> bool:
     from tiercache.codecs import codecs
     return codecs.get(name).lossy
+
+
+def _trace_points(args: argparse.Namespace) -> list[dict]:
+    """The capacities to replay at: tokens as given, or — for ``--capacity-bytes`` — per codec, the tokens
+    that chunks of ``--shape`` encoded by that codec fit in those bytes (headers included)."""
+    if args.capacity_bytes is None:
+        return [{"capacity_tokens": c} for c in args.capacity_tokens]
+    from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
+    from tiercache.bench.trace import TRACE_BLOCK_TOKENS
+    from tiercache.codecs import ChunkLayout
+    from tiercache.wire.chunk_format import ChunkFormat
+
+    geo = SHAPES[args.shape]
+    layout = ChunkLayout(geo.dtype, (geo.num_layers, 2, TRACE_BLOCK_TOKENS // BLOCK_SIZE, BLOCK_SIZE,
+                                     geo.num_kv_heads, geo.head_dim))
+    points = []
+    for codec in args.codecs:
+        chunk = ChunkFormat(codec).max_stored_len(layout)
+        for capacity in args.capacity_bytes:
+            points.append({"codec": codec, "capacity_bytes": capacity, "chunk_bytes": chunk,
+                           "capacity_tokens": max(1, capacity // chunk) * TRACE_BLOCK_TOKENS})
+    return points
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
