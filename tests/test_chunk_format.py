@@ -13,7 +13,7 @@ NS = b"N" * 16
 KEY = b"K" * 32
 
 
-def meta(dtype="bfloat16", shape=(2, 2, 4, 16, 2, 8)):
+def meta(dtype="bfloat16", shape=(2, 2, 4, 16, 1, 16)):
     return ChunkMeta(NS, KEY, 64, dtype, shape)
 
 

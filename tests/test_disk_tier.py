@@ -18,8 +18,8 @@ from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 
 NS = b"n" * 16
-SHAPE = (2, 2, 4, 4, 2, 8)        # a chunk of 4 blocks × 4 tokens, float16
-RAW = 2 * 2 * 4 * 4 * 2 * 8 * 2
+SHAPE = (2, 2, 4, 4, 1, 16)       # a chunk of 4 blocks × 4 tokens, one 16-wide head, float16
+RAW = 2 * 2 * 4 * 4 * 1 * 16 * 2
 FILE = HEADER_BYTES + RAW
 
 
@@ -86,7 +86,7 @@ def test_a_quantized_chunk_reads_back_close_and_its_file_holds_a_byte_per_value(
     want = np.frombuffer(data(1), np.float16).astype(np.float32)
     assert np.abs(got - want).max() < 0.1 * np.abs(want).max()
     values = RAW // 2
-    assert os.path.getsize(d.files.path(key(1))) == tier_size(codec) == HEADER_BYTES + values + values // 8 * 2
+    assert os.path.getsize(d.files.path(key(1))) == tier_size(codec) == HEADER_BYTES + values + values // 16 * 2
 
 
 def tier_size(codec):

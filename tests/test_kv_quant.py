@@ -90,6 +90,15 @@ def test_8_bit_kv_is_stored_raw(codec):
 
 
 @pytest.mark.parametrize("codec", QUANTIZED)
+def test_a_narrow_innermost_axis_is_stored_raw(codec):
+    """Eight values per scale would cost a quarter of the codes in scales: not worth it, so raw."""
+    x = torch.randn((2, 2, 1, 16, 2, 8)).to(torch.bfloat16)
+    blob = ChunkFormat(codec).encode(ChunkMeta(NS, KEY, 16, "bfloat16", tuple(x.shape)),
+                                     x.view(-1).view(torch.uint8).numpy().tobytes())
+    assert read_header(blob)[1] == codecs.get("raw").code
+
+
+@pytest.mark.parametrize("codec", QUANTIZED)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_kv_takes_at_most_053_of_its_raw_bytes(codec, head_dim):
     layout = ChunkLayout("bfloat16", (32, 2, 16, 16, 8, head_dim))

@@ -42,11 +42,10 @@ _ROUND_UP = 1 + 2 ** -7    # bf16 rounds to nearest within 2⁻⁸: scale × thi
 _MIN_SCALE = 2.0 ** -126   # a normal float32: 1 / scale stays finite (all-zero groups get this one)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# per float dtype: the same-width integer view, the mask that drops the sign bit, and the bits of +inf
-# (as integers, magnitudes of finite floats order like their bit patterns: amax is an integer amax)
-_BITS = {"float32": (torch.int32, 0x7FFFFFFF, 0x7F800000),
-         "bfloat16": (torch.int16, 0x7FFF, 0x7F80),
-         "float16": (torch.int16, 0x7FFF, 0x7C00)}
+MIN_GROUP = 16             # below this many values per scale, scales cost more than they are worth: raw
+# per float dtype: the same-width integer view and the mask that drops the sign bit (as integers, float
+# magnitudes order like their bit patterns, inf and nan above every finite one: amax is an integer amax)
+_BITS = {"float32": (torch.int32, 0x7FFFFFFF), "bfloat16": (torch.int16, 0x7FFF), "float16": (torch.int16, 0x7FFF)}
 
 
 def group_size(inner: int) -> int:
@@ -69,8 +68,8 @@ class _Scratch(threading.local):
     """One transfer thread's working memory: a piece's scratch, and the buffers its encoded payloads went
     into. A writer may hold a batch's payloads until it has sent them all, so a payload buffer is handed
     out again only once nothing references it any more (fresh memory for every chunk would pay a page
-    fault per 4 KiB)."""
-    MAX_PAYLOADS = 64
+    fault per 4 KiB). Writers that hold more than a few at once get fresh ones beyond those kept."""
+    MAX_PAYLOADS = 8
 
     def __init__(self) -> None:
         self.work = torch.empty(PIECE, dtype=torch.float32)
@@ -102,7 +101,7 @@ class _GroupQuantCodec:
         self._scratch = _Scratch()
 
     def accepts(self, layout: ChunkLayout) -> bool:
-        return layout.dtype in _FLOAT and bool(layout.shape)
+        return layout.dtype in _FLOAT and bool(layout.shape) and group_size(layout.shape[-1]) >= MIN_GROUP
 
     def max_encoded_len(self, layout: ChunkLayout) -> int:
         if not self.accepts(layout):
@@ -116,7 +115,7 @@ class _GroupQuantCodec:
         if n == 0:
             return payload
         src = _tensor(raw, _FLOAT[layout.dtype])
-        int_dtype, abs_mask, _ = _BITS[layout.dtype]
+        int_dtype, abs_mask = _BITS[layout.dtype]
         out = torch.frombuffer(payload, dtype=torch.uint8)
         codes, scales = out[:n], out[n:].view(torch.bfloat16)
         step = max(g, PIECE // g * g)

@@ -36,7 +36,7 @@ def _sections(report: dict) -> list[tuple[str, tuple, list[tuple]]]:
     s = report["speed"]
     out = [(f"bytes and speed: one {s['chunk_tokens']}-token chunk of {s['shape']} ({s['dtype']}, "
             f"{s['codecs'][0]['chunk_bytes'] / 2**20:.0f} MiB); disk here: write {s['disk_write_gbps']} GB/s "
-            f"(fdatasync), read {s['disk_read_gbps']} GB/s", SPEED, _speed_rows(report)),
+            f"(fdatasync), read {s['disk_read_gbps']} GB/s ({s['disk_reads']})", SPEED, _speed_rows(report)),
            ("KV reconstruction error, synthetic KV (K with outlier channels)", ERROR,
             _error_rows(report["synthetic_kv_error"]))]
     if "accuracy" in report:

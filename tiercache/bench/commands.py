@@ -6,6 +6,7 @@ the CLI prints as one line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import sys
 from pathlib import Path
@@ -80,19 +81,19 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
                 headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
             report["tiers"]["cpu"] = headline
             report["runs"] += runs
-        rates = {f"{link}_rate": getattr(cfg.transfer, f"{link}_rate") for link in ("host_disk", "host_network")}
+        transfer = dataclasses.asdict(cfg.transfer)    # the transfer threads and link limits as configured
         for codec in codecs:
             if "disk" in args.tiers:
                 directory = args.disk_path or cfg.disk.path or None
                 r = bench_disk(args.shape, args.chunk_tokens, args.total_mib, args.reps, directory,
                                fsync=args.fsync, codec=codec, o_direct=cfg.disk.o_direct,
-                               progress=lambda: bar.update(1), link_rates=rates)
+                               progress=lambda: bar.update(1), transfer_cfg=transfer)
                 report["tiers"].setdefault("disk", r)
                 report["runs"].append(r)
             for kind in remotes:
                 from tiercache.bench.remote import bench_remote
                 r = bench_remote(kind, args.shape, args.chunk_tokens, args.total_mib, args.reps, targets[kind],
-                                 progress=lambda: bar.update(1), codec=codec, link_rates=rates)
+                                 progress=lambda: bar.update(1), codec=codec, transfer_cfg=transfer)
                 report["tiers"].setdefault(kind, r)
                 report["runs"].append(r)
     report["codec_gains"] = _codec_gains(report["runs"], codecs[0])

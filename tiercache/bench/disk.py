@@ -58,12 +58,12 @@ def _raw_read(paths: list[Path], out: memoryview) -> float:
 
 def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, directory: str | None,
                fsync: bool = False, codec: str = "raw", o_direct: bool = False, progress=None,
-               link_rates: dict | None = None) -> dict[str, object]:
+               transfer_cfg: dict | None = None) -> dict[str, object]:
     root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=directory))
     try:
         filled = filled_stack(shape, chunk_tokens, total_bytes, "bench-disk", {
             "format": {"codec": codec},
-            "transfer": link_rates or {},      # a link's rate (a NIC's, a disk's): what its bytes are paced at
+            "transfer": transfer_cfg or {},      # threads and link limits as the run is configured
             "disk": {"enabled": True, "path": str(root / "l2"), "capacity": 1 << 40,   # the disk, not the tier, is the bound
                      "fsync": fsync, "o_direct": o_direct},
         })

@@ -299,7 +299,7 @@ def shm_root() -> Path:
 
 
 def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, reps: int, target: RemoteTarget,
-                 progress=None, codec: str = "raw", link_rates: dict | None = None) -> dict:
+                 progress=None, codec: str = "raw", transfer_cfg: dict | None = None) -> dict:
     """``kind`` is ``redis``, ``grpc`` (the data channel), ``grpc-stream`` (gRPC streams only) or ``grpc-shm``
     (chunks as files in a `tiercache serve --shm-dir` on this host), against ``target``; the caller closes it."""
     shm = target.shm
@@ -309,7 +309,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                    "bulk": "off" if kind == "grpc-stream" else "auto"})}
     section_name = "redis" if kind == "redis" else "grpc"
     filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
-                          {section_name: section, "format": {"codec": codec}, "transfer": link_rates or {}})
+                          {section_name: section, "format": {"codec": codec}, "transfer": transfer_cfg or {}})
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     manager = stack.scheduler.manager
