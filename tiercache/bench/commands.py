@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import platform
 import sys
 from pathlib import Path
@@ -211,6 +212,9 @@ def cmd_bench_codecs(args: argparse.Namespace) -> int:
         raise ConfigError("--chunk-tokens", args.chunk_tokens, "must be a multiple of the block size, 16")
     if args.model and not Path(args.model, "config.json").is_file():
         raise ConfigError("--model", args.model, "is not a Hugging Face checkpoint directory (no config.json)")
+    if not (args.no_accuracy or args.model) and importlib.util.find_spec("transformers") is None:
+        raise ConfigError("--model", None, "training the default accuracy model needs transformers (pip install "
+                                           "transformers); or pass --model DIR, or --no-accuracy")
     lossy = [n for n in args.codecs if n == "raw" or _lossy(n)]
     with tqdm(desc="bench codecs", file=sys.stderr, disable=args.quiet) as bar:
         report = bench_codecs(args.codecs, None if args.no_accuracy else lossy, args.shape, args.chunk_tokens,
