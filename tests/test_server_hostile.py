@@ -205,6 +205,42 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
         server.stop()
 
 
+def test_calls_whose_request_never_comes_hold_no_handler_thread(tmp_path):
+    """12 unary calls (Health, which needs no token, Contains and Stats) opened and never sent their request
+    message — three times the server's handler threads: Health and a client's stores and loads still answer
+    at once."""
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "4", "--log-format", "text")
+    stop = threading.Event()
+    channels, calls = [], []           # the calls are kept: a call nobody holds is cancelled
+
+    def never():
+        stop.wait(60)
+        return
+        yield
+    try:
+        for name in ("Health", "Contains", "Stats") * 4:
+            channel = grpc.insecure_channel(server.address)
+            channels.append(channel)
+            calls.append(channel.stream_unary(method(name), lambda b: b, lambda b: b).future(never(), timeout=60))
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
+        client = Client(server.address, NS, timeout_s=3.0)
+        try:
+            items = chunks(2, seed=4)
+            assert client.write_chunks(items) == ()
+            bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+            assert client.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+        finally:
+            client.close()
+        assert time.monotonic() - start < 3
+    finally:
+        stop.set()
+        for channel in channels:
+            channel.close()
+        server.stop()
+
+
 def test_a_client_without_a_data_channel_slot_uses_grpc_streams(tmp_path):
     """Every data-channel slot this host may have (the per-peer cap) is held by a connection in the middle of a
     request, so none is idle to be closed for room: the client is told HELLO_BUSY and moves its chunks over

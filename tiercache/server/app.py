@@ -7,6 +7,7 @@ server starts warm.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -135,19 +136,19 @@ class CacheServer:
         limits = config.limits()
         inflight = InflightBytes(limits.max_inflight_bytes)
         self.service = CacheService(self.tenancy, config.max_message, limits, inflight)
-        hard = config.max_message * HARD_LIMIT_FACTOR
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc"),
-            handlers=[self.service.handler()],
-            options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
-                     ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=config.workers * 4,    # queued beyond the handler threads, then refused
-        )
+        # gRPC's asyncio server reads every request on its event loop and runs the (synchronous) handlers in
+        # the pool: a client that opens calls and never sends their request holds no handler thread
+        self._pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-grpc-loop", daemon=True)
+        self._loop_thread.start()
         try:
-            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
-        except RuntimeError:    # grpc: "Failed to bind to address"
-            self.port = 0
+            self._server, self.port = self._on_loop(self._make_server(config))
+        except BaseException:
+            self._end_loop()
+            raise
         if self.port == 0:
+            self._end_loop()
             raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port} (in use, or "
                                                      "not an address of this host)")
         self.data: DataServer | None = None
@@ -162,6 +163,27 @@ class CacheServer:
         self._stopped = threading.Event()
         self._metrics = None
 
+    async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
+        hard = config.max_message * HARD_LIMIT_FACTOR
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool, handlers=[self.service.handler()],
+            options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=config.workers * 4,    # queued beyond the handler threads, then refused
+        )
+        try:
+            return server, server.add_insecure_port(f"{config.host}:{config.port}")
+        except RuntimeError:    # grpc: "Failed to bind to address"
+            return server, 0
+
+    def _on_loop(self, coroutine, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _end_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def start(self) -> None:
         if self.config.metrics_port:   # first: a port in use is a config error before anything serves
             from tiercache.metrics import serve_metrics
@@ -169,7 +191,7 @@ class CacheServer:
                 self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
             except OSError as err:
                 raise ConfigError("--metrics-port", self.config.metrics_port, f"cannot listen: {err.strerror}") from None
-        self._server.start()
+        self._on_loop(self._server.start())
         if self.data is not None:
             self.data.start()
         log.info("serving on %s:%d", self.config.host, self.port,
@@ -184,7 +206,8 @@ class CacheServer:
         if self._stopped.is_set():
             return
         self.service.serving = False
-        self._server.stop(self.config.grace).wait()
+        self._on_loop(self._server.stop(self.config.grace))
+        self._end_loop()
         self.service.streams.close()
         if self.data is not None:
             self.data.stop()

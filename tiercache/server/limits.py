@@ -15,9 +15,13 @@
   between requests on the data channel, and a value must arrive at
   ``min_rate_bytes_s`` or faster. gRPC streams (``Put``, ``Get``) that stop
   moving for ``read_timeout_s`` are cancelled by a watchdog (`StreamWatch`).
-- **Slots.** At most ``max_streams`` gRPC streams at once (fewer than the
-  handler threads, so ``Health``, ``Contains`` and the other unary calls
-  always find a thread), further streams refused with ``RESOURCE_EXHAUSTED``;
+- **Slots.** gRPC runs as an asyncio server (`tiercache.server.app`): each
+  call's request is read on its event loop and only then handed to a
+  handler thread, so a unary call whose request never comes holds none. At
+  most ``max_streams`` gRPC streams at once — the streams' messages are read
+  in their handler threads — fewer than the handler threads, so ``Health``,
+  ``Contains`` and the other unary calls always find a thread; further
+  streams refused with ``RESOURCE_EXHAUSTED``;
   data-channel connections at most ``max_connections`` in all and
   ``max_connections_per_peer`` from one host, the oldest idle one dropped to
   make room, a client refused only when every connection is busy.
@@ -152,4 +156,14 @@ class StreamWatch:
                     del self._streams[sid]
             for _, context in stalled:
                 self.cancelled += 1
-                context.cancel()
+                _end(context)
+
+
+def _end(context: grpc.ServicerContext) -> None:
+    """End a stalled call from the watchdog's thread. The asyncio server's context for a synchronous handler
+    has no ``cancel``; its ``abort`` ends the call (the client sees DEADLINE_EXCEEDED, the handler's blocked
+    read raises) and raises here too, which is the watchdog's to swallow."""
+    try:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream stalled past the server's read timeout")
+    except Exception:
+        pass

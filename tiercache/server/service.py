@@ -227,9 +227,9 @@ class CacheService:
                         reply.present += 1
                     else:
                         reply.rejected.append(head.key)
-            except grpc.RpcError:        # cancelled (stalled past the read timeout) or gone: nobody to answer
+            except (grpc.RpcError, grpc.aio.AbortError):   # ended by the watchdog (stalled), or the client left
                 self.counters["streams_cancelled"] += 1
-                return b""
+                raise
         return reply.SerializeToString()
 
     def _admit(self, head: ChunkView) -> None:
