@@ -10,7 +10,8 @@ its tokens match the first's, and the server's peak RSS (sampled from /proc ever
   - 12 data-channel PUTs declaring 64 MiB values, sending half of each, then nothing (re-opened when dropped);
   - 8 gRPC Puts declaring a 1 TiB value (refused at once; sent again in a loop);
   - 8 gRPC Put streams that stop mid-chunk (re-opened when the server cancels them);
-  - 300 authenticated data-channel connections that say hello and then sit idle (re-opened when dropped).
+  - 300 authenticated data-channel connections that say hello and then sit idle (re-opened when dropped);
+  - 16 unary gRPC calls (Health, Contains) opened and never sent their request (re-opened as they end).
 Quiet and hostile runs alternate; medians are reported.
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def header_for(key: bytes, payload_bytes: int) -> bytes:
 
 
 class Hostile:
-    """The four kinds of clients above, kept up until `stop`."""
+    """The five kinds of clients above, kept up until `stop`."""
 
     def __init__(self, address: str, data_port: int) -> None:
         self.address = address
@@ -72,7 +73,8 @@ class Hostile:
         self._part = b"\1" * (32 * MiB)
 
     def start(self) -> None:
-        jobs = [self._declaring_put] * 12 + [self._one_tib] * 8 + [self._stalled_stream] * 8 + [self._idle_many]
+        jobs = ([self._declaring_put] * 12 + [self._one_tib] * 8 + [self._stalled_stream] * 8 + [self._idle_many]
+                + [self._silent_unary] * 16)
         for i, job in enumerate(jobs):
             t = threading.Thread(target=job, args=(i,), daemon=True)
             t.start()
@@ -133,6 +135,21 @@ class Hostile:
         while not self._stop.is_set():
             try:
                 put(stream(), timeout=120)
+            except grpc.RpcError:
+                self._stop.wait(0.1)
+        channel.close()
+
+    def _silent_unary(self, i: int) -> None:
+        channel = grpc.insecure_channel(self.address)
+        call = channel.stream_unary(method("Health" if i % 2 else "Contains"), lambda b: b, lambda b: b)
+
+        def nothing():
+            self._stop.wait(120)
+            return
+            yield
+        while not self._stop.is_set():
+            try:
+                call(nothing(), timeout=30)
             except grpc.RpcError:
                 self._stop.wait(0.1)
         channel.close()

@@ -121,6 +121,9 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     root.setLevel(level)
 
 
+MAX_CALLS = 4096   # concurrent gRPC calls: a call waiting for its client holds no thread, only its state
+
+
 class CacheServer:
     """A running server: `start`, then `wait` until `stop` (from a signal or another thread)."""
 
@@ -169,7 +172,7 @@ class CacheServer:
             migration_thread_pool=self._pool, handlers=[self.service.handler()],
             options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
                      ("grpc.so_reuseport", 0)],
-            maximum_concurrent_rpcs=config.workers * 4,    # queued beyond the handler threads, then refused
+            maximum_concurrent_rpcs=MAX_CALLS,    # calls in progress, waiting ones included; beyond, refused
         )
         try:
             return server, server.add_insecure_port(f"{config.host}:{config.port}")

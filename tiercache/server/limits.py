@@ -9,7 +9,8 @@
   allocated for them beyond it. Stored chunks are bounded by ``--capacity``
   (and ``--disk-capacity``), so the server's memory stays within capacity +
   in-flight budget + a constant (the interpreter, gRPC's own buffers: at most
-  ``max_streams`` messages of ``2 × --max-message``).
+  ``max_streams`` messages of ``2 × --max-message``, and ≈ 19 KiB per call in
+  progress, at most `tiercache.server.app.MAX_CALLS`).
 - **Time.** Every read from a client has a deadline of the server's own:
   ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
   between requests on the data channel, and a value must arrive at
