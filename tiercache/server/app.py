@@ -160,6 +160,7 @@ class CacheServer:
                 self.data = DataServer(self.tenancy, config.host, config.data_port, limits, inflight,
                                        counters=self.service.counters)
             except OSError as err:
+                self._end_loop()
                 raise ConfigError("--data-port", config.data_port,
                                   f"cannot listen on {config.host}:{config.data_port}: {err.strerror}") from None
             self.service.data_port = self.data.port
