@@ -190,6 +190,9 @@ def bench_accuracy(model_path: Path, names: list[str], dtype: str = "bfloat16", 
 
 
 def compare(name: str, base: list, runs: list, stats: dict) -> dict:
+    """How far ``runs`` (per request: tokens, log-softmax per step, hit tokens) are from ``base``: identical
+    first tokens and sequences, and — over each request's steps up to its first differing token, where both
+    saw the same context — |Δ logprob| of the base's token and KL(base ‖ run)."""
     first = same = 0
     dlogp: list[float] = []
     kl: list[float] = []
