@@ -125,31 +125,24 @@ class Hostile:
         channel.close()
 
     def _stalled_stream(self, i: int) -> None:
-        channel = grpc.insecure_channel(self.address)
-        put = channel.stream_unary(method("Put"), lambda b: b, lambda b: b)
         first = encode_chunk(NS, bytes([128 + i]) * 32, self._small, b"\0" * MiB, value_len=len(self._small) + 4 * MiB)
-
-        def stream():
-            yield first
-            self._stop.wait(120)
-        while not self._stop.is_set():
-            try:
-                put(stream(), timeout=120)
-            except grpc.RpcError:
-                self._stop.wait(0.1)
-        channel.close()
+        self._hold("Put", [first])
 
     def _silent_unary(self, i: int) -> None:
-        channel = grpc.insecure_channel(self.address)
-        call = channel.stream_unary(method("Health" if i % 2 else "Contains"), lambda b: b, lambda b: b)
+        self._hold("Health" if i % 2 else "Contains", [])
 
-        def nothing():
+    def _hold(self, name: str, sent: list[bytes]) -> None:
+        """Call ``name``, send ``sent`` and then nothing more, for as long as the server lets it stay open; again
+        whenever it ends."""
+        channel = grpc.insecure_channel(self.address)
+        call = channel.stream_unary(method(name), lambda b: b, lambda b: b)
+
+        def stream():
+            yield from sent
             self._stop.wait(120)
-            return
-            yield
         while not self._stop.is_set():
             try:
-                call(nothing(), timeout=30)
+                call(stream(), timeout=120)
             except grpc.RpcError:
                 self._stop.wait(0.1)
         channel.close()

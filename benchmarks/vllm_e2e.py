@@ -69,15 +69,16 @@ def child(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"phases": phases, "counters": counters}))
 
 
-def run_vllm(spec: dict, workdir: Path) -> dict:
+def run_vllm(spec: dict, workdir: Path, script: str = __file__, kv_cache_gib: int = 2) -> dict:
+    """``script --child SPEC OUT`` in a fresh process — vLLM as users run it, multiprocessing on — and its OUT."""
     n = len(list(workdir.glob("spec-*.json")))
     spec_path, out_path = workdir / f"spec-{n}.json", workdir / f"out-{n}.json"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-    if spec["tp"] == 2:
+    env.update({"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
+    if spec.get("tp", 1) == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    proc = subprocess.run([sys.executable, __file__, "--child", str(spec_path), str(out_path)], env=env,
+    proc = subprocess.run([sys.executable, script, "--child", str(spec_path), str(out_path)], env=env,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-4000:]}")

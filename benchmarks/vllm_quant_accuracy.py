@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_e2e import run_vllm  # noqa: E402   (the same child-process runner, this script as the child)
 
 
 def child(spec_path: str, out_path: str) -> None:
@@ -49,19 +49,6 @@ def child(spec_path: str, out_path: str) -> None:
     metrics = tiercache_metrics(llm) if spec["kv_transfer_config"] else None
     Path(out_path).write_text(json.dumps({"outputs": outputs, "logprobs": distributions, "cached": cached,
                                           "metrics": metrics}))
-
-
-def run_vllm(spec: dict, workdir: Path) -> dict:
-    n = len(list(workdir.glob("spec-*.json")))
-    spec_path, out_path = workdir / f"spec-{n}.json", workdir / f"out-{n}.json"
-    spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-    proc = subprocess.run([sys.executable, __file__, "--child", str(spec_path), str(out_path)], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(out_path.read_text())
 
 
 def connector(codec: str, disk: Path) -> dict:
@@ -99,14 +86,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tiercache-vllm-quant-") as tmp:
         workdir = Path(tmp)
         print("vLLM without the connector ...", file=sys.stderr, flush=True)
-        base = run_vllm(base_spec, workdir)
+        base = run_vllm(base_spec, workdir, __file__, 1)
         want = [(o, torch.tensor(lp), 0) for o, lp in zip(base["outputs"], base["logprobs"])]
         for codec in args.codecs.split(","):
             config = connector(codec, workdir / f"disk-{codec}")
             print(f"{codec}: storing ...", file=sys.stderr, flush=True)
-            run_vllm({**base_spec, "kv_transfer_config": config}, workdir)
+            run_vllm({**base_spec, "kv_transfer_config": config}, workdir, __file__, 1)
             print(f"{codec}: a fresh vLLM loading from disk ...", file=sys.stderr, flush=True)
-            got = run_vllm({**base_spec, "kv_transfer_config": config}, workdir)
+            got = run_vllm({**base_spec, "kv_transfer_config": config}, workdir, __file__, 1)
             runs = [(o, torch.tensor(lp), c) for o, lp, c in zip(got["outputs"], got["logprobs"], got["cached"])]
             row = compare(codec, want, runs, {"tiers": {"disk": {"loaded": got["metrics"].get("tier/disk/loaded", 0)}}})
             row["hit_tokens_per_request"] = round(statistics.mean(got["cached"]), 1)

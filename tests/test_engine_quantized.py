@@ -69,3 +69,14 @@ def test_a_damaged_quantized_file_is_a_miss(tmp_path):
     outputs, hit, stats = run("int8", **disk(tmp_path))
     assert hit == 0 and stats["disk"]["loaded"] == 0 and stats["disk"]["integrity_failures"] >= 1
     assert outputs == expect                                  # recomputed, as the first run computed them
+
+
+def test_the_disk_link_counts_the_bytes_a_quantized_chunk_takes(tmp_path):
+    """A link's rate limits and statistics pace what crosses it: the stored (quantized) bytes, not the raw."""
+    with engine("int8", disk={"enabled": True, "path": str(tmp_path), "write_mode": "write-through"}) as e:
+        run_sequential(e, PROMPTS[:1])
+        e.connector.drain()
+        sent = e.stats()["connector"]["transfers"]["host_disk"]["routes"]["cpu→disk"]["bytes"]
+        on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*.chunk"))
+        raw = e.stats()["connector"]["transfers"]["device_host"]["routes"]["device→cpu"]["bytes"]
+    assert sent == on_disk and 0 < on_disk < 0.55 * raw

@@ -56,6 +56,23 @@ def open_data(server, port: int) -> socket.socket:
     return sock
 
 
+def assert_a_client_stores_and_loads(server, n: int, seed: int, timeout_s: float) -> None:
+    """A real client's chunks go in and come back whole (their keys absent before, present after)."""
+    client = Client(server.address, NS, timeout_s=timeout_s)
+    try:
+        items = chunks(n, seed=seed)
+        keys = [m.key for m, _ in items]
+        assert client.contains(keys) == 0
+        assert client.write_chunks(items) == ()
+        assert client.contains(keys) == n
+        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+        assert client.read_chunks_into(list(zip(keys, bufs))) == [1 << 16] * n
+        assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
+        assert client.available
+    finally:
+        client.close()
+
+
 def test_values_declared_and_never_sent_cannot_grow_the_server_past_its_budget(tmp_path):
     """12 data-channel PUTs each declaring a 64 MiB value and sending 16 MiB of it, and 8 gRPC Puts declaring
     1 TiB: before, each declaration was given its buffer (12 × 16 MiB received into them; the gRPC pieces kept
@@ -169,19 +186,8 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
 
         start = time.monotonic()
         assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
-        client = Client(server.address, NS, timeout_s=5.0)
-        try:
-            items = chunks(4, seed=3)
-            keys = [m.key for m, _ in items]
-            assert client.contains(keys) == 0
-            assert client.write_chunks(items) == ()
-            assert client.contains(keys) == 4
-            bufs = [memoryview(bytearray(1 << 16)) for _ in items]
-            assert client.read_chunks_into(list(zip(keys, bufs))) == [1 << 16] * 4
-            assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
-            assert client.available and time.monotonic() - start < 3
-        finally:
-            client.close()
+        assert_a_client_stores_and_loads(server, 4, seed=3, timeout_s=5.0)
+        assert time.monotonic() - start < 3
 
         # And a real engine: one stores a workload through the server, a fresh one takes its prefixes back.
         spec = WorkloadSpec("shared-prefix", requests=3, prefix_tokens=256, output_tokens=2)
@@ -225,14 +231,7 @@ def test_calls_whose_request_never_comes_hold_no_handler_thread(tmp_path):
         time.sleep(0.5)
         start = time.monotonic()
         assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
-        client = Client(server.address, NS, timeout_s=3.0)
-        try:
-            items = chunks(2, seed=4)
-            assert client.write_chunks(items) == ()
-            bufs = [memoryview(bytearray(1 << 16)) for _ in items]
-            assert client.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
-        finally:
-            client.close()
+        assert_a_client_stores_and_loads(server, 2, seed=4, timeout_s=3.0)
         assert time.monotonic() - start < 3
     finally:
         stop.set()

@@ -77,25 +77,17 @@ def _write_json(path: str | None, data: dict) -> None:
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _capacity_list(text: str) -> list[int]:
-    try:
-        values = [parse_size(v.strip(), "--capacity-tokens") for v in text.split(",") if v.strip()]
-    except ConfigError as err:
-        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive token counts such as 1M,3M, got {text!r}")
-    return values
-
-
-
-def _byte_list(text: str) -> list[int]:
-    try:
-        values = [parse_size(v.strip(), "--capacity-bytes") for v in text.split(",") if v.strip()]
-    except ConfigError as err:
-        raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive sizes such as 64GiB,128GiB, got {text!r}")
-    return values
+def _size_list(flag: str, example: str):
+    """An argparse type: comma-separated positive sizes (``1M``, ``64GiB``), named ``flag`` in errors."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [parse_size(v.strip(), flag) for v in text.split(",") if v.strip()]
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(f"{err.reason}, got {text!r}") from None
+        if not values or any(v <= 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive values such as {example}, got {text!r}")
+        return values
+    return parse
 
 
 def _codec_list(text: str) -> list[str]:
@@ -252,9 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = bench.add_parser("trace", help="replay a Mooncake-format trace through the tiers' index and policies")
     t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
-    t.add_argument("--capacity-tokens", type=_capacity_list, default=[1_000_000, 3_000_000],
+    t.add_argument("--capacity-tokens", type=_size_list("--capacity-tokens", "1M,3M"), default=[1_000_000, 3_000_000],
                    help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
-    t.add_argument("--capacity-bytes", type=_byte_list, default=None,
+    t.add_argument("--capacity-bytes", type=_size_list("--capacity-bytes", "64GiB,128GiB"), default=None,
                    help="comma-separated capacities in bytes (e.g. 64GiB,128GiB) instead: each codec of --codecs "
                         "gets the tokens its chunks of --shape fit in them")
     t.add_argument("--codecs", type=_codec_list, default=["raw"], help="with --capacity-bytes, e.g. raw,int8")

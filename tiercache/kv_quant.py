@@ -26,8 +26,10 @@ recycled buffers, and decoding writes into the destination buffer.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -48,6 +50,7 @@ MIN_GROUP = 16             # below this many values per scale, scales cost more 
 _BITS = {"float32": (torch.int32, 0x7FFFFFFF), "bfloat16": (torch.int16, 0x7FFF), "float16": (torch.int16, 0x7FFF)}
 
 
+@functools.lru_cache(maxsize=64)
 def group_size(inner: int) -> int:
     """Values per scale for an innermost axis of ``inner`` values: `GROUP`, or the largest divisor of
     ``inner`` below it (32 for a 32-wide head)."""
@@ -88,7 +91,7 @@ class _Scratch(threading.local):
         return memoryview(buf)[:nbytes]
 
 
-class _GroupQuantCodec:
+class _GroupQuantCodec(ABC):
     """Shared by both formats: layout checks, scales, the piece loop. Subclasses map scaled values to
     codes and back."""
     name: ClassVar[str]
@@ -165,12 +168,13 @@ class _GroupQuantCodec:
             dst[start:end].copy_(work)
 
     # -- per format -----------------------------------------------------------------------------------
+    @abstractmethod
     def _to_codes(self, scaled: torch.Tensor, codes: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Write the codes of ``scaled`` (values within ±qmax) into ``codes``."""
 
+    @abstractmethod
     def _from_codes(self, codes: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
         """The values of ``codes`` as float32 in scratch, divided by `code_factor`."""
-        raise NotImplementedError
 
 
 class Int8Codec(_GroupQuantCodec):

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tiercache.bench.disk import drop_page_cache
+from tiercache.bench.disk import drop_page_cache, time_file_reads, time_file_writes
 from tiercache.bench.tiers import SHAPES
 from tiercache.codecs import ChunkLayout, codecs
 from tiercache.config import TierCacheConfig
@@ -57,32 +56,15 @@ def _disk_rates(raw: memoryview, copies: int, reps: int, directory: str | None) 
     whether the reads were cold (the page cache dropped before each, where that is permitted)."""
     root = Path(tempfile.mkdtemp(prefix="tiercache-codecs-", dir=directory))
     paths = [root / f"{i}.bin" for i in range(copies)]
-    sink = bytearray(len(raw))
-
-    def write() -> None:
-        for p in paths:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.write(fd, raw)
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-
-    def read() -> None:
-        for p in paths:
-            with open(p, "rb", buffering=0) as f:
-                f.readinto(sink)
-
-    cold = [False]
-
-    def cold_read() -> float:
-        cold[0] = drop_page_cache()
-        return _median(read, 1)
+    sink = memoryview(bytearray(len(raw)))
     try:
         nbytes = len(raw) * copies
-        write_s = _median(write, reps)
-        read_s = statistics.median(cold_read() for _ in range(reps))
-        return nbytes / write_s / 1e9, nbytes / read_s / 1e9, cold[0]
+        write_s = statistics.median(time_file_writes(paths, [raw] * copies, fsync=True) for _ in range(reps))
+        reads, cold = [], False
+        for _ in range(reps):
+            cold = drop_page_cache()
+            reads.append(time_file_reads(paths, sink))
+        return nbytes / write_s / 1e9, nbytes / statistics.median(reads) / 1e9, cold
     finally:
         for p in paths:
             p.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ def drop_page_cache() -> bool:
         return False
 
 
-def _raw_write(paths: list[Path], chunks: list[memoryview], fsync: bool) -> float:
+def time_file_writes(paths: list[Path], chunks: list[memoryview], fsync: bool) -> float:
     t = time.perf_counter()
     for path, data in zip(paths, chunks):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -48,7 +48,7 @@ def _raw_write(paths: list[Path], chunks: list[memoryview], fsync: bool) -> floa
     return time.perf_counter() - t
 
 
-def _raw_read(paths: list[Path], out: memoryview) -> float:
+def time_file_reads(paths: list[Path], out: memoryview) -> float:
     t = time.perf_counter()
     for path in paths:
         with open(path, "rb", buffering=0) as f:
@@ -88,14 +88,14 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
                     times["put"].append(filled.write_down())
 
                 def raw_write() -> None:
-                    times["raw_write"].append(_raw_write(raw_paths, src, fsync))
+                    times["raw_write"].append(time_file_writes(raw_paths, src, fsync))
 
                 def get() -> None:
                     times["get"].append(filled.promote_back(before=drop_page_cache))
 
                 def raw_read() -> None:
                     drop_page_cache()
-                    times["raw_read"].append(_raw_read(raw_paths, sink))
+                    times["raw_read"].append(time_file_reads(raw_paths, sink))
 
                 raw_first = rep % 2 == 0
                 for step in ((raw_write, put) if raw_first else (put, raw_write)):
