@@ -40,6 +40,7 @@ from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner
+from tiercache.wire.codec_pipeline import CodecThreads
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class LowerTier:
         raise NotImplementedError
 
     @staticmethod
-    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
         raise NotImplementedError
 
 
@@ -108,13 +109,13 @@ class DiskTierBuilder(LowerTier):
             raise ConfigError("disk.capacity", config.disk.capacity, str(err)) from None
 
     @staticmethod
-    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
         from tiercache.tiers.disk import DiskTransport
 
         d = config.disk
         try:
             return DiskTransport(d.path, storage, chunk_format(config), fsync=d.fsync, o_direct=d.o_direct,
-                                 writer=writer)
+                                 writer=writer, codec_threads=codec)
         except OSError as err:
             field = "disk.o_direct" if "O_DIRECT" in str(err) else "disk.path"
             raise ConfigError(field, d.o_direct if field == "disk.o_direct" else d.path,
@@ -143,13 +144,14 @@ class RedisTierBuilder(LowerTier):
                                               retry_interval_s=r.retry_interval, cluster=r.cluster))
 
     @staticmethod
-    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
         from tiercache.tiers.redis import RedisTransport
 
         r = config.redis
         transport = _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config), ttl_s=r.ttl,
                                                                timeout_s=r.timeout, retry_interval_s=r.retry_interval,
-                                                               cluster=r.cluster, writer=writer))
+                                                               cluster=r.cluster, writer=writer,
+                                                               codec_threads=codec))
         transport.check_health()
         return transport
 
@@ -179,13 +181,14 @@ class GrpcTierBuilder(LowerTier):
         return index
 
     @staticmethod
-    def transport(config: TierCacheConfig, storage: bytes, writer: bool) -> Transport:
+    def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
         from tiercache.tiers.grpc_client import GrpcTransport
 
         g = config.grpc
         transport = GrpcTransport(g.address, storage, chunk_format(config), auth_token=_grpc_token(config),
                                   timeout_s=g.timeout, retry_interval_s=g.retry_interval, max_message_bytes=g.max_message,
-                                  local=g.local, bulk=g.bulk, writer=writer, probe_timeout_s=g.lookup_timeout)
+                                  local=g.local, bulk=g.bulk, writer=writer, probe_timeout_s=g.lookup_timeout,
+                                  codec_threads=codec)
         transport.check_health()
         return transport
 
@@ -217,11 +220,14 @@ class WorkerStack:
     engine: TransferEngine
     transports: dict[str, Transport]
     handshake: WorkerHandshake
+    codec: CodecThreads | None      # the transports' codec threads (format.codec, transfer.codec_threads)
 
     def close(self) -> None:
         self.engine.close()
         for transport in self.transports.values():
             transport.close()
+        if self.codec is not None:
+            self.codec.close()
 
 
 def l1_slot_bytes(config: TierCacheConfig, block_bytes: int) -> int:
@@ -246,12 +252,17 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     slab = HostSlab(num_slots, slot_bytes, pin_memory=_pin(config.cpu.pin_memory), prefault=config.cpu.prefault)
     storage = namespace.storage_digest(config.keys.chunk_tokens, shard, lossy_codec(config))
     transports: dict[str, Transport] = {}
+    tiers = enabled_lower_tiers(config)
+    codec = CodecThreads(config.transfer.codec_threads, f"tiercache-codec-r{shard.rank}") \
+        if tiers and config.format.codec != "raw" and config.transfer.codec_threads else None
     try:
-        for name in enabled_lower_tiers(config):
-            transports[name] = lower_tiers.get(name).transport(config, storage, shard.writer)
+        for name in tiers:
+            transports[name] = lower_tiers.get(name).transport(config, storage, shard.writer, codec)
     except BaseException:
         for transport in transports.values():
             transport.close()
+        if codec is not None:
+            codec.close()
         raise
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits(),
                             name=f"tiercache-xfer-r{shard.rank}")
@@ -274,7 +285,7 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     log.info("tiercache rank %d/%d: L1 %d slots of %d B (%d B of cpu.capacity %d B), tiers %s", shard.rank,
              shard.num_ranks, num_slots, slot_bytes, num_slots * slot_bytes, config.cpu.capacity,
              [L1, *transports])
-    return WorkerStack(shard, storage, slab, engine, transports, handshake)
+    return WorkerStack(shard, storage, slab, engine, transports, handshake, codec)
 
 
 # -- scheduler side ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ chunk whatever its own configuration. A codec sees a chunk as a `ChunkLayout`
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -228,6 +229,13 @@ def _by_code(registry: Registry, code: int, what: str):
 
 def codec_by_code(code: int) -> type[Codec]:
     return _by_code(codecs, code, "codec")
+
+
+@functools.cache
+def decoder(code: int) -> Codec:
+    """The one instance that decodes payloads of codec ``code`` in this process (a codec's scratch is per
+    thread, so one instance serves every thread; a fresh one per chunk would fault its scratch in again)."""
+    return codec_by_code(code)()
 
 
 def checksum_by_code(code: int) -> type[Checksum]:

@@ -198,6 +198,8 @@ class FormatConfig:
 class TransferConfig:
     """Transfer threads, layerwise loading, and limits per link (rates in bytes/s; 0 = unlimited)."""
     workers: int = _opt(2, "transfer jobs run at once")
+    codec_threads: int = _opt(2, "threads encoding and decoding chunks (format.codec) beside the transfers' I/O, "
+                                 "each keeping to one core; 0: in line on the transfer threads")
     layerwise: bool = _opt(True, "loads land layer by layer, so layer l computes while l+1 copies")
     inline_host_copies: str = _opt("auto", "L0<->L1 copies on the engine's thread: auto (when L0 is on the CPU) | on | off")
     device_host_rate: int = _size(0, "device<->host (PCIe) bytes/s")
@@ -215,6 +217,7 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         _check(1 <= self.workers <= 64, "workers", self.workers, "must be between 1 and 64")
+        _check(0 <= self.codec_threads <= 64, "codec_threads", self.codec_threads, "must be between 0 and 64")
         _check(self.inline_host_copies in ("auto", "on", "off"), "inline_host_copies", self.inline_host_copies,
                "expected auto, on or off")
         for f in dataclasses.fields(self):

@@ -68,11 +68,11 @@ def _tensor(buf: Buffer, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Scratch(threading.local):
-    """One transfer thread's working memory: a piece's scratch, and the buffers its encoded payloads went
-    into. A writer may hold a batch's payloads until it has sent them all, so a payload buffer is handed
-    out again only once nothing references it any more (fresh memory for every chunk would pay a page
-    fault per 4 KiB). Writers that hold more than a few at once get fresh ones beyond those kept."""
-    MAX_PAYLOADS = 8
+    """One codec thread's working memory: a piece's scratch, and the buffers its encoded payloads went
+    into. A writer holds a payload until it has sent it, so a payload buffer is handed out again only once
+    nothing references it any more (fresh memory for every chunk would pay a page fault per 4 KiB); a
+    writer holding more than a few at once gets fresh ones beyond those kept."""
+    MAX_PAYLOADS = 4
 
     def __init__(self) -> None:
         self.work = torch.empty(PIECE, dtype=torch.float32)

@@ -1,9 +1,13 @@
 """What this machine (or the container it runs in) can give: memory, for the checks made before anything is
-allocated."""
+allocated; and cores, for a thread whose torch ops should keep to one."""
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")      # cgroup v2: a container's memory limit
 
@@ -17,3 +21,33 @@ def physical_memory() -> int:
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded into this process (its own copy of libgomp, or libiomp/libomp)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                name = os.path.basename(line.rsplit(None, 1)[-1])
+                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
+                    return ctypes.CDLL(line.rsplit(None, 1)[-1])
+    except OSError:
+        pass
+    return None
+
+
+def keep_torch_to_one_core() -> bool:
+    """Make the calling thread's torch ops run on one core, leaving every other thread's as they are.
+
+    ``torch.set_num_threads`` is process-wide (and new threads start from it); the size of an OpenMP team is
+    the starting thread's own setting, so this sets it for this thread alone, after torch's per-thread set-up
+    (which would reset it). False where torch does not run on an OpenMP runtime found here."""
+    import torch
+
+    torch.get_num_threads()              # torch's lazy per-thread set-up happens here, not after us
+    runtime = _openmp_runtime()
+    if runtime is None:
+        log.debug("no OpenMP runtime found: this thread's torch ops keep torch's thread count")
+        return False
+    runtime.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1

@@ -227,6 +227,9 @@ class DataServer:
         for _ in range(count):
             key = self._key(reader)
             (size,) = dw.U64.unpack(reader.exactly(dw.U64.size))
+            if size == 0:             # withdrawn by the client
+                outcomes.append(dw.PUT_REJECTED)
+                continue
             if not HEADER_BYTES <= size <= self.limits.max_value_bytes:
                 raise _Refused(f"a value of {size} bytes ({HEADER_BYTES}..{self.limits.max_value_bytes})")
             header = reader.exactly(HEADER_BYTES)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
 from tiercache.transfer.plan import Failure
 from tiercache.wire import data_frames as dw
+from tiercache.wire.codec_pipeline import Encoded
 from tiercache.wire.streams import ProtocolError, StreamReader, kernel_timeouts
 
 Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | Failure"]
@@ -137,13 +137,16 @@ class DataChannel:
             return out
         return self._exchange("GET", body)
 
-    def put(self, chunks: Sequence[tuple[BlockHash, Buffer, Buffer]]) -> list[int]:
-        """One ``PUT`` of (key, header, payload) each; the server's outcome per chunk. Raises ConnectionError."""
+    def put(self, count: int, chunks: Iterable[Encoded]) -> list[int]:
+        """One ``PUT`` of ``count`` chunks, each header and payload sent from where they lie; a chunk the codec
+        refused is withdrawn (length 0: the server stores nothing). The server's outcome per chunk. Raises
+        ConnectionError."""
         def body(sock: socket.socket, reader: StreamReader) -> list[int]:
-            sock.sendall(self._request(dw.OP_PUT, len(chunks)))
-            for key, header, payload in chunks:
-                data = memoryview(payload).cast("B")
-                sock.sendall(b"".join([dw.key_field(key), dw.U64.pack(len(header) + len(data)), header]))
-                sock.sendall(data)
-            return list(reader.exactly(len(chunks)))
+            sock.sendall(self._request(dw.OP_PUT, count))
+            for chunk in chunks:
+                size = 0 if chunk.refused else len(chunk.header) + len(chunk.payload)
+                sock.sendall(b"".join([dw.key_field(chunk.meta.key), dw.U64.pack(size), chunk.header]))
+                if size:
+                    sock.sendall(chunk.payload)
+            return list(reader.exactly(count))
         return self._exchange("PUT", body)

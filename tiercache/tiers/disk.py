@@ -41,7 +41,8 @@ from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_files import ALIGN, WRITE_PIECE, ScanResult, chunk_path, scan_chunk_files, write_chunk_file
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 from tiercache.wire.grpc_messages import ChunkPieces
-from tiercache.wire.values import FileSource, PayloadStaging, receive_value
+from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, Encoded, ReadBatch
+from tiercache.wire.values import FileSource, receive_value
 from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ class DiskTransport(Transport):
     medium = Medium.DISK
 
     def __init__(self, root: str | os.PathLike[str], storage: bytes, fmt: ChunkFormat | None = None,
-                 fsync: bool = False, o_direct: bool = False, name: str = "disk", writer: bool = True) -> None:
+                 fsync: bool = False, o_direct: bool = False, name: str = "disk", writer: bool = True,
+                 codec_threads: CodecThreads | None = None) -> None:
         self.name = name
         self.storage = storage
         self.fmt = fmt or ChunkFormat()
@@ -140,7 +142,7 @@ class DiskTransport(Transport):
         self.dir = Path(root) / storage.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._staging = threading.local()
-        self._payloads = PayloadStaging()
+        self._codec = CodecPipeline(self.fmt, codec_threads)
         self._warn = ThrottledLog(log)     # a full or failing disk: one line per kind and 10 s, with a count
         if o_direct:
             self._probe_o_direct()
@@ -160,21 +162,30 @@ class DiskTransport(Transport):
         if not self.writer:
             return ()
         failed = []
-        for meta, raw in items:
+        for chunk in self._codec.encoded(items):
+            key = chunk.meta.key
+            if chunk.refused:
+                self._warn.warning("refused", "chunk %s… not stored in %s: %s", key.hex()[:16], self.name,
+                                   chunk.refused)
+                failed.append((key, Failure.IO))
+                continue
             try:
-                self.write_chunk(meta, raw)
+                self._write_encoded(chunk)
             except OSError as err:
-                self._warn.warning("write", "writing chunk %s… to %s failed: %s", meta.key.hex()[:16], self.name,
+                self._warn.warning("write", "writing chunk %s… to %s failed: %s", key.hex()[:16], self.name,
                               err)
-                failed.append((meta.key, Failure.IO))
+                failed.append((key, Failure.IO))
         return tuple(failed)
 
     def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
-        """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure."""
+        """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure, and
+        `NonFiniteKVError` for KV its codec refuses."""
         header, payload = self.fmt.encode_parts(meta, raw)
-        body = memoryview(payload).cast("B")
-        staging = self._aligned(len(header) + len(body)) if self.o_direct else None
-        write_chunk_file(self.path(meta.key), memoryview(header), body, self.fsync, staging)
+        self._write_encoded(Encoded(meta, header, memoryview(payload).cast("B")))
+
+    def _write_encoded(self, chunk: Encoded) -> None:
+        staging = self._aligned(len(chunk.header) + len(chunk.payload)) if self.o_direct else None
+        write_chunk_file(self.path(chunk.meta.key), memoryview(chunk.header), chunk.payload, self.fsync, staging)
 
     def delete_chunks(self, keys: Sequence[BlockHash]) -> None:
         if not self.writer:
@@ -189,31 +200,43 @@ class DiskTransport(Transport):
     # -- reads ---------------------------------------------------------------
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
         out: list[int | Failure] = []
-        for key, buf in items:
-            try:
-                out.append(self.read_chunk_into(key, buf))
-            except FileNotFoundError:
-                self._warn.warning("missing", "chunk %s… is missing from %s", key.hex()[:16], self.dir)
-                out.append(Failure.MISS)
-            except ChunkFormatError as err:
-                self._warn.warning("corrupt", "chunk %s… in %s failed verification: %s", key.hex()[:16], self.name,
-                              err)
-                out.append(Failure.CORRUPT)
-            except (OSError, ConnectionError) as err:
-                self._warn.warning("read", "reading chunk %s… from %s failed: %s", key.hex()[:16], self.name, err)
-                out.append(Failure.IO)
-        return out
+        with self._codec.reads() as reads:
+            for key, buf in items:
+                try:
+                    out.append(self._read_into(key, buf, reads))
+                except FileNotFoundError:
+                    self._warn.warning("missing", "chunk %s… is missing from %s", key.hex()[:16], self.dir)
+                    out.append(Failure.MISS)
+                except ChunkFormatError as err:
+                    out.append(self._corrupt(key, err))
+                except (OSError, ConnectionError) as err:
+                    self._warn.warning("read", "reading chunk %s… from %s failed: %s", key.hex()[:16], self.name,
+                                       err)
+                    out.append(Failure.IO)
+        return [self._corrupt(key, reads.failed[key]) if key in reads.failed else got
+                for (key, _), got in zip(items, out)]
+
+    def _corrupt(self, key: BlockHash, err: ChunkFormatError) -> Failure:
+        self._warn.warning("corrupt", "chunk %s… in %s failed verification: %s", key.hex()[:16], self.name, err)
+        return Failure.CORRUPT
 
     def read_chunk_into(self, key: BlockHash, out: memoryview) -> int:
         """Read and verify one chunk, leaving its raw bytes at the start of ``out``; returns their length.
         Raises `ChunkFormatError` for a corrupt, truncated or foreign file and OSError when it cannot be read."""
+        with self._codec.reads() as reads:
+            n = self._read_into(key, out, reads)
+        if key in reads.failed:
+            raise reads.failed[key]
+        return n
+
+    def _read_into(self, key: BlockHash, out: memoryview, reads: ReadBatch) -> int:
         if self.o_direct:
-            return self._read_direct(key, out)
+            return self._read_direct(key, out, reads)
         with open(self.path(key), "rb", buffering=0) as f:
-            return receive_value(FileSource(f), os.fstat(f.fileno()).st_size, self.storage, key, out, self._payloads,
+            return receive_value(FileSource(f), os.fstat(f.fileno()).st_size, self.storage, key, out, reads,
                                  self.fmt.signer)
 
-    def _read_direct(self, key: BlockHash, out: memoryview) -> int:
+    def _read_direct(self, key: BlockHash, out: memoryview, reads: ReadBatch) -> int:
         fd = os.open(self.path(key), os.O_RDONLY | os.O_DIRECT)
         try:
             size = os.fstat(fd).st_size
@@ -227,7 +250,7 @@ class DiskTransport(Transport):
                 got += n
         finally:
             os.close(fd)
-        return receive_value(ChunkPieces([buf[:got]]), got, self.storage, key, out, self._payloads, self.fmt.signer)
+        return receive_value(ChunkPieces([buf[:got]]), got, self.storage, key, out, reads, self.fmt.signer)
 
     # -- O_DIRECT staging ----------------------------------------------------
     def _probe_o_direct(self) -> None:

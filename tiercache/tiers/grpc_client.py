@@ -33,6 +33,7 @@ seen within seconds).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire import data_frames as dw
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.codec_pipeline import CodecThreads, Encoded, ReadBatch
 from tiercache.wire.grpc_messages import PART_BYTES, ChunkPieces, ChunkView, WireError, read_chunk, split_chunk
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,8 @@ class GrpcTransport(RemoteTransport):
     def __init__(self, address: str, storage: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
                  name: str = "grpc", local: str = "auto", bulk: str = "auto", writer: bool = True,
-                 probe_timeout_s: float = 0.25) -> None:
-        super().__init__(name, storage, fmt, retry_interval_s, writer, where=address)
+                 probe_timeout_s: float = 0.25, codec_threads: CodecThreads | None = None) -> None:
+        super().__init__(name, storage, fmt, retry_interval_s, writer, where=address, codec_threads=codec_threads)
         for what, mode in (("local", local), ("bulk", bulk)):
             if mode not in PATH_MODES:
                 raise ValueError(f"grpc tier {what} must be auto or off, got {mode!r}")
@@ -200,10 +202,12 @@ class GrpcTransport(RemoteTransport):
 
     def _write_streams(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         """One streamed gRPC ``Put``."""
+        refused: list[tuple[BlockHash, Failure]] = []
+
         def messages() -> Iterator[bytes]:
-            for meta, raw in items:
-                header, payload = self.fmt.encode_parts(meta, raw)
-                yield from split_chunk(self.storage, meta.key, header, payload, self.part_bytes)
+            for chunk in self._codec.encoded(items):
+                if not self._refused(chunk, refused):
+                    yield from split_chunk(self.storage, chunk.meta.key, chunk.header, chunk.payload, self.part_bytes)
 
         nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
         try:
@@ -214,13 +218,21 @@ class GrpcTransport(RemoteTransport):
             self._failed("store", err)
             return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
-        return tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
+        return tuple(refused) + tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
     def _write_local(self, local: SharedDirectory, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures | None:
         """Write the chunks as files for the server and ``Adopt`` them; returns the keys not stored, or None
         when the files could not be written (the caller sends them over the network)."""
+        refused: list[tuple[BlockHash, Failure]] = []
+        kept: list[BlockHash] = []
+
+        def files() -> Iterator[tuple[bytes, memoryview]]:
+            for chunk in self._codec.encoded(items):
+                if not self._refused(chunk, refused):
+                    kept.append(chunk.meta.key)
+                    yield chunk.header, chunk.payload
         try:
-            names = local.write([self.fmt.encode_parts(meta, raw) for meta, raw in items])
+            names = local.write(files())
         except OSError as err:     # no permission, tmpfs full, directory gone: the network until the next outage
             log.warning("grpc tier %s: writing chunk files to %s failed (%s); moving chunks over the network",
                         self.name, local.incoming, err)
@@ -228,7 +240,7 @@ class GrpcTransport(RemoteTransport):
             if paths is not None:
                 self._known_paths = _Paths(None, paths.bulk)
             return None
-        request = pb.AdoptRequest(namespace=self.storage, keys=[m.key for m, _ in items], files=names)
+        request = pb.AdoptRequest(namespace=self.storage, keys=kept, files=names)
         reply = pb.PutReply()
         try:
             reply.ParseFromString(self._server.adopt(request.SerializeToString(), timeout=self.timeout_s,
@@ -238,7 +250,7 @@ class GrpcTransport(RemoteTransport):
             self._failed("store", err)
             return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
-        return tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
+        return tuple(refused) + tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
     def _on_bulk(self, bulk: DataChannel, call: Callable[[DataChannel], list]) -> list:
         """``call`` on the data channel; a kept connection that failed (the server may have restarted, on
@@ -254,19 +266,26 @@ class GrpcTransport(RemoteTransport):
             return call(bulk)
 
     def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
-        """One ``PUT`` on the data channel: each chunk's header and payload sent as they are; raises
-        `DataChannelBusy` when no connection could be had."""
-        chunks = [(meta.key, *self.fmt.encode_parts(meta, raw)) for meta, raw in items]
+        """One ``PUT`` on the data channel: each chunk's header and payload sent as they are (a chunk the codec
+        refused is withdrawn); raises `DataChannelBusy` when no connection could be had."""
+        refused: list[tuple[BlockHash, Failure]] = []
+
+        def chunks() -> Iterator[Encoded]:       # a fresh encoding for each try
+            refused.clear()
+            for chunk in self._codec.encoded(items):
+                self._refused(chunk, refused)
+                yield chunk
         try:
-            outcomes = self._on_bulk(bulk, lambda channel: channel.put(chunks))
+            outcomes = self._on_bulk(bulk, lambda channel: channel.put(len(items), chunks()))
         except DataChannelBusy:
             raise                  # the caller moves them over gRPC streams
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("store", err)
             return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
         self._outage.succeeded()
-        return tuple((meta.key, Failure.IO) for (meta, _), outcome in zip(items, outcomes)
-                     if outcome == dw.PUT_REJECTED)
+        withdrawn = {key for key, _ in refused}
+        return tuple(refused) + tuple((meta.key, Failure.IO) for (meta, _), outcome in zip(items, outcomes)
+                                      if outcome == dw.PUT_REJECTED and meta.key not in withdrawn)
 
     # -- loads ---------------------------------------------------------------
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
@@ -281,12 +300,19 @@ class GrpcTransport(RemoteTransport):
         except grpc.RpcError as err:
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)
+        with self._codec.reads() as reads:
+            out = self._read_batch(paths, items, reads)
+        return self._settled(items, out, reads)
+
+    def _read_batch(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]],
+                    reads: ReadBatch) -> list[int | Failure]:
         if paths.local is None:
-            return self._read_network(paths, items)
+            return self._read_network(paths, items, reads)
+        receive = functools.partial(self.receive, reads)
         out: list[int | Failure] = [Failure.MISS] * len(items)
         remote, read = [], []
         for i, (key, buf) in enumerate(items):
-            got = paths.local.read(key, buf, self.receive)
+            got = paths.local.read(key, buf, receive)
             if got is ABSENT:
                 remote.append(i)
             else:
@@ -300,26 +326,28 @@ class GrpcTransport(RemoteTransport):
             except grpc.RpcError as err:   # the bytes are here and verified; only the server's bookkeeping missed
                 log.debug("grpc tier %s: Touch failed: %s", self.name, err)
         if remote:
-            for i, got in zip(remote, self._read_network(paths, [items[i] for i in remote])):
+            for i, got in zip(remote, self._read_network(paths, [items[i] for i in remote], reads)):
                 out[i] = got
         return out
 
-    def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+    def _read_network(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]],
+                      reads: ReadBatch) -> list[int | Failure]:
         if paths.bulk is None:
-            return self._read_remote(items)
+            return self._read_remote(items, reads)
+        receive = functools.partial(self.receive, reads)
         try:
-            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, self.receive))
+            out = self._on_bulk(paths.bulk, lambda channel: channel.get(items, receive))
         except DataChannelBusy as err:
             self._warn.warning("bulk busy", "grpc tier %s: %s; moving these chunks over gRPC streams", self.name,
                                err)
-            return self._read_remote(items)
+            return self._read_remote(items, reads)
         except (ConnectionError, grpc.RpcError) as err:
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)
         self._outage.succeeded()
         return out
 
-    def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+    def _read_remote(self, items: Sequence[tuple[BlockHash, memoryview]], reads: ReadBatch) -> list[int | Failure]:
         """One streamed gRPC ``Get``."""
         out: list[int | Failure] = [Failure.MISS] * len(items)
         request = pb.GetRequest(namespace=self.storage, keys=[k for k, _ in items]).SerializeToString()
@@ -330,7 +358,7 @@ class GrpcTransport(RemoteTransport):
                 got = read_chunk(stream)
                 if got is None:
                     break
-                out[i] = self._place(item, got[0], got[1])
+                out[i] = self._place(reads, item, got[0], got[1])
         except grpc.RpcError as err:
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)
@@ -340,7 +368,8 @@ class GrpcTransport(RemoteTransport):
         self._outage.succeeded()
         return out
 
-    def _place(self, item: tuple[BlockHash, memoryview], head: ChunkView, pieces: list[memoryview]) -> int | Failure:
+    def _place(self, reads: ReadBatch, item: tuple[BlockHash, memoryview], head: ChunkView,
+               pieces: list[memoryview]) -> int | Failure:
         """Verify one chunk received as message pieces into the item's buffer."""
         key, buf = item
         if not head.value:
@@ -349,4 +378,4 @@ class GrpcTransport(RemoteTransport):
             self._warn.warning("foreign", "grpc tier %s: the server answered for another namespace or key",
                           self.name)
             return Failure.CORRUPT
-        return self.receive(ChunkPieces(pieces), head.total, key, buf)
+        return self.receive(reads, ChunkPieces(pieces), head.total, key, buf)

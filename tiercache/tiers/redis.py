@@ -37,6 +37,7 @@ from tiercache.tiers.resp import (ProtocolError, RangedReads, RangedValue, Reply
                                   command, set_command)
 from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.codec_pipeline import CodecThreads, ReadBatch
 from tiercache.wire.grpc_messages import ChunkPieces
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,8 @@ class RedisIndex(RemoteIndex):
 class RedisTransport(RemoteTransport):
     def __init__(self, url: str, storage: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False,
-                 name: str = "redis", writer: bool = True) -> None:
-        super().__init__(name, storage, fmt, retry_interval_s, writer, where=url)
+                 name: str = "redis", writer: bool = True, codec_threads: CodecThreads | None = None) -> None:
+        super().__init__(name, storage, fmt, retry_interval_s, writer, where=url, codec_threads=codec_threads)
         self.ttl_s = ttl_s
         self._errors = transport_errors()
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -163,22 +164,25 @@ class RedisTransport(RemoteTransport):
             return [(meta.key, Failure.UNAVAILABLE) for meta, _ in items]
         if self._direct:
             return self._write_direct(items)
+        refused: list[tuple[BlockHash, Failure]] = []
+        sent: list[ChunkMeta] = []
         try:
             pipe = self._client.pipeline(transaction=False)
-            for i, (meta, raw) in enumerate(items):
-                header, payload = self.fmt.encode_parts(meta, raw)
-                body = memoryview(payload).cast("B")
-                value = self._staging(i, len(header) + len(body))
-                value[:len(header)] = header
-                copy_into(value, body, len(header))
-                pipe.set(self._rkey(meta.key), value, ex=self.ttl_s or None, nx=True)
+            for chunk in self._codec.encoded(items):
+                if self._refused(chunk, refused):
+                    continue
+                value = self._staging(len(sent), len(chunk.header) + len(chunk.payload))
+                value[:len(chunk.header)] = chunk.header
+                copy_into(value, chunk.payload, len(chunk.header))
+                pipe.set(self._rkey(chunk.meta.key), value, ex=self.ttl_s or None, nx=True)
+                sent.append(chunk.meta)
             results = pipe.execute(raise_on_error=False)
         except self._errors as err:
             self._failed("store", err)
             return [(meta.key, Failure.UNAVAILABLE) for meta, _ in items]
         self._outage.succeeded()
         # True: stored; None: NX found the chunk there already (kept); an exception: refused
-        return [(meta.key, Failure.IO) for (meta, _), r in zip(items, results) if isinstance(r, Exception)]
+        return refused + [(meta.key, Failure.IO) for meta, r in zip(sent, results) if isinstance(r, Exception)]
 
     def _staging(self, index: int, nbytes: int) -> memoryview:
         """Reusable per-thread buffer ``index`` of at least ``nbytes`` (cluster path: a value is header +
@@ -197,15 +201,18 @@ class RedisTransport(RemoteTransport):
         there is kept: its key names the tokens whose KV it holds, so any replica's copy serves, and a rewrite
         could tear a ranged read running on another replica."""
         def run(sock: socket.socket, reader: ReplyReader) -> list[tuple[BlockHash, Failure]]:
-            for meta, raw in items:
-                header, payload = self.fmt.encode_parts(meta, raw)
-                body = memoryview(payload).cast("B")
-                before, after = set_command(self._rkey(meta.key), len(header) + len(body), self.ttl_s, only_new=True)
-                sock.sendall(before + header)
-                sock.sendall(body)
+            failed: list[tuple[BlockHash, Failure]] = []
+            sent: list[ChunkMeta] = []
+            for chunk in self._codec.encoded(items):
+                if self._refused(chunk, failed):
+                    continue
+                before, after = set_command(self._rkey(chunk.meta.key), len(chunk.header) + len(chunk.payload),
+                                            self.ttl_s, only_new=True)
+                sock.sendall(before + chunk.header)
+                sock.sendall(chunk.payload)
                 sock.sendall(after)
-            failed = []
-            for meta, _ in items:
+                sent.append(chunk.meta)
+            for meta in sent:
                 try:
                     reader.set_reply()     # False: the chunk was there already, and is kept
                 except ReplyError as err:      # e.g. OOM under maxmemory noeviction: this chunk only
@@ -231,13 +238,15 @@ class RedisTransport(RemoteTransport):
         the chunks read get a full one again."""
         if not self.available:
             return [Failure.UNAVAILABLE] * len(items)
-        out = self._read_direct(items) if self._direct else self._read_pipelined(items)
+        with self._codec.reads() as reads:
+            out = self._read_direct(items, reads) if self._direct else self._read_pipelined(items, reads)
+        out = self._settled(items, out, reads)
         hits = [key for (key, _), got in zip(items, out) if not isinstance(got, Failure)]
         if self.ttl_s and hits:
             self._refresh_ttl(hits)
         return out
 
-    def _read_pipelined(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+    def _read_pipelined(self, items: Sequence[tuple[BlockHash, memoryview]], reads: ReadBatch) -> list[int | Failure]:
         """redis-py's pipelined ``GET``s (a cluster's client routes each to its node)."""
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -249,7 +258,7 @@ class RedisTransport(RemoteTransport):
             return [Failure.UNAVAILABLE] * len(items)
         self._outage.succeeded()
         return [Failure.MISS if value is None else
-                self.receive(ChunkPieces([memoryview(value)]), len(value), key, buf)
+                self.receive(reads, ChunkPieces([memoryview(value)]), len(value), key, buf)
                 for (key, buf), value in zip(items, values)]
 
     def _refresh_ttl(self, keys: Sequence[BlockHash]) -> None:
@@ -289,7 +298,7 @@ class RedisTransport(RemoteTransport):
         self._outage.succeeded()
         return out
 
-    def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+    def _read_direct(self, items: Sequence[tuple[BlockHash, memoryview]], reads: ReadBatch) -> list[int | Failure]:
         """Pipelined ``STRLEN``s, then each present value read in ``GETRANGE`` pieces (`RangedReads`)
         into its buffer, verified as it lands."""
         def run(sock: socket.socket, reader: ReplyReader) -> list[int | Failure]:
@@ -297,7 +306,7 @@ class RedisTransport(RemoteTransport):
             lengths = [self._strlen(reader, key) for key, _ in items]
             present = [(self._rkey(key), n) for (key, _), n in zip(items, lengths) if isinstance(n, int) and n]
             ranges = RangedReads(sock, reader, present)
-            return [self._receive(ranges.value(), n, key, buf) if isinstance(n, int) and n else
+            return [self._receive(reads, ranges.value(), n, key, buf) if isinstance(n, int) and n else
                     (Failure.MISS if n == 0 else n) for (key, buf), n in zip(items, lengths)]
         return self._on_connection("load", run, [Failure.UNAVAILABLE] * len(items))
 
@@ -310,11 +319,11 @@ class RedisTransport(RemoteTransport):
                           key.hex()[:16], err)
             return Failure.CORRUPT
 
-    def _receive(self, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> int | Failure:
+    def _receive(self, reads: ReadBatch, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> int | Failure:
         """Read one value into ``buf``; a value that changed while it was read (replaced or deleted by another
         client between its ranges) is a miss."""
         try:
-            got = self.receive(value, n, key, buf)
+            got = self.receive(reads, value, n, key, buf)
         except ValueChanged as err:
             log.info("redis tier %s: chunk %s… changed while it was read: %s", self.name, key.hex()[:16], err)
             got = Failure.MISS

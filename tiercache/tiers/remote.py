@@ -36,7 +36,8 @@ from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.outage import Outage
 from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat
-from tiercache.wire.values import PayloadStaging, ValueSource, receive_value
+from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, Encoded, ReadBatch
+from tiercache.wire.values import ValueSource, receive_value
 from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
@@ -196,13 +197,13 @@ class RemoteTransport(Transport):
     medium = Medium.REMOTE
 
     def __init__(self, name: str, storage: bytes, fmt: ChunkFormat | None, retry_interval_s: float,
-                 writer: bool = True, where: str = "") -> None:
+                 writer: bool = True, where: str = "", codec_threads: CodecThreads | None = None) -> None:
         self.name = name
         self.storage = storage
         self.fmt = fmt or ChunkFormat()
         self.writer = writer
         self._outage = Outage(name, retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
-        self._payloads = PayloadStaging()
+        self._codec = CodecPipeline(self.fmt, codec_threads)
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
         self.errors = 0
         self._lock = threading.Lock()
@@ -223,12 +224,31 @@ class RemoteTransport(Transport):
     def close(self) -> None:
         self._outage.close()
 
-    def receive(self, source: ValueSource, n: int, key: BlockHash, buf: memoryview) -> int | Failure:
-        """One value from ``source`` into ``buf``, verified (`receive_value`): its raw length, or
-        `Failure.CORRUPT` for a value that is there but must not be served. Transport errors propagate."""
+    def receive(self, reads: ReadBatch, source: ValueSource, n: int, key: BlockHash,
+                buf: memoryview) -> int | Failure:
+        """One value from ``source`` into ``buf``, verified (`receive_value`, its decode in ``reads``): its raw
+        length, or `Failure.CORRUPT` for a value that is there but must not be served. Transport errors
+        propagate."""
         try:
-            return receive_value(source, n, self.storage, key, buf, self._payloads, self.fmt.signer)
+            return receive_value(source, n, self.storage, key, buf, reads, self.fmt.signer)
         except ChunkFormatError as err:
-            self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name,
-                          key.hex()[:16], err)
-            return Failure.CORRUPT
+            return self._corrupt(key, err)
+
+    def _corrupt(self, key: BlockHash, err: ChunkFormatError) -> Failure:
+        self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
+        return Failure.CORRUPT
+
+    def _refused(self, chunk: Encoded, failed: list[tuple[BlockHash, Failure]]) -> bool:
+        """Whether the codec refused ``chunk`` (inf or nan KV): then it is logged and failed, and not sent."""
+        if chunk.refused is None:
+            return False
+        self._warn.warning("refused", "%s tier: chunk %s… not stored: %s", self.name, chunk.meta.key.hex()[:16],
+                           chunk.refused)
+        failed.append((chunk.meta.key, Failure.IO))
+        return True
+
+    def _settled(self, items: Sequence[tuple[BlockHash, memoryview]], out: list[int | Failure],
+                 reads: ReadBatch) -> list[int | Failure]:
+        """A closed batch's results: a chunk whose payload failed its checks on the codec thread is corrupt."""
+        return [self._corrupt(key, reads.failed[key]) if key in reads.failed and not isinstance(got, Failure)
+                else got for (key, _), got in zip(items, out)]

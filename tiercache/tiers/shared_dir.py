@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tiercache.codecs import Buffer
@@ -69,7 +69,7 @@ class SharedDirectory:
             except (OSError, ConnectionError):
                 return ABSENT
 
-    def write(self, chunks: Sequence[tuple[Buffer, Buffer]]) -> list[str]:
+    def write(self, chunks: Iterable[tuple[Buffer, Buffer]]) -> list[str]:
         """Write each (header, payload) as a new file in ``incoming/``; returns their names, for ``Adopt``.
         Raises OSError, leaving none of its files behind."""
         names: list[str] = []

@@ -18,7 +18,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from tiercache.codecs import Buffer, ChunkLayout, checksum_by_code, checksums, codec_by_code, codecs
+from tiercache.codecs import Buffer, ChunkLayout, checksum_by_code, checksums, codecs, decoder
 from tiercache.errors import (
     ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, SignatureError,
     TruncatedChunkError,
@@ -214,7 +214,7 @@ def verify_payload_into(parsed: ParsedHeader, payload: Buffer, out: memoryview,
     """Check a payload against its parsed header and decode it into ``out`` (at least its raw length)."""
     check_payload(parsed, payload, signer)
     meta, codec_code = parsed[0], parsed[1]
-    codec_by_code(codec_code)().decode_into(memoryview(payload).cast("B"), meta.layout, out)
+    decoder(codec_code).decode_into(memoryview(payload).cast("B"), meta.layout, out)
 
 
 def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None,

@@ -18,6 +18,7 @@ Frames (integers little-endian)::
                 server: count × (u64 value length | value)        length 0: not present
       PUT       count × (u8 key length | key | u64 value length | value)
                 server: count × u8 outcome (PUT_STORED, PUT_PRESENT, PUT_REJECTED)
+                value length 0: withdrawn (the client's codec refused that chunk): nothing stored, PUT_REJECTED
 
 A value is one chunk in the stored chunk format (header + payload), as on
 gRPC: the server checks each header it receives against namespace and key,

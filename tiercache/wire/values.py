@@ -6,22 +6,23 @@ from a `ValueSource` by `receive_value`: the header into a scratch and
 checked against the namespace and key, then a raw payload straight into its
 destination (an L1 slot), hashed piece by piece as it lands (verifying as a
 separate pass over 32 MiB cost 13% of the data channel's rate, in 4 MiB
-pieces about 8%), or a compressed payload into a per-thread staging buffer,
-verified and decoded into place. A value that fails any check raises a
+pieces about 8%), or an encoded payload into one of its batch's landing buffers,
+verified and decoded into place (`tiercache.wire.codec_pipeline`: on a codec
+thread, while the next value comes in). A value that fails any check raises a
 `ChunkFormatError` after all of its bytes were consumed, so a stream stays in
 step; transport errors propagate as they are.
 """
 from __future__ import annotations
 
 import os
-import threading
 from typing import Protocol
 
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureError, TruncatedChunkError
 from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import (
-    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum, verify_payload_into,
+    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum,
 )
+from tiercache.wire.codec_pipeline import ReadBatch
 
 VERIFY_PIECE = 4 << 20    # a raw payload is hashed in pieces of this size as each lands (still in cache)
 
@@ -61,24 +62,12 @@ class FileSource:
         self._f.seek(n, os.SEEK_CUR)
 
 
-class PayloadStaging:
-    """A reusable per-thread buffer for compressed payloads (fresh memory per chunk pays page faults)."""
-
-    def __init__(self) -> None:
-        self._thread = threading.local()
-
-    def __call__(self, nbytes: int) -> memoryview:
-        buf = getattr(self._thread, "payload", None)
-        if buf is None or len(buf) < nbytes:
-            buf = self._thread.payload = bytearray(nbytes)
-        return memoryview(buf)[:nbytes]
-
-
 def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash, buf: memoryview,
-                  staging: PayloadStaging, signer: ChunkSigner | None = None) -> int:
+                  reads: ReadBatch, signer: ChunkSigner | None = None) -> int:
     """Take the next ``n`` bytes of ``source`` — one stored chunk — into ``buf``, verified; returns the raw
     length. Raises `ChunkFormatError` for a value that is damaged, foreign or too large (all ``n`` bytes
-    consumed first); transport errors propagate."""
+    consumed first); an encoded payload is verified and decoded by ``reads`` (on its codec thread, if it
+    has one: a failure there lands in ``reads.failed``). Transport errors propagate."""
     if n < HEADER_BYTES:
         source.skip(n)
         raise TruncatedChunkError(f"value of {n} B is shorter than a chunk header")
@@ -103,7 +92,7 @@ def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash,
                 raise SignatureError(f"payload signature mismatch for chunk {key.hex()[:16]}…")
             raise ChecksumMismatchError(f"payload checksum mismatch for chunk {key.hex()[:16]}…")
         return meta.raw_len
-    landing = staging(payload_len)
+    landing = reads.landing(payload_len)
     source.read_into(landing)
-    verify_payload_into(parsed, landing, buf, signer)
+    reads.decode(key, parsed, landing, buf, signer)
     return meta.raw_len

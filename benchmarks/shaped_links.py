@@ -1,0 +1,156 @@
+"""`tiercache bench tiers` over links of a given speed: the network as a NIC of R bit/s, the disk's reads at B/s.
+
+    sudo python benchmarks/shaped_links.py --rates 5gbit,10gbit,none --runs 3 --json out.json \
+        -- --tiers redis,grpc --codecs raw,int8,fp8-e4m3 --total-mib 512 --reps 3
+    sudo python benchmarks/shaped_links.py --rates none --disk-read-rate 1GB --runs 3 \
+        -- --tiers disk --codecs raw,int8 --total-mib 512 --reps 3
+
+On one machine the "network" is loopback, which moves bytes as fast as the cores copy them, and a quantized
+chunk's gain depends on how the link compares with the codec. Each run here is a fresh `tiercache bench
+tiers` (its own redis-server and `tiercache serve`) in a network namespace of its own (``unshare --net``)
+whose loopback is shaped by the kernel's token bucket (``tc qdisc ... tbf rate R``): real sockets, real TCP,
+at a NIC's rate; requests and replies share the one queue, as a half-duplex link would. ``none`` leaves
+loopback as it is. ``--disk-read-rate`` caps the reads of the benchmark's disk (the device under
+``--disk-path``, else $TMPDIR) with the cgroup block-I/O throttle, as a cloud volume's provisioned
+throughput would; writes go through the page cache, so measure durable writes with ``--fsync``.
+
+Needs root (a network namespace, tc, a cgroup). Reports, per rate, tier and codec, the median over runs
+of tokens/s and of the gain against the first codec in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BURST = "4mb"       # the token bucket's depth: a few 64 KiB loopback packets beyond one 4 MiB send
+LATENCY = "20ms"    # how long a packet may queue for tokens before tbf drops it
+
+
+def fail(message: str) -> None:
+    print(f"shaped_links: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30}
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    unit = text[len(digits):].lower()
+    if not digits or unit not in units:
+        fail(f"--disk-read-rate {text!r}: expected a byte rate such as 500MB or 1GiB")
+    return int(float(digits) * units[unit])
+
+
+class ReadThrottle:
+    """A cgroup whose reads from one block device are capped (v2 ``io.max``, else v1 blkio throttle)."""
+
+    def __init__(self, path: Path, rate: int) -> None:
+        st = os.stat(path)
+        self.device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+        if v2.exists() and "io" in v2.read_text().split():
+            self.dir = Path("/sys/fs/cgroup") / f"tiercache-shaped-{os.getpid()}"
+            setting, value = "io.max", f"{self.device} rbps={rate}"
+        elif Path("/sys/fs/cgroup/blkio").is_dir():
+            self.dir = Path("/sys/fs/cgroup/blkio") / f"tiercache-shaped-{os.getpid()}"
+            setting, value = "blkio.throttle.read_bps_device", f"{self.device} {rate}"
+        else:
+            fail("--disk-read-rate: no cgroup io controller (v2 io.max or v1 blkio) is mounted here")
+        try:
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / setting).write_text(value)
+        except OSError as err:
+            fail(f"--disk-read-rate: cannot cap reads of device {self.device} in {self.dir}: {err.strerror}")
+
+    def enter_command(self) -> str:
+        return f"echo $$ > {self.dir / 'cgroup.procs'}"
+
+    def close(self) -> None:
+        try:
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+
+def run_once(rate: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="tiercache-shaped-") as tmp:
+        out = Path(tmp) / "run.json"
+        steps = ["ip link set lo up"]
+        if rate != "none":
+            steps.append(f"tc qdisc add dev lo root tbf rate {rate} burst {BURST} latency {LATENCY}")
+        if throttle is not None:
+            steps.append(throttle.enter_command())
+        bench = [sys.executable, "-m", "tiercache.cli", "bench", "tiers", *bench_args, "--quiet", "--json", str(out)]
+        steps.append("exec " + " ".join(f"'{a}'" for a in bench))
+        done = subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+            fail(f"the run at rate {rate} failed: {tail[0]}")
+        return json.loads(out.read_text())
+
+
+def summarize(runs: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for rate, reports in runs.items():
+        keys = [(g["tier"], g["codec"]) for g in reports[0]["codec_gains"]]
+        for tier, codec in keys:
+            per_run = [next(g for g in r["codec_gains"] if (g["tier"], g["codec"]) == (tier, codec)) for r in reports]
+            rows.append({"rate": rate, "tier": tier, "codec": codec, "runs": len(per_run),
+                         **{k: statistics.median(g[k] for g in per_run)
+                            for k in ("put_tokens_per_s", "get_tokens_per_s", "put_gain", "get_gain")},
+                         "put_gain_runs": [g["put_gain"] for g in per_run],
+                         "get_gain_runs": [g["get_gain"] for g in per_run]})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="5gbit,10gbit,none",
+                   help="comma-separated loopback rates in tc's units (5gbit, 800mbit, ...), or none")
+    p.add_argument("--disk-read-rate", help="cap the disk's reads at this many bytes/s (500MB, 1GiB, ...)")
+    p.add_argument("--runs", type=int, default=3, help="fresh benchmark runs per rate (medians are reported)")
+    p.add_argument("--json", help="write every run and the summary here")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `tiercache bench tiers` flags")
+    args = p.parse_args()
+    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    if os.geteuid() != 0:
+        fail("needs root: it makes a network namespace, shapes its loopback with tc and may make a cgroup")
+    for tool in ("unshare", "tc", "ip"):
+        if shutil.which(tool) is None:
+            fail(f"{tool} is not installed (util-linux, iproute2)")
+    if args.runs < 1:
+        fail(f"--runs {args.runs}: must be at least 1")
+    throttle = None
+    if args.disk_read_rate:
+        where = next((bench_args[i + 1] for i, a in enumerate(bench_args[:-1]) if a == "--disk-path"),
+                     tempfile.gettempdir())
+        throttle = ReadThrottle(Path(where), parse_bytes(args.disk_read_rate))
+    runs: dict[str, list[dict]] = {}
+    try:
+        for run in range(args.runs):
+            for rate in args.rates.split(","):        # rates interleaved: drift hits them alike
+                runs.setdefault(rate, []).append(run_once(rate, bench_args, throttle))
+                print(f"run {run + 1}/{args.runs} at {rate}: done", file=sys.stderr)
+    finally:
+        if throttle is not None:
+            throttle.close()
+    rows = summarize(runs)
+    print("| link | tier | codec | put tokens/s | get tokens/s | put gain | get gain |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['rate']} | {r['tier']} | {r['codec']} | {r['put_tokens_per_s']:,.0f} | "
+              f"{r['get_tokens_per_s']:,.0f} | {r['put_gain']:.2f}× | {r['get_gain']:.2f}× |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "disk_read_rate": args.disk_read_rate,
+                                               "summary": rows, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""A transport's codec work, overlapped with its I/O (worker side).
+
+A quantizing codec (`tiercache.kv_quant`) costs a chunk about as long as a
+fast link takes to move it; done in line, a writer's encode and its send add
+up, and so do a reader's receive and its decode. `CodecPipeline` moves that
+work onto the worker's codec threads (`CodecThreads`), beside the I/O:
+
+- `encoded` hands a writer each chunk's stored form in order, the next
+  chunks (one per codec thread) already being encoded while it sends this one;
+- `reads` opens one batch of reads: each encoded payload lands in one of a
+  few buffers in turn and is verified and decoded into its L1 slot on a codec
+  thread while the reader takes the next ones in. The batch waits for every
+  decode before it closes, so nothing writes into a slot after its job has
+  reported, and a payload that fails its checks there is a corrupt chunk.
+
+torch's ops and file and socket I/O release the GIL, so the two run side by
+side. A raw chunk has no codec work: it is checksummed as it is sent and read
+straight into place, as before. A chunk the codec refuses (inf or nan KV) is
+reported as refused and fails alone; the rest of its batch still moves.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tiercache.codecs import Buffer
+from tiercache.errors import ChunkFormatError, NonFiniteKVError
+from tiercache.keys import BlockHash
+from tiercache.machine import keep_torch_to_one_core
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner, ParsedHeader, verify_payload_into
+
+T = TypeVar("T")
+
+class CodecThreads:
+    """One worker's codec threads (``transfer.codec_threads``), shared by its transports and transfer
+    threads, each keeping its torch ops to one core (`keep_torch_to_one_core`): the I/O they overlap with
+    needs a core too. With torch's team on both of this machine's cores, an encode beside a thread writing
+    files ran at a fifth of its rate alone (2.7 → 0.55 GB/s: the team waits for its member that shares a core
+    with the writer); on one core, at 1.4 GB/s with or without the writer (benchmarks/RESULTS.md)."""
+
+    def __init__(self, threads: int, name: str = "tiercache-codec") -> None:
+        if threads < 1:
+            raise ValueError(f"codec threads must be >= 1, got {threads}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=keep_torch_to_one_core)
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One chunk's stored form, or why the codec refused it (``refused``: header and payload empty)."""
+    meta: ChunkMeta
+    header: bytes
+    payload: memoryview
+    refused: str | None = None
+
+
+class ReadBatch:
+    """One batch of reads on one thread (`CodecPipeline.reads`): where encoded payloads land, and their
+    decodes in flight. ``failed`` holds, once the batch is closed, the keys whose payload failed its checks."""
+
+    def __init__(self, pool: CodecThreads | None, buffers: list[bytearray]) -> None:
+        self._pool = pool
+        self._buffers = buffers
+        self._busy: list[Future[None] | None] = [None] * len(buffers)
+        self._turn = 0
+        self._pending: list[tuple[BlockHash, Future[None]]] = []
+        self.failed: dict[BlockHash, ChunkFormatError] = {}
+
+    def landing(self, nbytes: int) -> memoryview:
+        """A buffer of ``nbytes`` for the next payload: the one whose decode finished longest ago (waited for)."""
+        i = self._turn
+        self._turn = (i + 1) % len(self._buffers)
+        busy = self._busy[i]
+        if busy is not None:
+            busy.exception()          # wait; its outcome is collected at close
+            self._busy[i] = None
+        if len(self._buffers[i]) < nbytes:
+            self._buffers[i] = bytearray(nbytes)
+        return memoryview(self._buffers[i])[:nbytes]
+
+    def decode(self, key: BlockHash, parsed: ParsedHeader, payload: memoryview, out: memoryview,
+               signer: ChunkSigner | None) -> None:
+        """Verify ``payload`` (the buffer `landing` just gave) and decode it into ``out``: on the codec thread,
+        or here and now when the transport has none (a failure raises `ChunkFormatError`)."""
+        if self._pool is None:
+            verify_payload_into(parsed, payload, out, signer)
+            return
+        job = self._pool.submit(verify_payload_into, parsed, payload, out, signer)
+        self._busy[(self._turn - 1) % len(self._buffers)] = job
+        self._pending.append((key, job))
+
+    def close(self) -> None:
+        """Wait for every decode; a payload that failed its checks goes into ``failed`` (anything else
+        raised there is a bug, and raises here)."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for key, job in pending:
+            err = job.exception()
+            if isinstance(err, ChunkFormatError):
+                self.failed[key] = err
+            elif err is not None and error is None:
+                error = err
+        self._busy = [None] * len(self._buffers)
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "ReadBatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CodecPipeline:
+    """One transport's codec work, on its worker's codec threads; in line on the transfer thread when there
+    are none, or the format is raw (no codec work to move)."""
+
+    def __init__(self, fmt: ChunkFormat, threads: CodecThreads | None) -> None:
+        self.fmt = fmt
+        self._pool = None if threads is None or fmt.codec.code == fmt.raw.code else threads
+        self._landings = threading.local()    # each transfer thread's landing buffers, kept across batches
+
+    def _encode(self, meta: ChunkMeta, raw: Buffer) -> Encoded:
+        try:
+            header, payload = self.fmt.encode_parts(meta, raw)
+        except NonFiniteKVError as err:
+            return Encoded(meta, b"", memoryview(b""), str(err))
+        return Encoded(meta, header, memoryview(payload).cast("B"))
+
+    def encoded(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> Iterator[Encoded]:
+        """Each item's stored form, in order; the next items (one per codec thread) are encoded while the
+        caller writes this one. An abandoned iteration leaves those encodes running, into buffers of their own."""
+        if self._pool is None or len(items) < 2:
+            for meta, raw in items:
+                yield self._encode(meta, raw)
+            return
+        pool, ahead = self._pool, self._pool.threads
+        jobs = deque(pool.submit(self._encode, *item) for item in items[:ahead])
+        for i in range(len(items)):
+            chunk = jobs.popleft().result()
+            if i + ahead < len(items):
+                jobs.append(pool.submit(self._encode, *items[i + ahead]))
+            yield chunk
+
+    def reads(self) -> ReadBatch:
+        """A batch of reads on this thread; use it as a context manager so every decode is waited for."""
+        buffers = getattr(self._landings, "buffers", None)
+        if buffers is None:      # one landing while as many payloads as there are codec threads decode
+            buffers = self._landings.buffers = [bytearray() for _ in range(1 + (self._pool.threads if self._pool else 0))]
+        return ReadBatch(self._pool, buffers)
