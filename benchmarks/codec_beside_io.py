@@ -65,7 +65,8 @@ def main() -> None:
     codec = Int8Codec()
     chunks = [memoryview(torch.randn(LAYOUT.numel).to(torch.bfloat16).view(torch.uint8).numpy())
               for _ in range(args.chunks)]
-    pools = {"torch's team": ThreadPoolExecutor(1), "one core": ThreadPoolExecutor(1, initializer=keep_torch_to_one_core)}
+    pools = {"torch's team": ThreadPoolExecutor(1),
+             "one core": ThreadPoolExecutor(1, initializer=keep_torch_to_one_core)}
 
     def rate(pool: ThreadPoolExecutor) -> float:
         def encode_all() -> float:

@@ -60,3 +60,40 @@ def test_bad_codec_flags_are_one_line():
                  ["bench", "tiers", "--codecs", "int9"]):
         proc = tiercache(*args)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _can_shape_loopback() -> str | None:
+    """Why a network namespace with a shaped loopback cannot be made here (None: it can)."""
+    import os
+    import shutil
+    import subprocess
+    if os.geteuid() != 0:
+        return "needs root (a network namespace and tc)"
+    if not all(shutil.which(t) for t in ("unshare", "tc", "ip")):
+        return "unshare, tc or ip is not installed"
+    probe = subprocess.run(["unshare", "--net", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate "
+                            "1gbit burst 1mb latency 20ms"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot shape a namespace's loopback: {probe.stderr.strip()}"
+
+
+def test_shaped_links_runs_the_tiers_over_a_loopback_at_the_rate_asked(tmp_path):
+    """benchmarks/shaped_links.py: a raw chunk moves at the shaped rate, not at loopback's, and a quantized one
+    moves more tokens through it."""
+    import subprocess
+    import sys
+
+    import pytest
+    why = _can_shape_loopback()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "shaped.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shaped_links.py", "--rates", "2gbit", "--runs", "1",
+                           "--json", str(out), "--", "--tiers", "grpc", "--codecs", "raw,int8", "--shape", "small",
+                           "--total-mib", "64", "--reps", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]["2gbit"]
+    raw = next(r for r in run["runs"] if r["codec"] == "raw")
+    assert 0.15 < raw["raw_put_gbps"] < 0.26 and 0.15 < raw["put_gbps"] < 0.26     # 2 Gbit/s = 0.25 GB/s
+    rows = {r["codec"]: r for r in report["summary"]}
+    assert rows["int8"]["get_gain"] > 1.3 and "| 2gbit | grpc | int8 |" in proc.stdout

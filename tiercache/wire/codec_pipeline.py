@@ -38,9 +38,11 @@ T = TypeVar("T")
 class CodecThreads:
     """One worker's codec threads (``transfer.codec_threads``), shared by its transports and transfer
     threads, each keeping its torch ops to one core (`keep_torch_to_one_core`): the I/O they overlap with
-    needs a core too. With torch's team on both of this machine's cores, an encode beside a thread writing
-    files ran at a fifth of its rate alone (2.7 → 0.55 GB/s: the team waits for its member that shares a core
-    with the writer); on one core, at 1.4 GB/s with or without the writer (benchmarks/RESULTS.md)."""
+    needs a core too, and a torch op split across every core waits for its slowest part — the one sharing a
+    core with the I/O. On this 2-core machine an encode beside a thread writing files ran at 1.1–1.5 GB/s
+    with torch's team (1.8–2.0 alone), at 1.4–1.8 kept to one core, alone or not
+    (`benchmarks/codec_beside_io.py`); two such threads work side by side, and the engine's threads keep
+    every core."""
 
     def __init__(self, threads: int, name: str = "tiercache-codec") -> None:
         if threads < 1:
@@ -156,5 +158,6 @@ class CodecPipeline:
         """A batch of reads on this thread; use it as a context manager so every decode is waited for."""
         buffers = getattr(self._landings, "buffers", None)
         if buffers is None:      # one landing while as many payloads as there are codec threads decode
-            buffers = self._landings.buffers = [bytearray() for _ in range(1 + (self._pool.threads if self._pool else 0))]
+            decoding = self._pool.threads if self._pool is not None else 0
+            buffers = self._landings.buffers = [bytearray() for _ in range(1 + decoding)]
         return ReadBatch(self._pool, buffers)
