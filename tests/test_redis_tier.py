@@ -256,7 +256,8 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
             tier.close()
         untrusting = RedisIndex(f"rediss://127.0.0.1:{port}/0", lookup_timeout_s=1.0)
         untrusting.attach([b"x" * 16])
-        assert untrusting.present(list(keys)) == 0 and untrusting.stats()["errors"] == 1
+        # a miss, and counted: the first lookup's failure, and the connect made at attach if it ran first
+        assert untrusting.present(list(keys)) == 0 and untrusting.stats()["errors"] >= 1
         untrusting.close()
     finally:
         server.stop()

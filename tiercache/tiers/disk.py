@@ -17,10 +17,11 @@ Two halves, sharing nothing but plain data:
 Capacity is per rank (each rank's files of one chunk are the same size) and
 counts whole files, headers included. A delete that makes room runs on the
 same link as the write it made room for, at a higher priority, so it starts
-first. ``o_direct`` reads and writes through a per-thread, page-aligned
-staging buffer (allocated once, pre-faulted), bypassing the page cache — cold
-reads at device speed and no cache pollution — at the cost of one memcpy
-each way.
+first. A codec's work (``format.codec``) runs on the worker's codec threads
+beside the file I/O (`tiercache.wire.codec_pipeline`). ``o_direct`` reads and
+writes through a per-thread, page-aligned staging buffer (allocated once,
+pre-faulted), bypassing the page cache — cold reads at device speed and no
+cache pollution — at the cost of one memcpy each way.
 """
 from __future__ import annotations
 

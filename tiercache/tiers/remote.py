@@ -17,7 +17,9 @@ corrupt are background work: `take_deletes` hands them to the workers.
 marks its tier down (`Outage`) on that rank: from then on it answers
 `Failure.UNAVAILABLE` at once, without touching the network, while a
 background thread probes the server every ``retry_interval`` and brings it
-back on the first answer. Both sides probe on their own.
+back on the first answer. Both sides probe on their own. Its chunks are
+encoded and decoded on the worker's codec threads beside the socket I/O
+(`tiercache.wire.codec_pipeline`).
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ class RemoteIndex(LowerIndex):
     def _warm_up(self) -> None:
         try:
             self._probe()
-        except Exception as err:   # down at start: an outage, probed in the background
+        except Exception as err:   # down at start: an outage, probed in the background (and counted,
+            self.lookup_errors += 1    # whether this or a first lookup is what finds the server away)
             self._outage.failed("connect", err)
 
     # -- availability --------------------------------------------------------
