@@ -6,7 +6,9 @@ Why `tiercache.wire.codec_pipeline.CodecThreads` keep their torch ops to one cor
 work runs while its I/O does (writes into the page cache or a tmpfs, socket sends: kernel copies on a
 core of their own). Encodes run on a thread, as the codec threads do, over 32 MiB chunks of llama-8b KV
 (bf16); the writer thread writes 16 MiB files to $TMPDIR (``/dev/shm`` when there) in 4 MiB calls, as the
-disk tier does. Medians of ``--repeats``, each over ``--chunks`` chunks; the four cases take turns.
+disk tier does. Medians of ``--repeats``, each over ``--chunks`` chunks; the four cases take turns. Then
+the same chunks through `CodecThreads` of one and of two threads, as a writer asks for them (one chunk in
+flight per thread): how much a second one-core codec thread adds on this machine.
 """
 from __future__ import annotations
 
@@ -94,6 +96,38 @@ def main() -> None:
               f"{statistics.median(samples[(name, True)]):.2f} |")
     for pool in pools.values():
         pool.shutdown()
+    together: dict[int, list[float]] = {}
+    for _ in range(args.repeats):
+        for n in (1, 2):
+            together.setdefault(n, []).append(through_codec_threads(codec, chunks, n))
+    print("| one-core codec threads | encode GB/s together |")
+    print("| ---: | ---: |")
+    for n, rates in together.items():
+        print(f"| {n} | {statistics.median(rates):.2f} |")
+
+
+def through_codec_threads(codec: Int8Codec, chunks: list[memoryview], threads: int) -> float:
+    """GB/s of raw chunks encoded by `CodecThreads(threads)`, one chunk in flight per thread, each payload
+    dropped once done (as a writer does once it has sent it)."""
+    from collections import deque
+
+    from tiercache.wire.codec_pipeline import CodecThreads
+
+    pool = CodecThreads(threads)
+    try:
+        for raw in chunks[:threads]:
+            pool.submit(codec.encode, raw, LAYOUT).result()          # warm-up: this thread's scratch
+        t = time.perf_counter()
+        running: deque = deque()
+        for raw in chunks:
+            running.append(pool.submit(lambda raw=raw: len(codec.encode(raw, LAYOUT))))
+            if len(running) >= threads:
+                running.popleft().result()
+        while running:
+            running.popleft().result()
+        return len(chunks) * LAYOUT.raw_len / (time.perf_counter() - t) / 1e9
+    finally:
+        pool.close()
 
 
 if __name__ == "__main__":
