@@ -20,6 +20,7 @@ of tokens/s and of the gain against the first codec in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tiercache.config import parse_size
+from tiercache.errors import ConfigError
+
 BURST = "4mb"       # the token bucket's depth: a few 64 KiB loopback packets beyond one 4 MiB send
 LATENCY = "20ms"    # how long a packet may queue for tokens before tbf drops it
 
@@ -36,16 +40,6 @@ LATENCY = "20ms"    # how long a packet may queue for tokens before tbf drops it
 def fail(message: str) -> None:
     print(f"shaped_links: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def parse_bytes(text: str) -> int:
-    units = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
-             "gib": 2**30}
-    digits = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-    unit = text[len(digits):].lower()
-    if not digits or unit not in units:
-        fail(f"--disk-read-rate {text!r}: expected a byte rate such as 500MB or 1GiB")
-    return int(float(digits) * units[unit])
 
 
 class ReadThrottle:
@@ -73,10 +67,8 @@ class ReadThrottle:
         return f"echo $$ > {self.dir / 'cgroup.procs'}"
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):    # a process still in it: the kernel keeps the group until it ends
             self.dir.rmdir()
-        except OSError:
-            pass
 
 
 def run_once(rate: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
@@ -131,7 +123,11 @@ def main() -> None:
     if args.disk_read_rate:
         where = next((bench_args[i + 1] for i, a in enumerate(bench_args[:-1]) if a == "--disk-path"),
                      tempfile.gettempdir())
-        throttle = ReadThrottle(Path(where), parse_bytes(args.disk_read_rate))
+        try:
+            rate = parse_size(args.disk_read_rate, "--disk-read-rate")
+        except ConfigError as err:
+            fail(str(err))
+        throttle = ReadThrottle(Path(where), rate)
     runs: dict[str, list[dict]] = {}
     try:
         for run in range(args.runs):

@@ -58,8 +58,10 @@ def expected(fmt: ChunkFormat, n: int) -> dict[BlockHash, bytes]:
 
 def test_chunks_encoded_ahead_are_the_chunks_encoded_in_line(threads):
     fmt = ChunkFormat("int8")
-    ahead = list(CodecPipeline(fmt, threads).encoded(items(8)))
+    refused: list = []
+    ahead = list(CodecPipeline(fmt, threads, "test").encoded(items(8), refused))
     assert [c.meta.key for c in ahead] == [key(i) for i in range(8)]          # in order
+    assert refused == [(key(INF), Failure.IO)]                                # and the refusal recorded
     for chunk, (meta, raw) in zip(ahead, items(8)):
         if meta.key == key(INF):
             assert chunk.refused and "inf or nan" in chunk.refused and not chunk.header

@@ -17,6 +17,7 @@ fails loudly with the config field that chose it.
 from __future__ import annotations
 
 import importlib.util
+from abc import ABC, abstractmethod
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,20 +78,22 @@ def lossy_codec(config: TierCacheConfig) -> str:
     return codec.name if codec.lossy else ""
 
 
-class LowerTier:
+class LowerTier(ABC):
     """How one kind of lower tier is built on each side (registered by name in `lower_tiers`)."""
 
     @staticmethod
     def check(config: TierCacheConfig) -> None:
-        """Raise `ConfigError` for settings that cannot work, before anything is built."""
+        """Raise `ConfigError` for settings that cannot work, before anything is built (none by default)."""
 
     @staticmethod
+    @abstractmethod
     def index(config: TierCacheConfig, capacity_bytes: int) -> LowerIndex:
-        raise NotImplementedError
+        """The scheduler side's index of this tier."""
 
     @staticmethod
+    @abstractmethod
     def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
-        raise NotImplementedError
+        """One rank's transport, its codec work on ``codec`` (the worker's codec threads, or None: in line)."""
 
 
 LOWER_TIER_ORDER = ("disk", "redis", "grpc")

@@ -27,12 +27,13 @@ def _openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime torch loaded into this process (its own copy of libgomp, or libiomp/libomp)."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                name = os.path.basename(line.rsplit(None, 1)[-1])
-                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
-                    return ctypes.CDLL(line.rsplit(None, 1)[-1])
-    except OSError:
-        pass
+            paths = [line.rsplit(None, 1)[-1] for line in maps]
+    except OSError:          # no /proc (not Linux): no runtime to find
+        return None
+    for path in paths:
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
+            return ctypes.CDLL(path)
     return None
 
 

@@ -29,6 +29,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from collections.abc import Callable
@@ -164,7 +166,5 @@ def _end(context: grpc.ServicerContext) -> None:
     """End a stalled call from the watchdog's thread. The asyncio server's context for a synchronous handler
     has no ``cancel``; its ``abort`` ends the call (the client sees DEADLINE_EXCEEDED, the handler's blocked
     read raises) and raises here too, which is the watchdog's to swallow."""
-    try:
+    with contextlib.suppress(Exception):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream stalled past the server's read timeout")
-    except Exception:
-        pass

@@ -143,7 +143,7 @@ class DiskTransport(Transport):
         self.dir = Path(root) / storage.hex()
         self.dir.mkdir(parents=True, exist_ok=True)
         self._staging = threading.local()
-        self._codec = CodecPipeline(self.fmt, codec_threads)
+        self._codec = CodecPipeline(self.fmt, codec_threads, name)
         self._warn = ThrottledLog(log)     # a full or failing disk: one line per kind and 10 s, with a count
         if o_direct:
             self._probe_o_direct()
@@ -162,13 +162,10 @@ class DiskTransport(Transport):
     def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         if not self.writer:
             return ()
-        failed = []
-        for chunk in self._codec.encoded(items):
+        failed: list[tuple[BlockHash, Failure]] = []
+        for chunk in self._codec.encoded(items, failed):
             key = chunk.meta.key
             if chunk.refused:
-                self._warn.warning("refused", "chunk %s… not stored in %s: %s", key.hex()[:16], self.name,
-                                   chunk.refused)
-                failed.append((key, Failure.IO))
                 continue
             try:
                 self._write_encoded(chunk)
@@ -214,8 +211,7 @@ class DiskTransport(Transport):
                     self._warn.warning("read", "reading chunk %s… from %s failed: %s", key.hex()[:16], self.name,
                                        err)
                     out.append(Failure.IO)
-        return [self._corrupt(key, reads.failed[key]) if key in reads.failed else got
-                for (key, _), got in zip(items, out)]
+        return reads.settled(items, out, self._corrupt)
 
     def _corrupt(self, key: BlockHash, err: ChunkFormatError) -> Failure:
         self._warn.warning("corrupt", "chunk %s… in %s failed verification: %s", key.hex()[:16], self.name, err)

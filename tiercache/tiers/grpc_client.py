@@ -50,7 +50,7 @@ from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire import data_frames as dw
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
-from tiercache.wire.codec_pipeline import CodecThreads, Encoded, ReadBatch
+from tiercache.wire.codec_pipeline import CodecThreads, ReadBatch
 from tiercache.wire.grpc_messages import PART_BYTES, ChunkPieces, ChunkView, WireError, read_chunk, split_chunk
 
 log = logging.getLogger(__name__)
@@ -205,8 +205,8 @@ class GrpcTransport(RemoteTransport):
         refused: list[tuple[BlockHash, Failure]] = []
 
         def messages() -> Iterator[bytes]:
-            for chunk in self._codec.encoded(items):
-                if not self._refused(chunk, refused):
+            for chunk in self._codec.encoded(items, refused):
+                if not chunk.refused:
                     yield from split_chunk(self.storage, chunk.meta.key, chunk.header, chunk.payload, self.part_bytes)
 
         nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
@@ -227,8 +227,8 @@ class GrpcTransport(RemoteTransport):
         kept: list[BlockHash] = []
 
         def files() -> Iterator[tuple[bytes, memoryview]]:
-            for chunk in self._codec.encoded(items):
-                if not self._refused(chunk, refused):
+            for chunk in self._codec.encoded(items, refused):
+                if not chunk.refused:
                     kept.append(chunk.meta.key)
                     yield chunk.header, chunk.payload
         try:
@@ -270,13 +270,11 @@ class GrpcTransport(RemoteTransport):
         refused is withdrawn); raises `DataChannelBusy` when no connection could be had."""
         refused: list[tuple[BlockHash, Failure]] = []
 
-        def chunks() -> Iterator[Encoded]:       # a fresh encoding for each try
+        def put(channel: DataChannel) -> list[int]:       # a fresh encoding for each try
             refused.clear()
-            for chunk in self._codec.encoded(items):
-                self._refused(chunk, refused)
-                yield chunk
+            return channel.put(len(items), self._codec.encoded(items, refused))
         try:
-            outcomes = self._on_bulk(bulk, lambda channel: channel.put(len(items), chunks()))
+            outcomes = self._on_bulk(bulk, put)
         except DataChannelBusy:
             raise                  # the caller moves them over gRPC streams
         except (ConnectionError, grpc.RpcError) as err:
@@ -302,7 +300,7 @@ class GrpcTransport(RemoteTransport):
             return [Failure.UNAVAILABLE] * len(items)
         with self._codec.reads() as reads:
             out = self._read_batch(paths, items, reads)
-        return self._settled(items, out, reads)
+        return reads.settled(items, out, self._corrupt)
 
     def _read_batch(self, paths: _Paths, items: Sequence[tuple[BlockHash, memoryview]],
                     reads: ReadBatch) -> list[int | Failure]:

@@ -168,8 +168,8 @@ class RedisTransport(RemoteTransport):
         sent: list[ChunkMeta] = []
         try:
             pipe = self._client.pipeline(transaction=False)
-            for chunk in self._codec.encoded(items):
-                if self._refused(chunk, refused):
+            for chunk in self._codec.encoded(items, refused):
+                if chunk.refused:
                     continue
                 value = self._staging(len(sent), len(chunk.header) + len(chunk.payload))
                 value[:len(chunk.header)] = chunk.header
@@ -203,8 +203,8 @@ class RedisTransport(RemoteTransport):
         def run(sock: socket.socket, reader: ReplyReader) -> list[tuple[BlockHash, Failure]]:
             failed: list[tuple[BlockHash, Failure]] = []
             sent: list[ChunkMeta] = []
-            for chunk in self._codec.encoded(items):
-                if self._refused(chunk, failed):
+            for chunk in self._codec.encoded(items, failed):
+                if chunk.refused:
                     continue
                 before, after = set_command(self._rkey(chunk.meta.key), len(chunk.header) + len(chunk.payload),
                                             self.ttl_s, only_new=True)
@@ -240,7 +240,7 @@ class RedisTransport(RemoteTransport):
             return [Failure.UNAVAILABLE] * len(items)
         with self._codec.reads() as reads:
             out = self._read_direct(items, reads) if self._direct else self._read_pipelined(items, reads)
-        out = self._settled(items, out, reads)
+        out = reads.settled(items, out, self._corrupt)
         hits = [key for (key, _), got in zip(items, out) if not isinstance(got, Failure)]
         if self.ttl_s and hits:
             self._refresh_ttl(hits)

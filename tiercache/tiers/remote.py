@@ -38,7 +38,7 @@ from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.outage import Outage
 from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat
-from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, Encoded, ReadBatch
+from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, ReadBatch
 from tiercache.wire.values import ValueSource, receive_value
 from tiercache.log_limits import ThrottledLog
 
@@ -206,7 +206,7 @@ class RemoteTransport(Transport):
         self.fmt = fmt or ChunkFormat()
         self.writer = writer
         self._outage = Outage(name, retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
-        self._codec = CodecPipeline(self.fmt, codec_threads)
+        self._codec = CodecPipeline(self.fmt, codec_threads, name)
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
         self.errors = 0
         self._lock = threading.Lock()
@@ -240,18 +240,3 @@ class RemoteTransport(Transport):
     def _corrupt(self, key: BlockHash, err: ChunkFormatError) -> Failure:
         self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
         return Failure.CORRUPT
-
-    def _refused(self, chunk: Encoded, failed: list[tuple[BlockHash, Failure]]) -> bool:
-        """Whether the codec refused ``chunk`` (inf or nan KV): then it is logged and failed, and not sent."""
-        if chunk.refused is None:
-            return False
-        self._warn.warning("refused", "%s tier: chunk %s… not stored: %s", self.name, chunk.meta.key.hex()[:16],
-                           chunk.refused)
-        failed.append((chunk.meta.key, Failure.IO))
-        return True
-
-    def _settled(self, items: Sequence[tuple[BlockHash, memoryview]], out: list[int | Failure],
-                 reads: ReadBatch) -> list[int | Failure]:
-        """A closed batch's results: a chunk whose payload failed its checks on the codec thread is corrupt."""
-        return [self._corrupt(key, reads.failed[key]) if key in reads.failed and not isinstance(got, Failure)
-                else got for (key, _), got in zip(items, out)]

@@ -20,6 +20,7 @@ reported as refused and fails alone; the rest of its batch still moves.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,9 +31,12 @@ from typing import TypeVar
 from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError, NonFiniteKVError
 from tiercache.keys import BlockHash
+from tiercache.log_limits import ThrottledLog
 from tiercache.machine import keep_torch_to_one_core
+from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner, ParsedHeader, verify_payload_into
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 class CodecThreads:
@@ -116,6 +120,13 @@ class ReadBatch:
         if error is not None:
             raise error
 
+    def settled(self, items: Sequence[tuple[BlockHash, memoryview]], out: Sequence[int | Failure],
+                corrupt: Callable[[BlockHash, ChunkFormatError], Failure]) -> list[int | Failure]:
+        """A closed batch's results per item: a chunk whose payload failed its checks on a codec thread is
+        what ``corrupt`` (the transport's log line) makes of it; the others as they were read."""
+        return [corrupt(key, self.failed[key]) if key in self.failed and not isinstance(got, Failure) else got
+                for (key, _), got in zip(items, out)]
+
     def __enter__(self) -> "ReadBatch":
         return self
 
@@ -127,10 +138,12 @@ class CodecPipeline:
     """One transport's codec work, on its worker's codec threads; in line on the transfer thread when there
     are none, or the format is raw (no codec work to move)."""
 
-    def __init__(self, fmt: ChunkFormat, threads: CodecThreads | None) -> None:
+    def __init__(self, fmt: ChunkFormat, threads: CodecThreads | None, name: str) -> None:
         self.fmt = fmt
+        self.name = name
         self._pool = None if threads is None or fmt.codec.code == fmt.raw.code else threads
         self._landings = threading.local()    # each transfer thread's landing buffers, kept across batches
+        self._warn = ThrottledLog(log)        # refused chunks: one line per 10 s, with a count
 
     def _encode(self, meta: ChunkMeta, raw: Buffer) -> Encoded:
         try:
@@ -139,9 +152,20 @@ class CodecPipeline:
             return Encoded(meta, b"", memoryview(b""), str(err))
         return Encoded(meta, header, memoryview(payload).cast("B"))
 
-    def encoded(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> Iterator[Encoded]:
+    def encoded(self, items: Sequence[tuple[ChunkMeta, Buffer]],
+                refused: list[tuple[BlockHash, Failure]]) -> Iterator[Encoded]:
         """Each item's stored form, in order; the next items (one per codec thread) are encoded while the
-        caller writes this one. An abandoned iteration leaves those encodes running, into buffers of their own."""
+        caller writes this one. A chunk the codec refuses is logged and put in ``refused`` as it comes, and
+        still yielded (flagged) for a writer that declared a count to withdraw; the others skip it. An
+        abandoned iteration leaves the encodes ahead running, into buffers of their own."""
+        for chunk in self._ahead(items):
+            if chunk.refused is not None:
+                self._warn.warning("refused", "%s tier: chunk %s… not stored: %s", self.name,
+                                   chunk.meta.key.hex()[:16], chunk.refused)
+                refused.append((chunk.meta.key, Failure.IO))
+            yield chunk
+
+    def _ahead(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> Iterator[Encoded]:
         if self._pool is None or len(items) < 2:
             for meta, raw in items:
                 yield self._encode(meta, raw)
