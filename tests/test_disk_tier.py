@@ -195,6 +195,45 @@ def test_injected_enospc_and_eacces_fail_the_write_cleanly(tmp_path, monkeypatch
     assert d.index.num_chunks == 0 and d.index.used_bytes == 0 and not list(tmp_path.rglob("*.tmp"))
 
 
+def test_durable_writes_flush_behind_the_next_write_and_a_failed_flush_fails_its_chunk_alone(tmp_path, monkeypatch):
+    """With ``fsync`` each file is flushed on the tier's flusher thread while the next one is written (the
+    first flush waits until the second file is being written), renamed into place only after its own flush,
+    and a flush that fails (EIO) fails that chunk alone: its temp file is deleted, the rest of the batch
+    (more files than wait for a flush at once) reads back whole."""
+    import threading
+
+    files = DiskTransport(tmp_path, NS, fsync=True)
+    ids = list(range(12))
+    temp = {str(files.path(key(i))) + ".tmp": i for i in ids}
+    real_fdatasync, flushes, overlapped = os.fdatasync, [], []
+
+    def fdatasync(fd):
+        i = temp[os.readlink(f"/proc/self/fd/{fd}")]
+        flushes.append((i, threading.current_thread().name, files.path(key(i)).exists()))
+        if i == 0:                                      # the next file is written while this one flushes
+            second = str(files.path(key(1))) + ".tmp"
+            deadline = time.monotonic() + 10
+            while not os.path.exists(second) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            overlapped.append(os.path.exists(second))
+        if i == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    failed = files.write_chunks([(meta(i), data(i)) for i in ids])
+    monkeypatch.undo()
+    files.close()
+    assert overlapped == [True]
+    assert [i for i, _, _ in flushes] == ids
+    assert all(name.startswith("tiercache-flush-") and not visible for _, name, visible in flushes)
+    assert failed == ((key(3), Failure.IO),)
+    assert not files.path(key(3)).exists() and not list(tmp_path.rglob("*.tmp"))
+    for i in ids[:3] + ids[4:]:
+        out = bytearray(RAW)
+        assert files.read_chunk_into(key(i), memoryview(out)) == RAW and bytes(out) == data(i)
+
+
 def test_a_real_full_filesystem(tmp_path, caplog):
     """A 64 KiB tmpfs: writes past its end fail with ENOSPC, leave no partial file, and the tier goes on; the
     failures are logged once (rate-limited), not once per chunk."""

@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,7 +40,8 @@ from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.transfer.plan import Failure, KeyFailures
-from tiercache.wire.chunk_files import ALIGN, WRITE_PIECE, ScanResult, chunk_path, scan_chunk_files, write_chunk_file
+from tiercache.wire.chunk_files import (ALIGN, WRITE_PIECE, ChunkFileBatch, ScanResult, chunk_path, scan_chunk_files,
+                                        write_chunk_file)
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 from tiercache.wire.grpc_messages import ChunkPieces
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, Encoded, ReadBatch
@@ -144,6 +146,8 @@ class DiskTransport(Transport):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._staging = threading.local()
         self._codec = CodecPipeline(self.fmt, codec_threads, name)
+        # durable writes: one thread flushes each written file while the transfer thread writes the next
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-flush-{name}") if fsync else None
         self._warn = ThrottledLog(log)     # a full or failing disk: one line per kind and 10 s, with a count
         if o_direct:
             self._probe_o_direct()
@@ -163,17 +167,22 @@ class DiskTransport(Transport):
         if not self.writer:
             return ()
         failed: list[tuple[BlockHash, Failure]] = []
+        files = ChunkFileBatch(self._flusher)
         for chunk in self._codec.encoded(items, failed):
             key = chunk.meta.key
             if chunk.refused:
                 continue
             try:
-                self._write_encoded(chunk)
+                files.write(key, self.path(key), memoryview(chunk.header), chunk.payload, self._staging_for(chunk))
             except OSError as err:
-                self._warn.warning("write", "writing chunk %s… to %s failed: %s", key.hex()[:16], self.name,
-                              err)
-                failed.append((key, Failure.IO))
+                self._write_failed(key, err, failed)
+        for key, err in files.finish():
+            self._write_failed(key, err, failed)
         return tuple(failed)
+
+    def _write_failed(self, key: BlockHash, err: OSError, failed: list[tuple[BlockHash, Failure]]) -> None:
+        self._warn.warning("write", "writing chunk %s… to %s failed: %s", key.hex()[:16], self.name, err)
+        failed.append((key, Failure.IO))
 
     def write_chunk(self, meta: ChunkMeta, raw: Buffer) -> None:
         """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure, and
@@ -182,8 +191,15 @@ class DiskTransport(Transport):
         self._write_encoded(Encoded(meta, header, memoryview(payload).cast("B")))
 
     def _write_encoded(self, chunk: Encoded) -> None:
-        staging = self._aligned(len(chunk.header) + len(chunk.payload)) if self.o_direct else None
-        write_chunk_file(self.path(chunk.meta.key), memoryview(chunk.header), chunk.payload, self.fsync, staging)
+        write_chunk_file(self.path(chunk.meta.key), memoryview(chunk.header), chunk.payload, self.fsync,
+                         self._staging_for(chunk))
+
+    def _staging_for(self, chunk: Encoded) -> memoryview | None:
+        return self._aligned(len(chunk.header) + len(chunk.payload)) if self.o_direct else None
+
+    def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
 
     def delete_chunks(self, keys: Sequence[BlockHash]) -> None:
         if not self.writer:
