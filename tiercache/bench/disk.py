@@ -1,13 +1,13 @@
 """`tiercache bench tiers --tiers disk`: L2 put/get beside raw file I/O of the same bytes, in one run.
 
 *put* writes L1's chunks down through the tier (encode, header + payload in one
-``writev``, temp file + rename, optional ``fdatasync`` behind the next write); *get* promotes them
-back into L1 slots (read, verify the checksum, place). The raw baseline writes
-and reads the same chunk bytes as plain files (``write`` / ``readinto``, and
-``fdatasync`` behind the writes when the tier uses it). Reads are measured cold — the page cache
-is dropped before each read pass — when the process may write
-``/proc/sys/vm/drop_caches``; otherwise they come from the page cache and the
-report says so.
+``writev``, temp file + rename, optional ``fdatasync`` behind the next write);
+*get* promotes them back into L1 slots (read, verify the checksum, place). The
+raw baseline writes and reads the same chunk bytes as plain files (``write`` /
+``readinto``, and ``fdatasync`` behind the writes when the tier uses it). Reads
+are measured cold — the page cache is dropped before each read pass — when the
+process may write ``/proc/sys/vm/drop_caches``; otherwise they come from the
+page cache and the report says so.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Worker side (and the server). One file per chunk, in the stored chunk format,
 at ``<directory>/<key[:2]>/<key>.chunk``, where a directory holds one storage
 digest's chunks. A chunk is written to ``<name>.tmp`` and renamed into place,
-so a reader sees a whole file or none (`ChunkFileBatch` flushes a batch's durable
-files behind its writes); `scan_chunk_files` finds what a
-directory holds after a restart, deleting leftovers and damaged files.
+so a reader sees a whole file or none (`ChunkFileBatch` flushes a batch's
+durable files behind its writes); `scan_chunk_files` finds what a directory
+holds after a restart, deleting leftovers and damaged files.
 """
 from __future__ import annotations
 
@@ -131,10 +131,10 @@ class ChunkFileBatch:
     file: the device's flush of one file overlaps the copy of the next into
     the page cache (benchmarks/RESULTS.md, "Durable writes flushed behind":
     bare 32 MiB files 1.36× as fast as flushing after each write, the tier's
-    puts 1.13×). At most ``window`` files wait for their
-    flush (open descriptors, dirty pages). `finish` waits for every flush and
-    returns the keys whose flush failed, with the error (their temp files
-    deleted); a write that fails raises from `write` at once, as before.
+    puts 1.13×). At most ``window`` files wait for their flush (open
+    descriptors, dirty pages). `finish` waits for every flush and returns the
+    keys whose flush failed, with the error (their temp files deleted); a
+    write that fails raises from `write` at once, as before.
     """
 
     def __init__(self, flusher: Executor | None, window: int = 8) -> None:
