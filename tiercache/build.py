@@ -17,8 +17,8 @@ fails loudly with the config field that chose it.
 from __future__ import annotations
 
 import importlib.util
-from abc import ABC, abstractmethod
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import threading
 import time
 from collections.abc import Callable

@@ -29,8 +29,8 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tiercache.codecs import Buffer, ChunkLayout
@@ -188,11 +188,8 @@ class DiskTransport(Transport):
         """Encode and write one chunk crash-safely; raises OSError (ENOSPC, EACCES, ...) on failure, and
         `NonFiniteKVError` for KV its codec refuses."""
         header, payload = self.fmt.encode_parts(meta, raw)
-        self._write_encoded(Encoded(meta, header, memoryview(payload).cast("B")))
-
-    def _write_encoded(self, chunk: Encoded) -> None:
-        write_chunk_file(self.path(chunk.meta.key), memoryview(chunk.header), chunk.payload, self.fsync,
-                         self._staging_for(chunk))
+        chunk = Encoded(meta, header, memoryview(payload).cast("B"))
+        write_chunk_file(self.path(meta.key), memoryview(header), chunk.payload, self.fsync, self._staging_for(chunk))
 
     def _staging_for(self, chunk: Encoded) -> memoryview | None:
         return self._aligned(len(chunk.header) + len(chunk.payload)) if self.o_direct else None

@@ -39,6 +39,7 @@ from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner, Par
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 class CodecThreads:
     """One worker's codec threads (``transfer.codec_threads``), shared by its transports and transfer
     threads, each keeping its torch ops to one core (`keep_torch_to_one_core`): the I/O they overlap with
