@@ -156,10 +156,9 @@ def test_spare_buffers_are_reused_never_while_read_and_never_beyond_capacity():
     assert memory.used_bytes + pool.spare_bytes <= 4 << 20
 
 
-def test_a_connection_that_never_says_hello_is_dropped(caplog):
+def data_server(**kwargs):
+    """A data channel server of its own in this process, on a free port, started."""
     import collections
-    import logging
-    import time
 
     from tiercache.server.data_server import DataServer
     from tiercache.server.limits import InflightBytes, ServerLimits
@@ -167,8 +166,16 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
     from tiercache.server.tenants import Tenancy, load_tenants
     limits = ServerLimits.for_server(1 << 20, workers=4)
     server = DataServer(Tenancy(load_tenants(""), StoreConfig(1 << 20)), "127.0.0.1", 0, limits,
-                        InflightBytes(limits.max_inflight_bytes), collections.Counter(), hello_timeout_s=0.3)
+                        InflightBytes(limits.max_inflight_bytes), collections.Counter(), **kwargs)
     server.start()
+    return server
+
+
+def test_a_connection_that_never_says_hello_is_dropped(caplog):
+    import logging
+    import time
+
+    server = data_server(hello_timeout_s=0.3)
     try:
         with caplog.at_level(logging.WARNING, logger="tiercache.server"):
             silent = socket.create_connection(("127.0.0.1", server.port), timeout=5)
@@ -178,6 +185,19 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
         assert "no hello within" in caplog.text and server.counters["data_rejected"] == 1
     finally:
         server.stop()
+
+
+def test_stop_ends_the_accept_thread_and_every_connection_at_once():
+    """A thread blocked in accept() is not woken by closing the listener: stop() shuts it down first, so a
+    server's shutdown does not wait out the join's timeout (it used to take 5 s)."""
+    server = data_server()
+    client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    client.sendall(dw.hello(None))
+    assert client.recv(1)[0] == dw.HELLO_OK
+    server.stop()
+    assert not server._thread.is_alive()      # joined because it ended, not because the join timed out
+    assert closed(client)
+    client.close()
 
 
 def test_a_closed_channel_opens_no_new_connections(cache_server):

@@ -82,6 +82,8 @@ class DataServer:
         with self._lock:
             self._closed = True
             connections = list(self._connections)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)     # wakes the accept thread (a bare close does not)
         self._listener.close()
         for conn in connections:
             with contextlib.suppress(OSError):      # already closed by its peer
