@@ -149,3 +149,31 @@ def test_a_lossy_codec_files_chunks_apart_and_a_lossless_one_does_not():
                for name in ("raw", "lz4", "int8", "fp8-e4m3")}
     assert digests["raw"] == digests["lz4"] == ns.storage_digest(64)
     assert len({digests["raw"], digests["int8"], digests["fp8-e4m3"]}) == 3
+
+
+@pytest.mark.parametrize("codec", QUANTIZED)
+def test_an_encode_cut_into_parts_makes_the_payload_of_one_whichever_thread_runs_each_part(codec):
+    """`encode_job` cuts a chunk into runs of whole pieces (3M values: three 1M-value pieces, two parts);
+    the parts, run on two threads in reverse order, make the same bytes as one encode, and an inf in the
+    last part is refused when the job finishes."""
+    import threading
+    shape = (3, 2, 4, 64, 8, 128)
+    x = torch.randn(shape).to(torch.bfloat16)
+    layout = ChunkLayout("bfloat16", shape)
+    one = codecs.get(codec)()
+    whole = bytes(one.encode(memoryview(x.view(-1).view(torch.uint8).numpy()), layout))
+    for bad in (False, True):
+        if bad:
+            x.view(-1)[-1] = float("inf")
+        job = codecs.get(codec)().encode_job(memoryview(x.view(-1).view(torch.uint8).numpy()), layout, 2)
+        assert len(job.steps) == 2
+        runs = [threading.Thread(target=step) for step in reversed(job.steps)]
+        for t in runs:
+            t.start()
+        for t in runs:
+            t.join()
+        if bad:
+            with pytest.raises(NonFiniteKVError, match="inf or nan"):
+                job.finish()
+        else:
+            assert bytes(job.finish()) == whole

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -66,6 +67,30 @@ class Codec(Protocol):
         ...
 
     def max_encoded_len(self, layout: ChunkLayout) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeJob:
+    """One chunk's encode cut into independent ``steps`` (each may run on a thread of its own, in any order)
+    and ``finish``, which returns the payload once every step has run (and may refuse it: `NonFiniteKVError`)."""
+    steps: tuple[Callable[[], None], ...]
+    finish: Callable[[], Buffer]
+
+
+class SplitEncoder(Protocol):
+    """A codec whose encode of one chunk splits into parts over disjoint ranges of the chunk: several codec
+    threads encode one chunk together, so its payload is ready sooner than one thread would make it."""
+
+    def encode_job(self, raw: memoryview, layout: ChunkLayout, parts: int) -> EncodeJob: ...
+
+
+def encode_job(codec: Codec, raw: memoryview, layout: ChunkLayout, parts: int) -> EncodeJob:
+    """``codec``'s encode of one chunk as an `EncodeJob`: cut into up to ``parts`` steps by a `SplitEncoder`,
+    one step otherwise."""
+    if parts > 1 and hasattr(codec, "encode_job"):
+        return codec.encode_job(raw, layout, parts)
+    out: list[Buffer] = []
+    return EncodeJob((lambda: out.append(codec.encode(raw, layout)),), lambda: out[0])
 
 
 class RunningChecksum(Protocol):

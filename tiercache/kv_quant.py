@@ -34,7 +34,7 @@ from typing import ClassVar
 
 import torch
 
-from tiercache.codecs import Buffer, ChunkLayout
+from tiercache.codecs import Buffer, ChunkLayout, EncodeJob
 from tiercache.errors import CodecError, NonFiniteKVError
 
 GROUP = 64                 # values per scale where the innermost axis allows: 2 B of scale per 64 B of codes
@@ -44,6 +44,7 @@ _ROUND_UP = 1 + 2 ** -7    # bf16 rounds to nearest within 2⁻⁸: scale × thi
 _MIN_SCALE = 2.0 ** -126   # a normal float32: 1 / scale stays finite (all-zero groups get this one)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in _FLOAT.items()}
 MIN_GROUP = 16             # below this many values per scale, scales cost more than they are worth: raw
 # per float dtype: the same-width integer view and the mask that drops the sign bit (as integers, float
 # magnitudes order like their bit patterns, inf and nan above every finite one: amax is an integer amax)
@@ -112,18 +113,41 @@ class _GroupQuantCodec(ABC):
         return layout.numel + layout.numel // group_size(layout.shape[-1]) * _SCALE_BYTES
 
     def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer:
+        job = self.encode_job(raw, layout, 1)
+        for step in job.steps:
+            step()
+        return job.finish()
+
+    def encode_job(self, raw: memoryview, layout: ChunkLayout, parts: int) -> EncodeJob:
+        """The encode as up to ``parts`` steps over disjoint runs of whole pieces, each writing its own codes
+        and scales into one payload (the same bytes as one step makes); ``finish`` checks every scale."""
         n, g = layout.numel, group_size(layout.shape[-1])
-        scratch = self._scratch
-        payload = scratch.payload(self.max_encoded_len(layout))
+        payload = self._scratch.payload(self.max_encoded_len(layout))
         if n == 0:
-            return payload
+            return EncodeJob((), lambda: payload)
         src = _tensor(raw, _FLOAT[layout.dtype])
-        int_dtype, abs_mask = _BITS[layout.dtype]
         out = torch.frombuffer(payload, dtype=torch.uint8)
         codes, scales = out[:n], out[n:].view(torch.bfloat16)
         step = max(g, PIECE // g * g)
-        for start in range(0, n, step):
-            end = min(n, start + step)
+        pieces = -(-n // step)
+        cuts = [min(n, pieces * i // parts * step) for i in range(parts + 1)]
+        steps = tuple(functools.partial(self._encode_range, src, codes, scales, g, step, a, b)
+                      for a, b in zip(cuts, cuts[1:]) if a < b)
+
+        def finish() -> Buffer:
+            if not bool(torch.isfinite(scales).all()):
+                raise NonFiniteKVError(f"chunk of {layout.dtype} {layout.shape} holds inf or nan KV; "
+                                       f"{self.name} cannot store it")
+            return payload
+        return EncodeJob(steps, finish)
+
+    def _encode_range(self, src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: int, step: int,
+                      first: int, last: int) -> None:
+        """Codes and scales of values ``first .. last`` (whole groups), a piece at a time in this thread's scratch."""
+        scratch = self._scratch
+        int_dtype, abs_mask = _BITS[_DTYPE_NAMES[src.dtype]]
+        for start in range(first, last, step):
+            end = min(last, start + step)
             x, k = src[start:end], end - start
             magnitude = scratch.bits.view(int_dtype)[:k]
             torch.bitwise_and(x.view(int_dtype), abs_mask, out=magnitude)
@@ -134,10 +158,6 @@ class _GroupQuantCodec(ABC):
             work.copy_(x)
             work.view(-1, g).mul_(scale.float().reciprocal_().unsqueeze(1))
             self._to_codes(work, codes[start:end])
-        if not bool(torch.isfinite(scales).all()):
-            raise NonFiniteKVError(f"chunk of {layout.dtype} {layout.shape} holds inf or nan KV; "
-                                   f"{self.name} cannot store it")
-        return payload
 
     def decode_into(self, payload: memoryview, layout: ChunkLayout, out: memoryview) -> None:
         n, g = layout.numel, group_size(layout.shape[-1])

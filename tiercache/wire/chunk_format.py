@@ -18,7 +18,9 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from tiercache.codecs import Buffer, ChunkLayout, checksum_by_code, checksums, codecs, decoder
+from tiercache.codecs import (
+    Buffer, ChunkLayout, Codec, EncodeJob, checksum_by_code, checksums, codecs, decoder, encode_job,
+)
 from tiercache.errors import (
     ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, SignatureError,
     TruncatedChunkError,
@@ -140,11 +142,23 @@ class ChunkFormat:
 
     def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
         """Header and payload as two buffers, for writers that can write both without joining."""
+        codec, job = self.encode_job(meta, raw, 1)
+        for step in job.steps:
+            step()
+        payload = job.finish()
+        return self.header(meta, codec, payload), payload
+
+    def encode_job(self, meta: ChunkMeta, raw: Buffer, parts: int) -> tuple[Codec, EncodeJob]:
+        """The codec this chunk is stored with, and its encode cut into up to ``parts`` steps (`encode_job`);
+        `header` seals the payload the job finishes with."""
         raw_view = memoryview(raw).cast("B")
         if len(raw_view) != meta.raw_len:
             raise ValueError(f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}")
         codec = self.codec_for(meta.layout)
-        payload = codec.encode(raw_view, meta.layout)
+        return codec, encode_job(codec, raw_view, meta.layout, parts)
+
+    def header(self, meta: ChunkMeta, codec: Codec, payload: Buffer) -> bytes:
+        """The header of ``payload`` (``codec``'s encoding of the chunk): its checksum or signature, and the rest."""
         shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
         if self.signer is not None:
             code, total = SIGNED, self.signer.sign(meta, codec.code, payload)
@@ -155,7 +169,7 @@ class ChunkFormat:
             len(meta.shape), meta.namespace, meta.key, meta.num_tokens, meta.raw_len, len(payload),
             total, *shape,
         )
-        return body + _CRC.pack(zlib.crc32(body)), payload
+        return body + _CRC.pack(zlib.crc32(body))
 
     def encode(self, meta: ChunkMeta, raw: Buffer) -> bytes:
         header, payload = self.encode_parts(meta, raw)
