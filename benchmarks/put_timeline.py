@@ -62,7 +62,8 @@ def traced_bench(bench_args: list[str], out: Path) -> None:
     CodecThreads.submit, CodecPipeline.encoded, FilledStack.write_down = timed_submit, timed_encoded, timed_write_down
     main(["bench", "tiers", *bench_args, "--quiet", "--json", str(out.with_suffix(".bench.json"))])
     bench = json.loads(out.with_suffix(".bench.json").read_text())
-    out.write_text(json.dumps({"spans": spans, "chunk_bytes": bench["tiers"][next(iter(bench["tiers"]))]["chunk_bytes"]}))
+    chunk_bytes = next(iter(bench["tiers"].values()))["chunk_bytes"]      # one shape: the same for any tier
+    out.write_text(json.dumps({"spans": spans, "chunk_bytes": chunk_bytes}))
 
 
 def union(intervals: list[tuple[float, float]]) -> float:
@@ -88,7 +89,8 @@ def last_put(report: dict) -> dict:
             # codec threads' time over the put, all threads added up, per chunk
             "codec_ms_per_chunk": sum(b - a for a, b in codec) / len(sends) * 1e3,
             # raw bytes encoded over the span from the first codec work's start to the last one's end
-            "codec_threads_gbps": len(sends) * chunk_bytes / (max(b for _, b in codec) - min(a for a, _ in codec)) / 1e9,
+            "codec_threads_gbps": len(sends) * chunk_bytes / (max(b for _, b in codec) - min(a for a, _ in codec))
+            / 1e9,
             "codec_threads": len({t for kind, t, _, _ in inside if kind == "codec"})}
 
 
@@ -110,8 +112,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="tiercache-timeline-") as tmp:
             out = Path(tmp) / "spans.json"
             inner = [sys.executable, __file__, "--inside", str(out), "--", *bench_args]
-            steps = ["ip link set lo up", f"tc qdisc add dev lo root tbf rate {args.rate} burst {BURST} latency {LATENCY}",
-                     "exec " + " ".join(f"'{a}'" for a in inner)]
+            shape = f"tc qdisc add dev lo root tbf rate {args.rate} burst {BURST} latency {LATENCY}"
+            steps = ["ip link set lo up", shape, "exec " + " ".join(f"'{a}'" for a in inner)]
             done = subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
             if done.returncode != 0 or not out.exists():
                 sys.exit(f"put_timeline: run {run + 1} failed: {(done.stderr or done.stdout).strip()[-400:]}")

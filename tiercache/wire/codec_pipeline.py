@@ -150,19 +150,12 @@ class CodecPipeline:
         self._landings = threading.local()    # each transfer thread's landing buffers, kept across batches
         self._warn = ThrottledLog(log)        # refused chunks: one line per 10 s, with a count
 
-    def _encode(self, meta: ChunkMeta, raw: Buffer) -> Encoded:
-        try:
-            header, payload = self.fmt.encode_parts(meta, raw)
-        except NonFiniteKVError as err:
-            return Encoded(meta, b"", memoryview(b""), str(err))
-        return Encoded(meta, header, memoryview(payload).cast("B"))
-
     def encoded(self, items: Sequence[tuple[ChunkMeta, Buffer]],
                 refused: list[tuple[BlockHash, Failure]]) -> Iterator[Encoded]:
         """Each item's stored form, in order; the next items (one per codec thread, each cut into a part per
-        thread) are encoded while the caller writes this one. A chunk the codec refuses is logged and put in ``refused`` as it comes, and
-        still yielded (flagged) for a writer that declared a count to withdraw; the others skip it. An
-        abandoned iteration leaves the encodes ahead running, into buffers of their own."""
+        thread) are encoded while the caller writes this one. A chunk the codec refuses is logged and put in
+        ``refused`` as it comes, and still yielded (flagged) for a writer that declared a count to withdraw;
+        the others skip it. An abandoned iteration leaves the encodes ahead running, into buffers of their own."""
         for chunk in self._ahead(items):
             if chunk.refused is not None:
                 self._warn.warning("refused", "%s tier: chunk %s… not stored: %s", self.name,
@@ -173,7 +166,10 @@ class CodecPipeline:
     def _ahead(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> Iterator[Encoded]:
         if self._pool is None:
             for meta, raw in items:
-                yield self._encode(meta, raw)
+                codec, job = self.fmt.encode_job(meta, raw, 1)
+                for step in job.steps:
+                    step()
+                yield self._sealed(meta, codec, job)
             return
         ahead = self._pool.threads
         started = deque(self._start(*item) for item in items[:ahead])
@@ -194,6 +190,10 @@ class CodecPipeline:
         """A started chunk's stored form, once its parts are done: checked and checksummed here."""
         for part in parts:
             part.result()
+        return self._sealed(meta, codec, job)
+
+    def _sealed(self, meta: ChunkMeta, codec: Codec, job: EncodeJob) -> Encoded:
+        """A chunk whose encode steps have all run: its payload checked, and its header; or why it is refused."""
         try:
             payload = job.finish()
         except NonFiniteKVError as err:
