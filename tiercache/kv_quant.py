@@ -69,16 +69,23 @@ def _tensor(buf: Buffer, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Scratch(threading.local):
-    """One codec thread's working memory: a piece's scratch, and the buffers its encoded payloads went
-    into. A writer holds a payload until it has sent it, so a payload buffer is handed out again only once
-    nothing references it any more (fresh memory for every chunk would pay a page fault per 4 KiB); a
-    writer holding more than a few at once gets fresh ones beyond those kept."""
+    """One thread's working memory: a piece's scratch (on the threads that encode and decode pieces), and
+    the buffers the payloads it started went into (on the thread that starts encodes: a writer's, or the
+    codec thread itself). A writer holds a payload until it has sent it, so a payload buffer is handed out
+    again only once nothing references it any more (fresh memory for every chunk would pay a page fault per
+    4 KiB); a writer holding more than a few at once gets fresh ones beyond those kept."""
     MAX_PAYLOADS = 4
 
     def __init__(self) -> None:
-        self.work = torch.empty(PIECE, dtype=torch.float32)
-        self.bits = torch.empty(PIECE, dtype=torch.int32)
         self.payloads: list[bytearray] = []
+
+    @functools.cached_property
+    def work(self) -> torch.Tensor:
+        return torch.empty(PIECE, dtype=torch.float32)
+
+    @functools.cached_property
+    def bits(self) -> torch.Tensor:
+        return torch.empty(PIECE, dtype=torch.int32)
 
     def payload(self, nbytes: int) -> memoryview:
         for i in range(len(self.payloads)):
