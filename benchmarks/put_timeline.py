@@ -4,12 +4,13 @@
         --total-mib 512 --reps 3
 
 Runs `tiercache bench tiers` (flags after ``--``, one tier and one codec) in a network namespace of its own
-whose loopback is shaped by ``tc tbf`` as in `benchmarks/shaped_links.py`, with the codec pipeline's two
-steps timed: the encode work on the codec threads (each call `CodecThreads` runs) and each chunk's send on a
-transfer thread (from the moment the writer takes the chunk to the moment it asks for the next one). For
-the last put of each run it reports the put's wall time, how long the link had no chunk to send at the
-start (the pipeline fill: the first encode) and later (sends waiting for encodes), the link's busy time, and
-the codec threads' work per chunk and encode rate beside the sends. Needs root (a network namespace and tc).
+whose loopback is shaped by ``tc tbf`` (`shaped_links.in_shaped_namespace`, beside this file), with the
+codec pipeline's two steps timed: the encode work on the codec threads (each call `CodecThreads` runs) and
+each chunk's send on a transfer thread (from the moment the writer takes the chunk to the moment it asks
+for the next one). For the last put of each run it reports the put's wall time, how long the link had no
+chunk to send at the start (the pipeline fill: the first encode) and later (sends waiting for encodes), the
+link's busy time, and the codec threads' work per chunk and encode rate beside the sends. Needs root (a
+network namespace and tc).
 """
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-BURST, LATENCY = "4mb", "20ms"    # as benchmarks/shaped_links.py
+from shaped_links import in_shaped_namespace    # beside this file: the script's directory is on sys.path
 
 
 def traced_bench(bench_args: list[str], out: Path) -> None:
@@ -111,10 +111,7 @@ def main() -> None:
     for run in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="tiercache-timeline-") as tmp:
             out = Path(tmp) / "spans.json"
-            inner = [sys.executable, __file__, "--inside", str(out), "--", *bench_args]
-            shape = f"tc qdisc add dev lo root tbf rate {args.rate} burst {BURST} latency {LATENCY}"
-            steps = ["ip link set lo up", shape, "exec " + " ".join(f"'{a}'" for a in inner)]
-            done = subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
+            done = in_shaped_namespace(args.rate, [sys.executable, __file__, "--inside", str(out), "--", *bench_args])
             if done.returncode != 0 or not out.exists():
                 sys.exit(f"put_timeline: run {run + 1} failed: {(done.stderr or done.stdout).strip()[-400:]}")
             rows.append(last_put(json.loads(out.read_text())))

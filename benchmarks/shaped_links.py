@@ -71,17 +71,24 @@ class ReadThrottle:
             self.dir.rmdir()
 
 
+def in_shaped_namespace(rate: str, command: list[str],
+                        throttle: ReadThrottle | None = None) -> subprocess.CompletedProcess:
+    """Run ``command`` in a network namespace of its own whose loopback moves ``rate`` (tc's units, or
+    ``none``), its disk reads capped by ``throttle`` if given; output captured."""
+    steps = ["ip link set lo up"]
+    if rate != "none":
+        steps.append(f"tc qdisc add dev lo root tbf rate {rate} burst {BURST} latency {LATENCY}")
+    if throttle is not None:
+        steps.append(throttle.enter_command())
+    steps.append("exec " + " ".join(f"'{a}'" for a in command))
+    return subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
+
+
 def run_once(rate: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tiercache-shaped-") as tmp:
         out = Path(tmp) / "run.json"
-        steps = ["ip link set lo up"]
-        if rate != "none":
-            steps.append(f"tc qdisc add dev lo root tbf rate {rate} burst {BURST} latency {LATENCY}")
-        if throttle is not None:
-            steps.append(throttle.enter_command())
         bench = [sys.executable, "-m", "tiercache.cli", "bench", "tiers", *bench_args, "--quiet", "--json", str(out)]
-        steps.append("exec " + " ".join(f"'{a}'" for a in bench))
-        done = subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
+        done = in_shaped_namespace(rate, bench, throttle)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             fail(f"the run at rate {rate} failed: {tail[0]}")

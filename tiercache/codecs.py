@@ -76,6 +76,12 @@ class EncodeJob:
     steps: tuple[Callable[[], None], ...]
     finish: Callable[[], Buffer]
 
+    def run(self) -> Buffer:
+        """Every step here, in order, then the payload."""
+        for step in self.steps:
+            step()
+        return self.finish()
+
 
 class SplitEncoder(Protocol):
     """A codec whose encode of one chunk splits into parts over disjoint ranges of the chunk: several codec

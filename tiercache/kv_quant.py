@@ -44,7 +44,6 @@ _ROUND_UP = 1 + 2 ** -7    # bf16 rounds to nearest within 2⁻⁸: scale × thi
 _MIN_SCALE = 2.0 ** -126   # a normal float32: 1 / scale stays finite (all-zero groups get this one)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_NAMES = {dtype: name for name, dtype in _FLOAT.items()}
 MIN_GROUP = 16             # below this many values per scale, scales cost more than they are worth: raw
 # per float dtype: the same-width integer view and the mask that drops the sign bit (as integers, float
 # magnitudes order like their bit patterns, inf and nan above every finite one: amax is an integer amax)
@@ -120,10 +119,7 @@ class _GroupQuantCodec(ABC):
         return layout.numel + layout.numel // group_size(layout.shape[-1]) * _SCALE_BYTES
 
     def encode(self, raw: memoryview, layout: ChunkLayout) -> Buffer:
-        job = self.encode_job(raw, layout, 1)
-        for step in job.steps:
-            step()
-        return job.finish()
+        return self.encode_job(raw, layout, 1).run()
 
     def encode_job(self, raw: memoryview, layout: ChunkLayout, parts: int) -> EncodeJob:
         """The encode as up to ``parts`` steps over disjoint runs of whole pieces, each writing its own codes
@@ -138,7 +134,8 @@ class _GroupQuantCodec(ABC):
         step = max(g, PIECE // g * g)
         pieces = -(-n // step)
         cuts = [min(n, pieces * i // parts * step) for i in range(parts + 1)]
-        steps = tuple(functools.partial(self._encode_range, src, codes, scales, g, step, a, b)
+        bits = _BITS[layout.dtype]
+        steps = tuple(functools.partial(self._encode_range, src, codes, scales, bits, g, step, a, b)
                       for a, b in zip(cuts, cuts[1:]) if a < b)
 
         def finish() -> Buffer:
@@ -148,11 +145,12 @@ class _GroupQuantCodec(ABC):
             return payload
         return EncodeJob(steps, finish)
 
-    def _encode_range(self, src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, g: int, step: int,
-                      first: int, last: int) -> None:
-        """Codes and scales of values ``first .. last`` (whole groups), a piece at a time in this thread's scratch."""
+    def _encode_range(self, src: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      bits: tuple[torch.dtype, int], g: int, step: int, first: int, last: int) -> None:
+        """Codes and scales of values ``first .. last`` (whole groups), a piece at a time in this thread's scratch;
+        ``bits``: the source dtype's same-width integer view and the mask that drops its sign (`_BITS`)."""
         scratch = self._scratch
-        int_dtype, abs_mask = _BITS[_DTYPE_NAMES[src.dtype]]
+        int_dtype, abs_mask = bits
         for start in range(first, last, step):
             end = min(last, start + step)
             x, k = src[start:end], end - start

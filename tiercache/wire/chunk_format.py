@@ -143,9 +143,7 @@ class ChunkFormat:
     def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
         """Header and payload as two buffers, for writers that can write both without joining."""
         codec, job = self.encode_job(meta, raw, 1)
-        for step in job.steps:
-            step()
-        payload = job.finish()
+        payload = job.run()
         return self.header(meta, codec, payload), payload
 
     def encode_job(self, meta: ChunkMeta, raw: Buffer, parts: int) -> tuple[Codec, EncodeJob]:

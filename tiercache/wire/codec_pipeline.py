@@ -167,9 +167,7 @@ class CodecPipeline:
         if self._pool is None:
             for meta, raw in items:
                 codec, job = self.fmt.encode_job(meta, raw, 1)
-                for step in job.steps:
-                    step()
-                yield self._sealed(meta, codec, job)
+                yield self._sealed(meta, codec, job.run)
             return
         ahead = self._pool.threads
         started = deque(self._start(*item) for item in items[:ahead])
@@ -190,12 +188,13 @@ class CodecPipeline:
         """A started chunk's stored form, once its parts are done: checked and checksummed here."""
         for part in parts:
             part.result()
-        return self._sealed(meta, codec, job)
+        return self._sealed(meta, codec, job.finish)
 
-    def _sealed(self, meta: ChunkMeta, codec: Codec, job: EncodeJob) -> Encoded:
-        """A chunk whose encode steps have all run: its payload checked, and its header; or why it is refused."""
+    def _sealed(self, meta: ChunkMeta, codec: Codec, payload_of: Callable[[], Buffer]) -> Encoded:
+        """A chunk's stored form from ``payload_of`` (its encode job's finish, or run): the checked payload
+        and its header, or why the codec refused it."""
         try:
-            payload = job.finish()
+            payload = payload_of()
         except NonFiniteKVError as err:
             return Encoded(meta, b"", memoryview(b""), str(err))
         return Encoded(meta, self.fmt.header(meta, codec, payload), memoryview(payload).cast("B"))
