@@ -14,6 +14,7 @@ import sys
 import typing
 from pathlib import Path
 
+from tiercache import __version__
 from tiercache.bench import commands
 from tiercache.config import load_config, parse_size
 from tiercache.errors import ConfigError, TierCacheError
@@ -213,6 +214,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tiercache", description="Tiered KV-cache offloading for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"tiercache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="offload benchmarks").add_subparsers(dest="bench", required=True)
