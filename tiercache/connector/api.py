@@ -73,13 +73,15 @@ class ConnectorMetadata:
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
-    """One worker → scheduler, once per step."""
+    """One worker → scheduler, once per step. ``(rank, seq)`` names a report: an engine that delivers one twice
+    (vLLM 0.33 replays failed workers' outputs) has it applied once."""
     rank: int
     jobs: tuple[JobReport, ...] = ()
     finished_sending: frozenset[str] = frozenset()   # delayed requests with no store left on this rank
     failed_loads: frozenset[str] = frozenset()       # requests with a load that failed on this rank
     failed_block_ids: frozenset[int] = frozenset()
     stats: Mapping[str, int] = field(default_factory=dict)   # this rank's counter deltas since the last report
+    seq: int = 0                                     # this rank's reports so far, this one included
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,19 +55,20 @@ class ConnectorCounters:
 
 
 class JobTracker:
-    """Each job's reports, until every rank has sent one; then the job's merged outcome."""
+    """Each job's reports, until every rank has sent one; then the job's merged outcome. A rank's report of a
+    job counts once, however often it is delivered."""
 
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
-        self._reports: dict[JobId, list[JobReport]] = {}
+        self._reports: dict[JobId, dict[int, JobReport]] = {}
 
     def add(self, reports: Sequence[JobReport]) -> list[JobOutcome]:
         done = []
         for report in reports:
-            got = self._reports.setdefault(report.job_id, [])
-            got.append(report)
+            got = self._reports.setdefault(report.job_id, {})
+            got[report.rank] = report
             if len(got) == self.num_ranks:
-                done.append(JobOutcome.merge(report.job_id, self._reports.pop(report.job_id)))
+                done.append(JobOutcome.merge(report.job_id, list(self._reports.pop(report.job_id).values())))
         return done
 
     @property
@@ -212,7 +213,7 @@ class OffloadScheduler(SchedulerConnector):
         manager = self.manager
         if manager is None:
             return []
-        outcomes = self._tracker.add(jobs)
+        outcomes = self._tracker.add([job for job in jobs if manager.in_flight(job.job_id)])   # not: replayed
         manager.apply(outcomes)
         for outcome in outcomes:
             rid = self._owners.pop(outcome.job_id, None)

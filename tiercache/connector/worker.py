@@ -53,6 +53,7 @@ class OffloadWorker(WorkerConnector):
         self._reported_links: dict[str, dict[str, float]] = {}
         self._reported_layerwise = 0
         self.layerwise_loads = 0   # load jobs that landed layer by layer (waited for per layer)
+        self._reports_sent = 0
 
     @property
     def rank(self) -> int:
@@ -171,8 +172,10 @@ class OffloadWorker(WorkerConnector):
                         del self._stores_in_flight[owner]
         sending = frozenset(rid for rid in self._delayed if rid not in self._stores_in_flight)
         self._delayed -= sending
+        self._reports_sent += 1
         return WorkerReport(self.rank, tuple(r.report(self.rank) for r in results), sending,
-                            frozenset(failed_loads), frozenset(failed_blocks), self._link_deltas())
+                            frozenset(failed_loads), frozenset(failed_blocks), self._link_deltas(),
+                            self._reports_sent)
 
     def _link_deltas(self) -> dict[str, int]:
         """Bytes, jobs and failures per link since the last report (summed over ranks by the engine)."""
