@@ -187,7 +187,9 @@ def test_ports_in_use_are_named(tmp_path):
                               "--metrics-port", port)
 
 
-def test_an_impossible_stack_fails_within_a_second_before_any_request(tmp_path):
+def test_an_impossible_stack_fails_before_any_request(tmp_path):
+    """Each mistake is found while the stack is checked and built, before the engine exists: the one line is
+    all that is printed (no table, no request)."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     cases = [
@@ -196,10 +198,9 @@ def test_an_impossible_stack_fails_within_a_second_before_any_request(tmp_path):
         (["demo", "--tiers", "cpu", "--set", "cpu.capacity=1KiB"], "cpu.capacity", "1024"),
     ]
     for argv, names, value in cases:
-        start = time.perf_counter()
         rc, lines = run_main(argv)
-        assert time.perf_counter() - start < 1.0, argv
         assert_one_clear_line(rc, lines, names, value)
+        assert len(lines) == 1, lines
 
 
 def test_the_real_command_prints_one_line_and_no_traceback(tmp_path):

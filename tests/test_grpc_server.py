@@ -332,7 +332,7 @@ def test_a_killed_server_is_a_run_of_misses_and_the_tier_recovers_when_it_return
         assert lookup(s, a).num_hit_blocks == 0                    # a miss, not an exception
         b, _ = put(s, "b", seed=2)
         s.offload.drain()
-        assert time.monotonic() - t0 < 3.0                         # no stall on a dead server
+        assert time.monotonic() - t0 < 10.0                        # no stall on a dead server
         remote = s.lower("grpc")
         assert remote.stats()["errors"] >= 1
         server.start()                                             # an empty server on the same port
@@ -479,7 +479,7 @@ def test_a_hung_server_never_holds_the_scheduler_and_then_answers_misses_at_once
     while a prober knocks."""
     import socket
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)
-    index = GrpcIndex(f"127.0.0.1:{hole.getsockname()[1]}", lookup_timeout_s=0.2, retry_interval_s=0.05)
+    index = GrpcIndex(f"127.0.0.1:{hole.getsockname()[1]}", lookup_timeout_s=1.0, retry_interval_s=0.05)
     index.attach([NS])
     keys = [m.key for m, _ in chunks(2)]
     try:
@@ -490,9 +490,11 @@ def test_a_hung_server_never_holds_the_scheduler_and_then_answers_misses_at_once
             answer = index.contains(keys)
             slowest = max(slowest, time.monotonic() - asked)
             time.sleep(0.001)
-        assert answer == 0 and slowest < 0.05 and time.monotonic() - t < 1.0
+        # no call waited out the 1 s lookup timeout (the lookup thread did, once); bounds far from a loaded
+        # machine's slowness and far below what a waiting call would take
+        assert answer == 0 and slowest < 0.5 and time.monotonic() - t < 5.0
         t = time.monotonic()
-        assert all(index.contains(keys) == 0 for _ in range(50)) and time.monotonic() - t < 0.2
+        assert all(index.contains(keys) == 0 for _ in range(50)) and time.monotonic() - t < 2.0   # asking: 50 s
         eventually(lambda: index._outage.probes >= 1, 10, "a background probe")
         assert not index.available
     finally:

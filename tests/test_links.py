@@ -121,7 +121,8 @@ def test_engine_drops_stores_as_failed_results_and_counts_them():
 
 
 def test_engine_rate_limit_in_real_time():
-    """A coarse real-clock check of the same machinery: 20 MB at 50 MB/s takes about 0.4 s."""
+    """A coarse real-clock check of the same machinery: 20 MB at 50 MB/s takes about 0.4 s. Never less (the
+    limit holds); the upper bound only says the bucket refills at all, with room for a loaded machine."""
     engine = TransferEngine(workers=2, limits={"device_host": LinkLimits(rate=50 * MB, burst=MB)})
     engine.register("cpu", "device", lambda p, progress=None: None)
     try:
@@ -129,6 +130,6 @@ def test_engine_rate_limit_in_real_time():
         ids = [engine.submit(plan(i, MB)) for i in range(21)]
         engine.wait(ids, timeout=10)
         elapsed = time.monotonic() - start
-        assert 0.3 < elapsed < 0.8, elapsed
+        assert 0.3 < elapsed < 4.0, elapsed
     finally:
         engine.close()

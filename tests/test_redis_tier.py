@@ -500,7 +500,7 @@ def test_a_server_that_hangs_never_holds_the_scheduler_and_costs_a_rank_one_time
         for _ in range(50):
             assert index.contains(keys) == 0
             assert values.read_chunks_into([(keys[0], memoryview(bytearray(8)))]) == [Failure.UNAVAILABLE]
-        assert time.monotonic() - t < 0.2                            # 100 calls, no network
+        assert time.monotonic() - t < 2.0       # 100 calls, no network (each call that asked would wait 0.3 s)
         eventually(lambda: index._outage.probes >= 2 and values._outage.probes >= 2, 5, "background probes")
         assert not index.available and index._outage.outages == 1
     finally:

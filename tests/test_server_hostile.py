@@ -154,7 +154,8 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
     a client's stores and loads go through (the data channel makes room by closing the oldest idle
     connection), real engines store a workload and hit it back with the same tokens, and the stalled streams
     are cancelled after the read timeout."""
-    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "8", "--read-timeout", "8",
+    read_timeout = 20    # the stalled streams hold their slots this long; what must work meanwhile takes far less
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--workers", "8", "--read-timeout", str(read_timeout),
                                 "--log-format", "text")
     stop = threading.Event()
     channels, idle = [], []
@@ -187,7 +188,8 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
         start = time.monotonic()
         assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
         assert_a_client_stores_and_loads(server, 4, seed=3, timeout_s=5.0)
-        assert time.monotonic() - start < 3
+        assert json.loads(raw_stats(server))["streams_stalled"] == 0   # all of it while every slot was held,
+        assert time.monotonic() - start < read_timeout / 2             # without waiting for the watchdog to free one
 
         # And a real engine: one stores a workload through the server, a fresh one takes its prefixes back.
         spec = WorkloadSpec("shared-prefix", requests=3, prefix_tokens=256, output_tokens=2)
@@ -197,11 +199,14 @@ def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path)
         first = run_workload(spec, EngineConfig(num_blocks=64), cfg)
         second = run_workload(spec, EngineConfig(num_blocks=64), cfg)
         assert second.tier_hit_tokens >= 256 and second.outputs == first.outputs
-        assert json.loads(raw_stats(server))["streams_stalled"] == 0      # all of this while they were held
 
         stats = json.loads(raw_stats(server))
         assert stats["data_idle_closed"] > 0 or stats["data_refused_connections"] > 0
-        eventually(lambda: json.loads(raw_stats(server))["streams_stalled"] >= 6, 15, "stalled streams cancelled")
+        # the six streams that got a slot are cut, and no other: the engines' streams, however slow this
+        # machine made them, were never counted as stalled
+        eventually(lambda: json.loads(raw_stats(server))["streams_stalled"] >= 6, 2 * read_timeout,
+                   "stalled streams cancelled")
+        assert json.loads(raw_stats(server))["streams_stalled"] == 6
     finally:
         stop.set()
         for sock in idle:
@@ -232,7 +237,7 @@ def test_calls_whose_request_never_comes_hold_no_handler_thread(tmp_path):
         start = time.monotonic()
         assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
         assert_a_client_stores_and_loads(server, 2, seed=4, timeout_s=3.0)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 20     # the held calls would keep them waiting their 60 s
     finally:
         stop.set()
         for channel in channels:
@@ -282,9 +287,11 @@ def test_a_restarted_server_is_picked_up_within_the_retry_interval(tmp_path):
         assert not client.available
         time.sleep(1.5)                                  # a while away: gRPC's own backoff would have grown
         server.start()
-        back = time.monotonic()
+        probes_before = client.transport._outage.probes
         eventually(lambda: client.available, 10, "the tier back")
-        assert time.monotonic() - back <= 0.5 + 0.4
+        # back at the first probe sent once the server answers (one more may have been on its way as it started):
+        # a count of the client's own attempts, which a loaded machine does not stretch as it stretches seconds
+        assert client.transport._outage.probes - probes_before <= 1
     finally:
         client.close()
         server.stop()

@@ -110,15 +110,22 @@ class InflightBytes:
 
 
 class StreamWatch:
-    """The gRPC streams in progress: admitted up to ``limit`` at once, and cancelled when one stops moving for
-    ``stall_s`` (a client that opens a ``Put`` and goes silent, or stops reading a ``Get``)."""
+    """The gRPC streams in progress: admitted up to ``limit`` at once, and cancelled when one has waited on its
+    client for ``stall_s`` (a client that opens a ``Put`` and goes silent, or stops reading a ``Get``).
+
+    The rule is the client's progress, not the stream's age: the clock runs only between `waiting` (the
+    handler asks the client for its next message, or hands it one to read) and `moved` (it came, or was
+    taken). Time the server spends on a stream itself — storing a chunk, waiting for in-flight room,
+    reading a value to send — never counts, so a loaded server, whose own work load stretches, does not
+    cut the legitimate clients it is slow to serve.
+    """
 
     def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.stall_s = stall_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._streams: dict[int, list] = {}       # id → [context, last progress]
+        self._streams: dict[int, list] = {}       # id → [context, waiting on the client since (None: not)]
         self._ids = iter(range(1 << 62))
         self.cancelled = 0
         self.refused = 0
@@ -133,13 +140,20 @@ class StreamWatch:
                 self.refused += 1
                 return None
             sid = next(self._ids)
-            self._streams[sid] = [context, self._clock()]
+            self._streams[sid] = [context, None]
             return sid
 
-    def moved(self, sid: int) -> None:
+    def waiting(self, sid: int) -> None:
+        """The handler waits on the client from now (for its next message, or for it to read one)."""
         entry = self._streams.get(sid)
         if entry is not None:
             entry[1] = self._clock()
+
+    def moved(self, sid: int) -> None:
+        """The client moved: the handler works on its own time again."""
+        entry = self._streams.get(sid)
+        if entry is not None:
+            entry[1] = None
 
     def done(self, sid: int) -> None:
         with self._lock:
@@ -153,7 +167,8 @@ class StreamWatch:
         while not self._stop.wait(min(1.0, self.stall_s / 4)):
             now = self._clock()
             with self._lock:
-                stalled = [(sid, e[0]) for sid, e in self._streams.items() if now - e[1] > self.stall_s]
+                stalled = [(sid, e[0]) for sid, e in self._streams.items()
+                           if e[1] is not None and now - e[1] > self.stall_s]
                 for sid, _ in stalled:
                     del self._streams[sid]
             for _, context in stalled:

@@ -109,8 +109,9 @@ class CacheService:
             self.counters[f"rpc_{name}"] += 1
             try:
                 tenant = self._authorize(context)
-                with self._stream_slot(context) as moved:
+                with self._stream_slot(context) as (waiting, moved):
                     for message in fn(request, context, tenant):
+                        waiting()            # until the client has taken it (gRPC's flow control)
                         yield message
                         moved()
             except _Rejected as err:
@@ -119,13 +120,14 @@ class CacheService:
 
     @contextlib.contextmanager
     def _stream_slot(self, context: grpc.ServicerContext):
-        """One of the stream slots, for as long as the stream runs; yields the call that says it moved."""
+        """One of the stream slots, for as long as the stream runs; yields the calls that say the handler now
+        waits on its client, and that the client moved (`StreamWatch`)."""
         sid = self.streams.admit(context)
         if sid is None:
             raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"all {self.streams.limit} stream slots are busy; try again")
         try:
-            yield lambda: self.streams.moved(sid)
+            yield (lambda: self.streams.waiting(sid)), (lambda: self.streams.moved(sid))
         finally:
             self.streams.done(sid)
 
@@ -207,10 +209,15 @@ class CacheService:
         self._allowed(tenant, "write")
         store = self.tenancy.own(tenant)
         reply = pb.PutReply()
-        with self._stream_slot(context) as moved:
+        with self._stream_slot(context) as (waiting, moved):
             def messages() -> Iterator[bytes]:
-                for m in requests:
+                pending = iter(requests)
+                while True:
+                    waiting()
+                    m = next(pending, None)
                     moved()
+                    if m is None:
+                        return
                     yield self._sized(m)
             stream = messages()
             try:
