@@ -109,7 +109,10 @@ class ReferenceConnector:
         """Run ``plans`` on every rank now, wait for every job handed to the ranks so far, and apply the
         outcomes (returned) — for tools and tests that drive the manager without an engine's steps."""
         deadline = time.monotonic() + timeout
-        self.worker.bind_connector_meta(ConnectorMetadata(background=tuple(p for p in plans if p is not None)))
+        manager = self.scheduler.manager
+        order = manager.take_write_back() if manager is not None else None
+        self.worker.bind_connector_meta(ConnectorMetadata(background=tuple(p for p in plans if p is not None),
+                                                          write_back=order))
         self.worker.start_load_kv()
         self.worker.wait_for_save()
         for w in self.workers:
@@ -133,10 +136,14 @@ class ReferenceConnector:
             log.warning("offload stack closed with %d transfers never reported", manager.num_in_flight)
             manager.cancel_all()
 
-    def close(self, flush_timeout: float = 60.0) -> None:
-        """Settle in-flight work, write L1's dirty chunks down (write-back), stop every rank."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Settle in-flight work, then stop every rank; each writes down what only its L1 holds (write-back),
+        as a vLLM worker does when vLLM shuts down."""
         try:
-            self.drain(flush_timeout, flush=True)
+            self.drain(timeout)
+            manager = self.scheduler.manager
+            if manager is not None:
+                self.worker.bind_connector_meta(ConnectorMetadata(write_back=manager.take_write_back()))
         except TimeoutError:
             log.warning("offload stack closed with transfers still running")
         finally:

@@ -98,6 +98,13 @@ def check_vllm_version(version: str) -> str | None:
             f"({lo[0]}.{lo[1]}–{hi[0]}.{hi[1]}); its connector interface may differ")
 
 
+def _worker_exit_budget_s() -> float:
+    """Seconds a worker may spend in its shutdown before vLLM terminates it, less a margin to exit in."""
+    import vllm.envs as envs
+
+    return max(0.0, float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) - 1.0)
+
+
 def _log_like_vllm() -> None:
     """tiercache's log lines in vLLM's processes go where vLLM's go, formatted as vLLM formats them."""
     ours, theirs = logging.getLogger("tiercache"), logging.getLogger("vllm")
@@ -309,8 +316,11 @@ class TierCacheConnector(KVConnectorBase_V1):
         return TierCacheWorkerMeta([report]) if report.jobs or report.failed_loads else None
 
     def shutdown(self) -> None:
+        """vLLM stops its workers first (each calls this as it exits), then the engine core's scheduler. A
+        worker writes down what only its L1 holds here, within ``cpu.shutdown_write_down`` and within the
+        time vLLM waits for a worker to exit before it sends SIGTERM (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)."""
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(write_down_s=min(self.config.cpu.shutdown_write_down, _worker_exit_budget_s()))
             self._worker = None
         if self._scheduler is not None:
             self._scheduler.close()

@@ -131,3 +131,60 @@ def test_close_flushes_l1_so_a_restart_finds_it(tmp_path):
         assert torch.equal(load(s2, a), a_kv)
     finally:
         s2.close()
+
+
+def test_close_writes_down_exactly_what_l1_held_even_where_slots_were_reused(tmp_path, caplog):
+    """Each rank writes down at close the chunks that entered its L1 and have not left: `a`'s chunks were
+    evicted without a spill (never hit, so min-hits admission refused them) and their slots now hold `c`'s.
+    A restart finds `c` bit-exact and not `a` — in particular, not `a`'s keys over `c`'s bytes."""
+    import logging
+
+    s = make(tmp_path, admission="min-hits", min_hits=1)
+    a, _ = put(s, "a", seed=1)
+    c, c_kv = put(s, "c", seed=3)                            # evicts a (never hit) → dropped, its slots reused
+    with caplog.at_level(logging.INFO, logger="tiercache"):
+        s.close()
+    assert "wrote 2 chunks" in caplog.text and "at shutdown" in caplog.text
+    assert len(list(tmp_path.rglob("*.chunk"))) == 2
+    s2 = make(tmp_path)
+    try:
+        assert load(s2, a) is None
+        assert torch.equal(load(s2, c), c_kv)
+    finally:
+        s2.close()
+
+
+def test_nothing_is_written_down_at_close_when_the_setting_is_zero_or_the_disk_has_it(tmp_path):
+    s = Stack(num_blocks=64, cpu_chunks=2, disk={"enabled": True, "path": str(tmp_path)},
+              cpu={"shutdown_write_down": 0})
+    put(s, "a", seed=1)
+    s.close()
+    assert not list(tmp_path.rglob("*.chunk"))
+    s = make(tmp_path)
+    a, a_kv = put(s, "a", seed=1)
+    s.close()
+    files = {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.chunk")}
+    s = make(tmp_path)
+    assert torch.equal(load(s, a), a_kv)                     # promoted from the disk into L1 ...
+    s.close()
+    assert {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*.chunk")} == files   # ... and not written again
+
+
+def test_a_slot_reused_by_a_chunk_from_the_disk_is_not_written_down_under_the_old_key(tmp_path):
+    """`a` enters L1 (named for the write-down), leaves it (deleted), and `d` is promoted from the disk into
+    the same slots: the disk has `d`, so its chunks are not named. At close nothing of `a` may be written —
+    `a`'s keys over `d`'s bytes would be wrong KV served as a hit after a restart."""
+    s = make(tmp_path)
+    d, d_kv = put(s, "d", seed=4)
+    s.close()                                                # d is on the disk now
+    s = make(tmp_path)
+    a, _ = put(s, "a", seed=1)
+    s.cpu.delete([k for run in s.manager.lookup(a).runs for k in run.keys])
+    assert torch.equal(load(s, d), d_kv)                     # d promoted into the slots a had
+    s.close()
+    s = make(tmp_path)
+    try:
+        assert load(s, a) is None
+        assert torch.equal(load(s, d), d_kv)
+    finally:
+        s.close()

@@ -272,6 +272,27 @@ def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_it
     assert got["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.parametrize("tp", [2])
+def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, tp):
+    """A write-back disk under an L1 that holds every chunk, so nothing reaches the disk while vLLM runs: the
+    files a fresh vLLM finds are those each rank wrote down as vLLM shut down (each rank its own share), and
+    every document's chunks come back from them, outputs unchanged."""
+    path = env.base / f"l2-write-back-tp{tp}"
+    tiers = {"disk": {"enabled": True, "path": str(path), "write_mode": "write-back"}}
+    proc, out = launch(env, {"phases": [phase(env, "p0", "q0")], "kv_transfer_config": connector(**tiers)}, tp)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    first = json.loads(out.read_text())
+    same_outputs(env, first, ["p0", "q0"])
+    assert not first["metrics"].get("tier/disk/stored")             # nothing went down while vLLM ran
+    assert proc.stderr.count("only L1 held to disk at shutdown") == tp, proc.stderr[-6000:]
+    assert len(list(path.rglob("*.chunk"))) == 4 * tp              # P's and Q's two chunks, on every rank
+    second = run(env, f"after write-back tp{tp}", {"phases": [phase(env, "p1", "q1")],
+                                                   "kv_transfer_config": connector(**tiers)}, tp)
+    same_outputs(env, second, ["p1", "q1"])
+    assert second["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT]
+    assert second["metrics"]["tier/disk/loaded"] == 4
+
+
 def test_a_bad_extra_config_names_the_field(env):
     proc, _ = launch(env, {"prompts": [[5] * 10], "max_tokens": 1,
                            "kv_transfer_config": connector(keys={"chunk_tokens": 200})})

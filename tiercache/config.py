@@ -93,6 +93,9 @@ class DevicePoolConfig:
                "expected auto, cpu, cuda or cuda:N")
 
 
+MAX_TIMEOUT_S = 86400.0       # a day: beyond it a timeout is a typo, and socket and gRPC deadlines overflow
+
+
 @dataclass(frozen=True, slots=True)
 class CpuTierConfig:
     enabled: bool = _opt(True, "keep an L1 tier in (pinned) host memory")
@@ -100,9 +103,13 @@ class CpuTierConfig:
     eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lfu-da | lru | s3-fifo | arc | fifo | prefix-lru")
     prefault: bool = _opt(True, "touch every page of the L1 buffer at start")
     pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
+    shutdown_write_down: float = _opt(60.0, "seconds a clean shutdown may spend writing the chunks only L1 holds to "
+                                            "the write-back tier, so a restart finds them (0: none)")
 
     def __post_init__(self) -> None:
         _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
+        _check(0 <= self.shutdown_write_down <= MAX_TIMEOUT_S, "shutdown_write_down", self.shutdown_write_down,
+               f"must be in [0, {MAX_TIMEOUT_S:g}] seconds")
         _check(self.pin_memory in ("auto", "on", "off"), "pin_memory", self.pin_memory, "expected auto, on or off")
 
 
@@ -146,7 +153,6 @@ class RedisTierConfig:
         _remote_checks(self)
 
 
-MAX_TIMEOUT_S = 86400.0       # a day: beyond it a timeout is a typo, and socket and gRPC deadlines overflow
 MAX_RETRY_INTERVAL_S = 3600.0
 
 

@@ -22,6 +22,16 @@ that the caller drains (`take_background`) and hands to the workers. A
 preempted request's swap copy (``private``) stays in L1: it is never copied
 down, spilled or flushed to a shared tier.
 
+Shutdown: with a write-back tier, what only L1 holds is lost when the engine
+stops, unless it is written down first. While the scheduler is alive,
+`flush_down` plans that; but vLLM stops its workers before its scheduler, so
+no step follows to carry a plan. So every plan the workers get comes with a
+`WriteBackOrder` (`take_write_back`): which chunks entering L1 the
+write-back tier lacks, and which L1 slots were freed since, in order. Each
+rank keeps the slots whose chunk it holds by that rule and writes them down
+when it closes — its own bytes, where a failed store on another rank leaves
+a chunk only some ranks hold, which the restart scan deletes.
+
 Contract with the engine (as in vLLM's connector API): the L0 blocks named in
 a plan stay allocated to their request until the plan's result is reported —
 the engine delays freeing a finished request whose store is in flight — so
@@ -45,7 +55,8 @@ from tiercache.policies import AdmissionPolicy
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
-from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, JobId, JobOutcome, Priority, TransferPlan
+from tiercache.transfer.plan import (DEVICE, ChunkCopy, Failure, JobId, JobOutcome, Priority, TransferPlan,
+                                     WriteBackOrder)
 
 
 class JobKind(Enum):
@@ -105,10 +116,13 @@ class CacheManager:
         self._in_flight: dict[JobId, _InFlight] = {}
         self._background: list[TransferPlan] = []
         self._promoting: dict[BlockHash, JobId] = {}
+        self._keep: list[BlockHash] = []    # chunks planned into L1 that the write-back tier lacks
+        self._left: list[int] = []          # L1 slots freed since the last `take_write_back`, in order
         self.hot = HotChunks()
         self.events: EventJournal | None = None   # kept once a connector turns them into KV events
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
+            l1.on_slot_freed = self._left.append
 
     def _admit(self, key: BlockHash, hits: int) -> bool:
         return self.admission is None or self.admission.admit(key, hits)
@@ -166,6 +180,8 @@ class CacheManager:
             if not chunks:
                 continue
             lower.prepare_load([c.key for c in chunks])
+            if lower is not self._spill_to:
+                self._keep_on_close(chunks)
             for part in self._split(chunks, lower):
                 plan = self._plan(JobKind.PROMOTE, lower, self.l1, Priority.PREFETCH, part, lower)
                 self._background.append(plan)
@@ -249,6 +265,8 @@ class CacheManager:
             for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
             if slot is not None
         ]
+        if not private:
+            self._keep_on_close(chunks)
         return self._plan(JobKind.STORE, None, self.l1, Priority.STORE, chunks, private=private) if chunks else None
 
     def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerIndex) -> list[ChunkCopy]:
@@ -351,10 +369,28 @@ class CacheManager:
         refused = self._plan_down(JobKind.COPY_DOWN, pinned, lower)
         self.l1.unpin([c.key for c in refused])
 
+    def _keep_on_close(self, chunks: Sequence[ChunkCopy]) -> None:
+        target = self._spill_to
+        if target is not None:
+            self._keep += [c.key for c in chunks if not (target.indexed and target.has(c.key))]
+
+    def take_write_back(self) -> WriteBackOrder | None:
+        """The shutdown write-down order to send with the plans planned since the last call (None without a
+        write-back tier). Call it after planning, for every batch of plans handed to the workers."""
+        target = self._spill_to
+        if target is None:
+            return None
+        order = WriteBackOrder(target.name, link_name(Medium.CPU, target.medium), frozenset(self._keep),
+                               tuple(self._left))
+        self._keep.clear()
+        self._left.clear()
+        return order
+
     def flush_down(self) -> list[TransferPlan]:
         """Plan copying every resident chunk that only L1 holds (and admission accepts) to the write-back tier.
 
-        Called at shutdown, so what L1 held survives a restart.
+        For a caller whose scheduler outlives its workers' last step (a benchmark filling a tier); at
+        shutdown each rank writes down what its `WriteBackOrder`s left it (see the module docstring).
         """
         if self._spill_to is None:
             return []

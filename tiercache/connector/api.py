@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from tiercache.codecs import ChunkLayout
 from tiercache.keys import BlockHash
-from tiercache.transfer.plan import JobId, JobOutcome, JobReport, TransferPlan
+from tiercache.transfer.plan import JobId, JobOutcome, JobReport, TransferPlan, WriteBackOrder
 from tiercache.wire.chunk_files import ScanResult
 
 
@@ -69,6 +69,7 @@ class ConnectorMetadata:
     owners: dict[JobId, str] = field(default_factory=dict)
     delayed: tuple[str, ...] = ()        # finished requests whose blocks the engine keeps until their stores end
     preempted: tuple[str, ...] = ()      # requests whose blocks the engine took back this step
+    write_back: WriteBackOrder | None = None   # what to write down at a clean shutdown (write-back tiers only)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,7 +179,8 @@ class OffloadScheduler(SchedulerConnector):
                 self._add_store(rid, plan)
         owners = {p.job_id: self._owners[p.job_id] for p in (*self._pending_loads, *self._pending_stores)}
         meta = ConnectorMetadata(tuple(self._pending_loads), tuple(self._pending_stores),
-                                 tuple(manager.take_background()), owners, tuple(self._delayed), tuple(preempted))
+                                 tuple(manager.take_background()), owners, tuple(self._delayed), tuple(preempted),
+                                 manager.take_write_back())
         self._pending_loads, self._pending_stores, self._delayed = [], [], []
         return meta
 

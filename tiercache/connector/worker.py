@@ -18,19 +18,27 @@ transfer engine) and makes no decisions: it runs the plans of each step's
   reports it in ``finished_sending`` (the scheduler names such requests in
   ``delayed``), and `handle_preemptions` waits for the stores of requests
   whose blocks the engine takes back.
+- At a clean shutdown (`close`) the rank writes the chunks only its L1 holds
+  to the write-back tier, as the `WriteBackOrder`s that came with its plans
+  say (within ``cpu.shutdown_write_down`` seconds), so a restart finds them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
-from tiercache.build import WorkerStack, build_worker_side, check_config
+
+from tiercache.build import L1, WorkerStack, build_worker_side, check_config
 from tiercache.config import TierCacheConfig
 from tiercache.connector.api import ConnectorMetadata, WorkerConnector, WorkerHandshake, WorkerReport
-from tiercache.keys import KVShard, Namespace
+from tiercache.keys import BlockHash, KVShard, Namespace
 from tiercache.transfer.engine import LayerProgress
-from tiercache.transfer.plan import DEVICE, Failure, JobId, TransferResult
+from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, JobId, Priority, TransferPlan, TransferResult
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.010   # a step with no forward waits up to this long for background results (no busy stepping)
+WRITE_DOWN_JOB = JobId(0)   # the rank's shutdown write-down: job ids 0, -1, … (the scheduler's start at 1)
 
 
 class OffloadWorker(WorkerConnector):
@@ -54,6 +62,11 @@ class OffloadWorker(WorkerConnector):
         self._reported_layerwise = 0
         self.layerwise_loads = 0   # load jobs that landed layer by layer (waited for per layer)
         self._reports_sent = 0
+        # the shutdown write-down (`WriteBackOrder`): where to, chunks named for it whose job has not ended on
+        # this rank, and the L1 slots holding such a chunk on this rank
+        self._write_back: tuple[str, str] | None = None
+        self._to_keep: set[BlockHash] = set()
+        self._only_in_l1: dict[int, ChunkCopy] = {}
 
     @property
     def rank(self) -> int:
@@ -87,6 +100,26 @@ class OffloadWorker(WorkerConnector):
         self._owners.update(meta.owners)
         self._delayed.update(meta.delayed)
         self._failed_this_step = set()
+        order = meta.write_back
+        if order is not None:
+            self._write_back = (order.tier, order.link)
+            for slot in order.left:              # before this step's jobs, which may reuse these slots
+                self._only_in_l1.pop(slot, None)
+            self._to_keep |= order.keep
+
+    def _note_l1_arrivals(self, results: list[TransferResult]) -> None:
+        """Chunks named for the write-down that reached this rank's L1: their slots are written down at close."""
+        if not self._to_keep:
+            return
+        for r in results:
+            if r.plan.dst != L1:
+                continue
+            failed = {key for key, _ in r.failed}
+            for c in r.plan.chunks:
+                if c.key in self._to_keep:
+                    self._to_keep.discard(c.key)
+                    if c.key not in failed:
+                        self._only_in_l1[c.slot] = ChunkCopy(c.key, c.slot, (), c.chunk_blocks, parent=c.parent)
 
     def start_load_kv(self) -> None:
         engine = self._engine
@@ -153,6 +186,7 @@ class OffloadWorker(WorkerConnector):
                 self._results += engine.poll()
         results = self._results + engine.poll()
         self._results = []
+        self._note_l1_arrivals(results)
         failed_loads: set[str] = set()
         failed_blocks: set[int] = set()
         for r in results:
@@ -202,8 +236,50 @@ class OffloadWorker(WorkerConnector):
         if pending:
             self._results += engine.wait(pending, timeout)
 
-    def close(self) -> None:
+    def close(self, write_down_s: float | None = None) -> None:
+        """Write down what only this rank's L1 holds (see the module docstring) within ``write_down_s``
+        seconds (default ``cpu.shutdown_write_down``), then stop every thread."""
         if self.stack is not None:
-            self.stack.close()
-            self.stack = None
+            try:
+                self._write_down(self.config.cpu.shutdown_write_down if write_down_s is None else write_down_s)
+            finally:
+                self.stack.close()
+                self.stack = None
+
+    def _write_down(self, budget: float) -> None:
+        stack = self.stack
+        if self._write_back is None or budget <= 0 or not stack.handshake.writer:
+            return
+        deadline = time.monotonic() + budget
+        try:
+            self.wait_until_idle(budget)     # stores still running may bring more; their results count
+        except TimeoutError:
+            log.warning("tiercache rank %d: transfers still running at shutdown after %.1f s; writing down "
+                        "what L1 holds so far", self.rank, budget)
+        self._note_l1_arrivals(self._results)
+        self._results = []
+        chunks = sorted(self._only_in_l1.values(), key=lambda c: c.slot)
+        if not chunks:
+            return
+        tier, link = self._write_back
+        parts = [chunks[i::self.config.transfer.workers] for i in range(min(self.config.transfer.workers,
+                                                                              len(chunks)))]
+        plans = [TransferPlan(JobId(WRITE_DOWN_JOB - i), L1, tier, link, Priority.STORE, tuple(part),
+                              sum(c.chunk_blocks for c in part) * stack.handshake.block_bytes) for i, part in
+                 enumerate(parts)]
+        start = time.monotonic()
+        for plan in plans:
+            stack.engine.submit(plan)
+        try:
+            results = stack.engine.wait([p.job_id for p in plans], max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning("tiercache rank %d: the shutdown write-down of %d chunks to %s did not finish within "
+                        "its %.1f s; a restart will not find some of them", self.rank,
+                        len(chunks), tier, budget)
+            return
+        failed = sum(len(r.failed) for r in results)
+        nbytes = sum(p.nbytes for p in plans)
+        log.info("tiercache rank %d: wrote %d chunks (%.1f MiB) only L1 held to %s at shutdown in %.2f s%s",
+                 self.rank, len(chunks) - failed, nbytes / (1 << 20), tier, time.monotonic() - start,
+                 f"; {failed} failed" if failed else "")
 

@@ -51,6 +51,7 @@ class CpuIndex(IndexedTier):
         self.slot_bytes = slot_bytes        # per rank: the largest chunk any rank stores
         self.slots = SlotHeap(num_slots)
         self.spill_filter: Callable[[BlockHash, int], bool] | None = None   # set by the manager
+        self.on_slot_freed: Callable[[int], None] | None = None             # set by the manager
         self._spilling: dict[BlockHash, Entry] = {}
         self._spill_queue: list[Spill] = []
 
@@ -118,7 +119,7 @@ class CpuIndex(IndexedTier):
         for key in keys:
             entry = self._spilling.pop(key)
             self._used -= entry.nbytes
-            self.slots.release(entry.slot)
+            self._release(key, entry)
 
     # -- internals -----------------------------------------------------------
     def _evict_one(self) -> bool | None:
@@ -139,3 +140,5 @@ class CpuIndex(IndexedTier):
 
     def _release(self, key: BlockHash, entry: Entry) -> None:
         self.slots.release(entry.slot)
+        if self.on_slot_freed is not None:
+            self.on_slot_freed(entry.slot)
