@@ -29,6 +29,8 @@ CONFIG_CASES = [
     ("cpu.eviction", "bogus", "bogus"),
     ("cpu.pin_memory", "maybe", "maybe"),
     ("cpu.prefault", "perhaps", "perhaps"),
+    ("cpu.shutdown_write_down", "-1", "-1"),
+    ("cpu.shutdown_write_down", "inf", "inf"),
     ("disk.capacity", "-1", "-1"),
     ("disk.eviction", "bogus", "bogus"),
     ("disk.write_mode", "sideways", "sideways"),
@@ -71,6 +73,7 @@ FLAG_CASES = [
     (["demo", "--l0-blocks", "0"], "--l0-blocks", "0"),
     (["demo", "--l0-blocks", "100000000000"], "--l0-blocks", "100000000000"),
     (["demo", "--requests", "0"], "--requests", "0"),
+    (["demo", "--workload", "long-doc", "--l0-blocks", "100"], "--l0-blocks", "100"),
     (["demo", "--workload", "nope"], "--workload", "nope"),
     (["demo", "--tiers", "disk"], "--tiers", "disk"),
     (["demo", "--tiers", "cpu,tape"], "--tiers", "tape"),
@@ -96,6 +99,10 @@ FLAG_CASES = [
     (["bench", "tiers", "--chunk-tokens", "100"], "--chunk-tokens", "100"),
     (["bench", "tiers", "--total-mib", "-3"], "--total-mib", "-3"),
     (["bench", "tiers", "--tiers", "floppy"], "--tiers", "floppy"),
+    (["bench", "tiers", "--tiers", "cpu,disk", "--disk-path", "/proc/tiercache-bench"], "--disk-path",
+     "/proc/tiercache-bench"),
+    (["bench", "codecs", "--no-accuracy", "--disk-path", "/proc/tiercache-bench"], "--disk-path",
+     "/proc/tiercache-bench"),
     (["bench", "trace", "--trace", "/nonexistent.jsonl"], "/nonexistent.jsonl", "/nonexistent.jsonl"),
 ]
 
@@ -211,3 +218,12 @@ def test_the_real_command_prints_one_line_and_no_traceback(tmp_path):
                               timeout=120, env={"XDG_CACHE_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1 and names in proc.stderr, proc.stderr
+
+
+def test_bench_codecs_without_transformers_names_the_extra_before_any_work(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    rc, lines = run_main(["bench", "codecs"])
+    assert rc == 1 and len(lines) == 1, lines
+    assert "transformers" in lines[0] and "tiercache[bench]" in lines[0] and "--model" not in lines[0].split(":")[1]

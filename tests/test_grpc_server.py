@@ -380,11 +380,20 @@ def test_the_metrics_endpoint_exports_the_servers_tiers(tmp_path):
     server = CacheServerProcess(tmp_path, "--metrics-port", str(port))
     try:
         client = Client(server.address, NS)
-        client.write_chunks(chunks(2))
+        items = chunks(2)
+        client.write_chunks(items)
+        keys = [m.key for m, _ in items]
+        assert client.contains(keys) == 2 and client.contains([keys[0], b"\xee" * 32, keys[1]]) == 1
         client.close()
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'tiercache_tier_chunks{tier="memory"} 2.0' in body
         assert "tiercache_server_put_stored_total 2.0" in body
+        # the memory tier counts the lookups it answered: 2 + 2 keys looked at (the second stops at its miss),
+        # 2 + 1 found
+        assert 'tiercache_tier_lookups_total{tier="memory"} 2.0' in body
+        assert 'tiercache_tier_lookup_keys_total{tier="memory"} 4.0' in body
+        assert 'tiercache_tier_hit_keys_total{tier="memory"} 3.0' in body
+        assert 'tiercache_tier_key_hit_ratio{tier="memory"} 0.75' in body
     finally:
         server.stop()
 

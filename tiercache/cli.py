@@ -141,6 +141,7 @@ def _offload_config(args: argparse.Namespace, base: dict | None = None):
 
 
 DEMO_DEFAULTS = {"cpu": {"capacity": "16MiB"}}   # L1 below the workload too, so chunks also come back from disk
+DEMO_L0_BLOCKS = 160                               # the engine's own pool, below the docs workload too
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -153,7 +154,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     spec = WorkloadSpec(args.workload, requests=args.requests, prefix_tokens=args.prefix_tokens,
                         suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
-    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks,
+    needed = -(-spec.max_tokens // args.block_size)
+    if args.l0_blocks is not None and args.l0_blocks < needed:
+        raise ConfigError("--l0-blocks", args.l0_blocks, f"the {spec.name} workload's longest request needs {needed} "
+                                                         f"blocks of {args.block_size} tokens")
+    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks or max(DEMO_L0_BLOCKS, needed),
                               enable_prefix_caching=not args.no_prefix_caching)
     offload = _offload_config(args, base=DEMO_DEFAULTS)
     total = 2 * (spec.requests if spec.name != "multi-turn" else max(1, spec.requests // spec.turns) * spec.turns)
@@ -312,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--suffix-tokens", type=_positive, default=64, help="per-request question or user turn")
     d.add_argument("--output-tokens", type=_positive, default=8)
     d.add_argument("--block-size", type=_positive, default=16)
-    d.add_argument("--l0-blocks", type=_positive, default=160,
-                   help="blocks in the engine's own pool (default 160: less than the workload, as in production)")
+    d.add_argument("--l0-blocks", type=_positive, default=None,
+                   help="blocks in the engine's own pool (default: 160, or what the workload's longest request "
+                        "needs if more: less than the workload, as in production)")
     d.add_argument("--no-prefix-caching", action="store_true", help="no L0 hits: every hit comes from a tier")
     d.add_argument("--json", metavar="PATH")
     d.add_argument("--out", metavar="DIR", help="write demo.json, demo.md and demo.png here")

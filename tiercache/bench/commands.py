@@ -8,18 +8,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import platform
 import sys
 from pathlib import Path
 
 from tiercache.config import load_config
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, TierCacheError
 
 
 def _write_json(path: str | None, data: dict) -> None:
     if path:
         from tiercache.bench.report import write_json
         write_json(path, data)
+
+
+def _directory(path: str | None, flag: str) -> str | None:
+    """A benchmark's directory made ready before any measurement (created if missing, as the disk tier
+    does), or one line naming the flag."""
+    if not path:
+        return None
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(flag, path, f"cannot create the directory: {err.strerror}") from None
+    if not (Path(path).is_dir() and os.access(path, os.W_OK | os.X_OK)):
+        raise ConfigError(flag, path, "is not a writable directory")
+    return path
 
 
 REMOTE_VARIANTS = {"redis": "pipelined", "grpc": "data channel", "grpc-stream": "gRPC streams",
@@ -30,6 +45,8 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides=args.set)
     layouts = {"allocated": [False], "scattered": [True], "both": [False, True]}[args.layout]
     remotes = [t for t in REMOTE_VARIANTS if t in args.tiers]
+    if "disk" in args.tiers:
+        args.disk_path = _directory(args.disk_path, "--disk-path") or _directory(cfg.disk.path, "disk.path")
     targets = _remote_targets(args, cfg, remotes)    # checked (or started) before any measurement
     try:
         return _bench_tiers(args, cfg, layouts, remotes, targets)
@@ -213,8 +230,9 @@ def cmd_bench_codecs(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model, "config.json").is_file():
         raise ConfigError("--model", args.model, "is not a Hugging Face checkpoint directory (no config.json)")
     if not (args.no_accuracy or args.model) and importlib.util.find_spec("transformers") is None:
-        raise ConfigError("--model", None, "training the default accuracy model needs transformers (pip install "
-                                           "transformers); or pass --model DIR, or --no-accuracy")
+        raise TierCacheError("bench codecs trains its accuracy model with transformers, which is not installed: "
+                             "pip install 'tiercache[bench]' (or give --model DIR, or --no-accuracy)")
+    args.disk_path = _directory(args.disk_path, "--disk-path")
     lossy = [n for n in args.codecs if n == "raw" or _lossy(n)]
     with tqdm(desc="bench codecs", file=sys.stderr, disable=args.quiet) as bar:
         report = bench_codecs(args.codecs, None if args.no_accuracy else lossy, args.shape, args.chunk_tokens,

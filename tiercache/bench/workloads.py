@@ -33,6 +33,20 @@ class WorkloadSpec:
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
 
+    def rng(self) -> random.Random:
+        """This workload's own token stream: two workloads never share prompts (so one run's cache cannot
+        inflate another's hit ratio), and a workload's prompts are the same in every process."""
+        return random.Random(f"{self.name}:{self.seed}")
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the longest request holds once its output is generated."""
+        longest_prompt = {
+            "multi-turn": self.prefix_tokens + self.turns * (self.suffix_tokens + self.output_tokens),
+            "long-doc": 2 * self.prefix_tokens + self.suffix_tokens,
+        }.get(self.name, self.prefix_tokens + self.suffix_tokens)
+        return 1 + longest_prompt + self.output_tokens    # BOS first
+
 
 def _text(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(32, 127) for _ in range(n)]
@@ -40,7 +54,7 @@ def _text(rng: random.Random, n: int) -> list[int]:
 
 def shared_prefix(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
     """One system prompt, then a different question per request."""
-    rng = random.Random(spec.seed)
+    rng = spec.rng()
     system = [BOS, *_text(rng, spec.prefix_tokens)]
     for _ in range(spec.requests):
         prompt = system + _text(rng, spec.suffix_tokens)
@@ -49,7 +63,7 @@ def shared_prefix(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list
 
 def multi_turn(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
     """Conversations of ``turns`` turns; each prompt is the whole history plus a new user turn."""
-    rng = random.Random(spec.seed)
+    rng = spec.rng()
     conversations = max(1, spec.requests // spec.turns)
     histories = [[BOS, *_text(rng, spec.prefix_tokens)] for _ in range(conversations)]
     for _ in range(spec.turns):
@@ -62,7 +76,7 @@ def multi_turn(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[in
 
 def long_doc(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
     """A few long documents, several questions about each, documents interleaved."""
-    rng = random.Random(spec.seed)
+    rng = spec.rng()
     docs = [[BOS, *_text(rng, spec.prefix_tokens * 2)] for _ in range(max(1, spec.requests // 4))]
     for i in range(spec.requests):
         prompt = docs[i % len(docs)] + _text(rng, spec.suffix_tokens)
@@ -73,7 +87,7 @@ def docs(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], li
     """Several documents (``prefix_tokens`` each) and a question at a time about one of them, in an order that
     comes back to some soon (while their KV is in a fast tier) and to the first ones only at the end (long
     after): 0, 1, 0, 2, 1, 3, 2, ... then 0, 1, 2, ...."""
-    rng = random.Random(spec.seed)
+    rng = spec.rng()
     near = max(2, (spec.requests + 1) * 2 // 3 // 2)        # documents opened in the first part
     order = [0] + [d for k in range(1, near) for d in (k, k - 1)]
     order += [i % near for i in range(spec.requests - len(order))]
@@ -85,7 +99,7 @@ def docs(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], li
 
 def no_reuse(spec: WorkloadSpec, generate: Generate) -> Iterator[tuple[list[int], list[int]]]:
     """Every prompt is new: nothing can hit, so any difference from no cache is the cost of storing."""
-    rng = random.Random(spec.seed)
+    rng = spec.rng()
     for _ in range(spec.requests):
         prompt = [BOS, *_text(rng, spec.prefix_tokens + spec.suffix_tokens)]
         yield prompt, generate(prompt)

@@ -116,13 +116,20 @@ class ChunkStore:
 
     # -- queries -------------------------------------------------------------
     def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
-        n = 0
+        """How many leading keys memory or disk holds; each tier counts the keys asked of it and found."""
+        n = in_memory = 0
         with self._lock:
             for key in keys:
                 k = store_key(namespace, key)
-                if not (self.memory.has(k) or (self.disk is not None and self.disk.has(k))):
+                if self.memory.has(k):
+                    in_memory += 1
+                elif self.disk is None or not self.disk.has(k):
                     break
                 n += 1
+            asked = min(n + 1, len(keys))            # the keys looked at: the hits, and the miss that ended it
+            self.memory.count_lookup(asked, in_memory)
+            if self.disk is not None:
+                self.disk.count_lookup(asked - in_memory, n - in_memory)
             self.counters["contains_keys"] += len(keys)
             self.counters["contains_hits"] += n
         return n

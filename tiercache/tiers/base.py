@@ -147,7 +147,8 @@ class TierIndex(ABC):
             **c.as_dict(),
         }
 
-    def _count_lookup(self, asked: int, hit: int) -> int:
+    def count_lookup(self, asked: int, hit: int) -> int:
+        """Count one lookup of ``asked`` keys of which ``hit`` were found (by whoever looked in this tier)."""
         self.counters.lookups += 1
         self.counters.lookup_keys += asked
         self.counters.hit_keys += hit

@@ -65,7 +65,7 @@ class IndexedTier(TierIndex):
             if entry is None or not entry.ready:
                 break
             n += 1
-        return self._count_lookup(len(keys), n)
+        return self.count_lookup(len(keys), n)
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         removed = 0

@@ -119,7 +119,7 @@ class RemoteIndex(LowerIndex):
 
     def contains(self, keys: Sequence[BlockHash]) -> int | None:
         if not keys or not self._storage or not self.available:
-            return self._count_lookup(len(keys), 0)
+            return self.count_lookup(len(keys), 0)
         query = tuple(keys)
         asked = self._answers.get(query)
         now = time.monotonic()
@@ -134,7 +134,7 @@ class RemoteIndex(LowerIndex):
         future = asked[0]
         if not future.done():
             return None
-        return self._count_lookup(len(keys), future.result())
+        return self.count_lookup(len(keys), future.result())
 
     def wait_for_answer(self, timeout: float) -> None:
         running = [future for future, _ in self._answers.values() if not future.done()]
