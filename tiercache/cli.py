@@ -164,10 +164,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     total = 2 * (spec.requests if spec.name != "multi-turn" else max(1, spec.requests // spec.turns) * spec.turns)
     bar = None
 
-    def started() -> None:    # the whole stack is built and checked: from here on it is the run
+    def started(metrics_port: int | None) -> None:    # the whole stack is built and checked: from here on it is the run
         nonlocal bar
         if offload is not None and offload.disk.enabled:
-            print(f"tiercache: disk tier (L2) in {offload.disk.path}, kept across runs", file=sys.stderr)
+            print(f"tiercache: disk tier (L2) in {offload.disk.path}, up to {offload.disk.capacity / 2**30:.1f} GiB "
+                  "(disk.capacity), kept across runs; `tiercache cache clear` empties it", file=sys.stderr)
+        if metrics_port is not None:
+            print(f"tiercache: Prometheus metrics of the cached run on http://127.0.0.1:{metrics_port}/metrics "
+                  "(its counters start when it does, after the cold run; served until the demo exits)",
+                  file=sys.stderr)
         bar = tqdm(total=total, desc=f"demo {spec.name} (cold, then warm)", file=sys.stderr, disable=args.quiet)
 
     try:
@@ -194,6 +199,24 @@ def _named_by_flags(flags: dict[str, str]):
         if err.field not in flags:
             raise
         raise ConfigError(flags[err.field], err.value, err.reason) from None
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from tiercache import cache_dir
+
+    cfg = load_config(args.config, overrides=args.set)
+    root = Path(args.disk_path or cfg.disk.path or default_disk_path())
+    if root.exists() and not root.is_dir():
+        raise ConfigError("--disk-path", str(root), "is not a directory")
+    if args.action == "info":
+        u = cache_dir.usage(root)
+        print(json.dumps({"path": u.path, "chunks": u.chunks, "bytes": u.bytes, "storage_digests": u.digests,
+                          "temp_files": u.temp_files}, indent=2))
+    else:
+        u = cache_dir.clear(root)
+        print(f"tiercache: removed {u.chunks} chunk files ({u.bytes / 2**20:.1f} MiB) and {u.temp_files} temp files "
+              f"from {u.path}", file=sys.stderr)
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -250,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.set_defaults(func=commands.cmd_bench_tiers)
 
     t = bench.add_parser("trace", help="replay a Mooncake-format trace through the tiers' index and policies")
-    t.add_argument("--trace", required=True, help="JSONL with timestamp, input_length, output_length, hash_ids")
+    t.add_argument("--trace", required=True,
+                   help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids; .gz read as is); "
+                        "a source checkout ships one: tests/data/mooncake_synthetic_trace.jsonl.gz")
     t.add_argument("--capacity-tokens", type=_size_list("--capacity-tokens", "1M,3M"), default=[1_000_000, 3_000_000],
                    help="comma-separated capacities in tokens, e.g. 500K,1M,3M")
     t.add_argument("--capacity-bytes", type=_size_list("--capacity-bytes", "64GiB,128GiB"), default=None,
@@ -374,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--metrics-port", type=_port, default=0, help="serve Prometheus metrics on this port")
     v.add_argument("--log-format", choices=["json", "text"], default="json")
     v.set_defaults(func=cmd_serve)
+
+    ca = sub.add_parser("cache", help="the disk tier's directory: what it keeps (info), or empty it (clear)")
+    ca.add_argument("action", choices=["info", "clear"])
+    ca.add_argument("--disk-path", help="the disk tier's directory (default: disk.path, else ~/.cache/tiercache/l2, "
+                                        "where `tiercache demo` keeps it)")
+    _add_config_flags(ca)
+    ca.set_defaults(func=cmd_cache)
 
     st = sub.add_parser("stats", help="a running `tiercache serve`: its tiers, counters and most read chunks (JSON)")
     st.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's gRPC address")

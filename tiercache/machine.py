@@ -24,17 +24,21 @@ def physical_memory() -> int:
 
 
 def _openmp_runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded into this process (its own copy of libgomp, or libiomp/libomp)."""
+    """The OpenMP runtime torch loaded into this process (its own copy of libgomp, or libiomp/libomp). Other
+    packages bring copies of their own (sentencepiece, which vLLM imports, loads a libgomp before torch's in
+    the process map), so one inside torch's package comes first."""
+    import torch
+
     try:
         with open("/proc/self/maps") as maps:
-            paths = [line.rsplit(None, 1)[-1] for line in maps]
+            paths = dict.fromkeys(line.rsplit(None, 1)[-1] for line in maps)
     except OSError:          # no /proc (not Linux): no runtime to find
         return None
-    for path in paths:
-        name = os.path.basename(path)
-        if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
-            return ctypes.CDLL(path)
-    return None
+    runtimes = [p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp"))
+                and ".so" in os.path.basename(p)]
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    runtimes.sort(key=lambda p: not p.startswith(torch_dir))
+    return ctypes.CDLL(runtimes[0]) if runtimes else None
 
 
 def keep_torch_to_one_core() -> bool:

@@ -129,13 +129,14 @@ def _by_tier(warm: RunRecord, chunk_bytes: int) -> dict[str, dict[str, object]]:
 
 def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: EngineConfig,
          progress: Callable[[], None] | None = None, metrics_port: int | None = None,
-         started: Callable[[], None] | None = None) -> dict[str, object]:
+         started: Callable[[int | None], None] | None = None) -> dict[str, object]:
     """Cold, then warm; ``started`` is called once the cached engine and its whole offload stack are built —
-    first, so a config that cannot work fails before any request runs."""
+    first, so a config that cannot work fails before any request runs — with the port its metrics are served
+    on (None: not served)."""
     warm_engine = LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port)
     try:
         if started is not None:
-            started()
+            started(warm_engine.metrics_port)
         cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
                                    "enable_prefix_caching": False})
         cold = run_workload(spec, cold_cfg, None, progress)
