@@ -1,6 +1,8 @@
 """`tiercache bench codecs`, `bench tiers --codecs` and `bench trace --capacity-bytes`: real runs, small."""
 import json
 
+import pytest
+
 from tests.conftest import SHARED_TRACE
 from tests.test_cli import tiercache
 from tiercache.bench.codecs import accuracy_prompts, bench_accuracy
@@ -76,6 +78,7 @@ def _can_shape_loopback() -> str | None:
     return None if probe.returncode == 0 else f"cannot shape a namespace's loopback: {probe.stderr.strip()}"
 
 
+@pytest.mark.slow
 def test_shaped_links_runs_the_tiers_over_a_loopback_at_the_rate_asked(tmp_path):
     """benchmarks/shaped_links.py: a raw chunk moves at the shaped rate, not at loopback's, and a quantized one
     moves more tokens through it."""

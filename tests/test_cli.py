@@ -104,6 +104,7 @@ def test_generate_prints_text():
     assert proc.returncode == 2 and "--max-tokens" in proc.stderr
 
 
+@pytest.mark.slow
 def test_demo_with_disk_twice_the_second_process_hits_the_disk(tmp_path):
     """Process 1 computes and (on exit) writes L1 down to disk; process 2 starts empty and loads from disk."""
     args = ["demo", "--tiers", "cpu,disk", "--disk-path", str(tmp_path / "l2"), "--requests", "3",
@@ -119,6 +120,7 @@ def test_demo_with_disk_twice_the_second_process_hits_the_disk(tmp_path):
     assert report["hit_tokens_by_tier"]["tiers"] >= 256
 
 
+@pytest.mark.slow
 def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_path):
     out = tmp_path / "eng"
     proc = tiercache("bench", "engine", "--workloads", "shared-prefix,no-reuse", "--setups", "none,cpu,cpu+disk",
@@ -144,6 +146,7 @@ def test_bench_tiers_redis_starts_its_own_server_when_given_none(tmp_path):
     assert redis["put_gbps"] > 0 and redis["get_gbps"] > 0
 
 
+@pytest.mark.slow
 def test_bench_tiers_redis_without_a_server_is_one_line(tmp_path):
     bare = {**os.environ, "PATH": str(Path(sys.executable).parent)}     # no redis-server on it
     proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "tiers", "--tiers", "cpu,redis"],
@@ -154,6 +157,7 @@ def test_bench_tiers_redis_without_a_server_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "redis://127.0.0.1:1" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cache_info_and_clear_take_the_demos_disk_tier_back_out(tmp_path):
     """The demo says where its disk tier lives, how big it may grow and how to empty it; `cache clear` removes
     the chunk files (nothing else in the directory) and the next demo starts cold."""

@@ -14,7 +14,10 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
+pytestmark = pytest.mark.slow     # real servers under hostile load: tens of seconds
+
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
+
 from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
 from tiercache.bench.demo import run_workload  # noqa: E402
 from tiercache.bench.workloads import WorkloadSpec  # noqa: E402

@@ -30,9 +30,9 @@ PREFIX_HIT = 2 * CHUNK
 
 
 def readme_kv_transfer_config() -> dict:
-    """The ``--kv-transfer-config`` JSON of the README's ``vllm serve`` line."""
+    """The ``--kv-transfer-config`` JSON of the README's vLLM server line."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("vllm serve ")
+    start = text.index("python -m vllm.entrypoints.openai.api_server ")
     quoted = text[text.index("--kv-transfer-config '", start) + len("--kv-transfer-config '"):]
     return json.loads(quoted[:quoted.index("'")])
 
@@ -162,6 +162,7 @@ def run_everything(env: Env, tp: int) -> dict:
 EVERYTHING = ["p0", "q0", "p1", "p2", "p3", "q1"]
 
 
+@pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp):
     run_everything(env, 1)                                   # the TP=1 run's chunks are there first
@@ -184,6 +185,7 @@ def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
     return {"P": stored[0], "Q": stored[1]}
 
 
+@pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_fresh_process_loads_from_its_own_disk_files_and_a_rank_with_a_corrupt_file_recomputes(env, tp):
     """Fresh processes on the shared disk path: each TP size hits its own files (at TP=2, one file per rank).
@@ -223,6 +225,7 @@ def test_a_fresh_process_loads_from_its_own_disk_files_and_a_rank_with_a_corrupt
         assert rank.read_chunk_into(bytes.fromhex(q0), memoryview(bytearray(1 << 20))) > 0   # verifies: whole again
 
 
+@pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
     """Q's values are taken out of Redis first, so P comes from Redis and Q from the server. At TP=2 rank 1's
@@ -253,6 +256,7 @@ def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
         assert m["failed_loads"] == 1 and m["loaded_tokens"] == PREFIX_HIT and m["hit_tokens"] == 2 * PREFIX_HIT
 
 
+@pytest.mark.slow      # launches vLLM
 def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_its_blocks(env):
     """Copies on transfer threads and the host-device link throttled (256 KiB/s: a job may start while the
     link's bucket is not in debt, and each leaves it 2 s in debt). A short request warms vLLM up; then p0's
@@ -272,6 +276,7 @@ def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_it
     assert got["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [2])
 def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, tp):
     """A write-back disk under an L1 that holds every chunk, so nothing reaches the disk while vLLM runs: the
@@ -284,7 +289,8 @@ def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, 
     first = json.loads(out.read_text())
     same_outputs(env, first, ["p0", "q0"])
     assert not first["metrics"].get("tier/disk/stored")             # nothing went down while vLLM ran
-    assert proc.stderr.count("only L1 held to disk at shutdown") == tp, proc.stderr[-6000:]
+    logged = proc.stdout + proc.stderr                               # vLLM logs to stdout by default
+    assert logged.count("only L1 held to disk at shutdown") == tp, logged[-6000:]
     assert len(list(path.rglob("*.chunk"))) == 4 * tp              # P's and Q's two chunks, on every rank
     second = run(env, f"after write-back tp{tp}", {"phases": [phase(env, "p1", "q1")],
                                                    "kv_transfer_config": connector(**tiers)}, tp)
@@ -293,6 +299,7 @@ def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, 
     assert second["metrics"]["tier/disk/loaded"] == 4
 
 
+@pytest.mark.slow      # launches vLLM
 def test_a_bad_extra_config_names_the_field(env):
     proc, _ = launch(env, {"prompts": [[5] * 10], "max_tokens": 1,
                            "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
