@@ -547,3 +547,39 @@ def test_tiercache_stats_errors_are_one_line(token_server, tmp_path):
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
     ok = _stats_cli("--server", token_server.address, "--auth-token-file", str(tmp_path / "token"))
     assert ok.returncode == 0 and json.loads(ok.stdout)["hot_chunks"] == []
+
+
+def test_one_bad_chunk_on_the_server_costs_one_failed_load_not_a_retry_storm(tmp_path):
+    """A chunk file damaged on the server's disk while it was down: the server finds it bad when a fresh
+    engine's promotion asks for it and answers a miss. That is one failed load: the engine's index then
+    answers "absent" for the chunk at once instead of re-planning the promotion every step, the engine
+    recomputes and writes the chunk through again, and the next request hits the whole prefix."""
+    from tests.test_engine import BLOCK, offload, run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+    from tiercache.keys import chunk_keys
+
+    disk = tmp_path / "server-l2"
+    server = CacheServerProcess(tmp_path, "--capacity", "8MiB", "--disk", str(disk))   # memory goes down at stop
+    cfg = offload(grpc={"enabled": True, "address": server.address, "retry_interval": 0.2, "timeout": 2.0})
+    prompts = shared_prompts(n=3)
+    try:
+        with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
+            expect = [s.output_token_ids for s in run_sequential(engine, prompts[:1])]
+            hashes = engine.hasher.hash_blocks(prompts[0][:len(prompts[0]) // BLOCK * BLOCK])
+        server.stop(graceful=True)
+        first = chunk_keys(hashes, 64 // BLOCK)[0]      # the chain's first chunk: every later lookup asks for it
+        (victim,) = disk.rglob(f"{first.hex()}.chunk")
+        data = bytearray(victim.read_bytes())
+        data[-10] ^= 0xFF                                # payload damage: header and length still check out
+        victim.write_bytes(bytes(data))
+        server.start()
+        with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
+            eventually(lambda: engine.stats()["connector"]["tiers"]["grpc"]["available"], 10, "the server up")
+            seqs = run_sequential(engine, prompts)
+            assert [s.output_token_ids for s in seqs[:1]] == expect
+            tier = engine.stats()["connector"]["tiers"]["grpc"]
+            assert tier["load_misses"] + tier["integrity_failures"] == 1      # one failed load in all
+            assert seqs[0].metrics.external_hit_tokens == 0                   # the prefix broke at its first chunk
+            assert seqs[2].metrics.external_hit_tokens == 192                 # written through again, and hit
+    finally:
+        server.stop()

@@ -507,3 +507,35 @@ def test_a_server_that_hangs_never_holds_the_scheduler_and_costs_a_rank_one_time
         index.close()
         values.close()
         hole.close()
+
+
+def test_one_bad_value_costs_one_failed_load_not_a_retry_storm(redis_server):
+    """A fresh engine asks for a prefix whose first chunk's value in Redis was damaged. The promotion fails
+    once (an integrity failure, the value deleted); the index then answers "absent" for that chunk at once
+    — it no longer re-plans the same promotion every step while a cached "present" lasts — and the engine
+    recomputes, writes the chunk through again, and the next request hits it. Outputs never change."""
+    from tests.test_engine import offload, run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+    from tiercache.keys import chunk_keys
+
+    cfg = offload(redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 2.0})
+    prompts = shared_prompts(n=3)
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
+        expect = [s.output_token_ids for s in run_sequential(engine, prompts[:1])]
+        hashes = engine.hasher.hash_blocks(prompts[0][:len(prompts[0]) // 16 * 16])
+    stored = client.keys("tiercache:*")
+    first = chunk_keys(hashes, 64 // 16)[0]      # the chain's first chunk: every later lookup asks for it
+    (victim,) = [k for k in stored if k.endswith(first.hex().encode())]
+    value = bytearray(client.get(victim))
+    value[-1] ^= 0xFF
+    client.set(victim, bytes(value))
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
+        seqs = run_sequential(engine, prompts)
+        assert [s.output_token_ids for s in seqs[:1]] == expect
+        tier = engine.stats()["connector"]["tiers"]["redis"]
+        assert tier["integrity_failures"] == 1 and tier["load_misses"] == 0     # one failed load in all
+        assert seqs[0].metrics.external_hit_tokens == 0         # the prefix broke at its first chunk
+        assert seqs[2].metrics.external_hit_tokens == 192       # written through again whole, and hit
+    assert len(stored) >= 2

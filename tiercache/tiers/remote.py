@@ -8,7 +8,12 @@ chunk evicted between lookup and read is a failed read, hence a miss.
 the reply is in, so the scheduler's thread never waits on the network; a
 query that takes longer than ``lookup_timeout`` marks the tier down. A reply
 serves the same lookup for ``ANSWER_TTL_S``; a chunk that went meanwhile is a
-failed promotion, hence a miss. A chunk
+failed promotion, hence a miss — and then *absent*: a chunk whose load failed
+on any rank (corrupt, gone, unreachable), or that was deleted, is a negative
+entry for ``ABSENT_TTL_S`` or until it is stored again, and every answer is
+cut at the first such key, cached replies included. So one bad value costs
+one failed load, not a promotion re-planned every step while a cached
+"present" lasts (a retry storm any writer to the store could set off). A chunk
 is present only when every writing rank's value is (each rank stores its own
 share of the KV under its own storage digest). Deletes of values found
 corrupt are background work: `take_deletes` hands them to the workers.
@@ -46,6 +51,8 @@ log = logging.getLogger(__name__)
 
 MAX_ANSWERS = 1024        # lookups answered or in flight (oldest dropped first)
 ANSWER_TTL_S = 1.0        # an answer serves the same lookup for this long, then it is asked again
+ABSENT_TTL_S = 10.0       # a chunk that failed to load, or was deleted, is absent this long (or until stored)
+MAX_ABSENT = 65536        # negative entries kept (oldest dropped first): a few MiB
 
 
 class RemoteIndex(LowerIndex):
@@ -61,6 +68,7 @@ class RemoteIndex(LowerIndex):
         self._storage: tuple[bytes, ...] = ()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
         self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
+        self._absent: OrderedDict[BlockHash, float] = OrderedDict()   # negative entries: key → until (monotonic)
         self._deletes: list[BlockHash] = []
         self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
 
@@ -113,14 +121,16 @@ class RemoteIndex(LowerIndex):
 
     def present(self, keys: Sequence[BlockHash]) -> int:
         """One query, now, on the calling thread (what the lookup thread does); 0 while the tier is down."""
+        keys = keys[:self._before_absent(keys)]
         if not keys or not self._storage or not self.available:
             return 0
         return self._query(keys)
 
     def contains(self, keys: Sequence[BlockHash]) -> int | None:
-        if not keys or not self._storage or not self.available:
+        usable = self._before_absent(keys)
+        if not usable or not self._storage or not self.available:
             return self.count_lookup(len(keys), 0)
-        query = tuple(keys)
+        query = tuple(keys[:usable])
         asked = self._answers.get(query)
         now = time.monotonic()
         if asked is not None and asked[0].done() and now - asked[1] > ANSWER_TTL_S:
@@ -136,6 +146,28 @@ class RemoteIndex(LowerIndex):
             return None
         return self.count_lookup(len(keys), future.result())
 
+    # -- negative entries (scheduler thread) ------------------------------------
+    def _before_absent(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` are not known absent (expired entries are dropped on the way)."""
+        if not self._absent:
+            return len(keys)
+        now = time.monotonic()
+        for i, key in enumerate(keys):
+            until = self._absent.get(key)
+            if until is not None:
+                if until > now:
+                    return i
+                del self._absent[key]
+        return len(keys)
+
+    def _mark_absent(self, keys: Sequence[BlockHash]) -> None:
+        until = time.monotonic() + ABSENT_TTL_S
+        for key in keys:
+            self._absent[key] = until
+            self._absent.move_to_end(key)
+        while len(self._absent) > MAX_ABSENT:
+            self._absent.popitem(last=False)
+
     def wait_for_answer(self, timeout: float) -> None:
         running = [future for future, _ in self._answers.values() if not future.done()]
         if running:
@@ -146,6 +178,7 @@ class RemoteIndex(LowerIndex):
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         """Forget ``keys``; every writing rank deletes its value in the background (`take_deletes`)."""
+        self._mark_absent(keys)
         self._deletes.extend(keys)
         self.counters.deleted += len(keys)
         self._removed(keys)
@@ -180,6 +213,10 @@ class RemoteIndex(LowerIndex):
     def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
         self.counters.stored += len(keys) - len(failed)
         self.counters.errors += len(failed)
+        if self._absent:
+            for key in keys:
+                if key not in failed:
+                    self._absent.pop(key, None)       # stored whole again on every rank: present
 
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         return None   # no pins on a server: a chunk gone meanwhile is a failed read, hence a miss
@@ -191,6 +228,7 @@ class RemoteIndex(LowerIndex):
         bad = [key for key, why in failed.items() if why is Failure.CORRUPT]
         self.counters.loaded += len(keys) - len(failed)
         self.counters.load_misses += len(failed) - len(bad)
+        self._mark_absent(list(failed))        # whatever the reason, not worth asking again at once
         if bad:
             self.counters.integrity_failures += len(bad)
             self.delete(bad)
