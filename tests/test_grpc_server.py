@@ -310,6 +310,10 @@ def test_a_wrong_or_missing_auth_token_is_refused_and_logged(token_server, tmp_p
     with pytest.raises(grpc.RpcError) as err:
         raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString())
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:              # the right token, but not as `Bearer <token>`
+        raw_call(server, "Contains", pb.ContainsRequest(namespace=NS, keys=[b"k"]).SerializeToString(),
+                 metadata=(("authorization", TOKEN),))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert good.contains([items[0][0].key]) == 1
     assert server.log().count("UNAUTHENTICATED") >= 2
     s = make(server, auth_token_file=str(tmp_path / "token"))
@@ -547,6 +551,15 @@ def test_tiercache_stats_errors_are_one_line(token_server, tmp_path):
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr and "Traceback" not in refused.stderr
     ok = _stats_cli("--server", token_server.address, "--auth-token-file", str(tmp_path / "token"))
     assert ok.returncode == 0 and json.loads(ok.stdout)["hot_chunks"] == []
+    tenants = tmp_path / "tenants.toml"                  # the server's tenants file, given where a token goes
+    tenants.write_text('[tenants.acme]\ntoken = "0123456789abcdef0123"\n')
+    latin1 = tmp_path / "latin1.token"
+    latin1.write_bytes("s\xe9cret-token-0123".encode("latin-1"))
+    for path, why in ((tenants, "a tenants file"), (latin1, "is not UTF-8 text")):
+        wrong = _stats_cli("--server", token_server.address, "--auth-token-file", str(path))
+        lines = wrong.stderr.strip().splitlines()
+        assert wrong.returncode == 2 and len(lines) == 1, wrong.stderr
+        assert "--auth-token-file" in lines[0] and str(path) in lines[0] and why in lines[0]
 
 
 def test_one_bad_chunk_on_the_server_costs_one_failed_load_not_a_retry_storm(tmp_path):
@@ -583,3 +596,31 @@ def test_one_bad_chunk_on_the_server_costs_one_failed_load_not_a_retry_storm(tmp
             assert seqs[2].metrics.external_hit_tokens == 192                 # written through again, and hit
     finally:
         server.stop()
+
+
+def test_the_shutdown_flush_counts_only_the_chunks_it_wrote(tmp_path, monkeypatch):
+    """A disk that fills up while the server writes memory down at shutdown: the count it logs
+    (`flushed_to_disk`) is what reached the disk, not what it meant to write."""
+    import errno
+
+    import tiercache.server.store as store_module
+    from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
+    from tiercache.wire.chunk_format import ChunkFormat
+    from tiercache.wire.grpc_messages import split_chunk
+
+    store = ChunkStore(StoreConfig(8 << 20, disk_path=str(tmp_path / "l2"), disk_capacity=64 << 20))
+    items = chunks(3)
+    for meta, raw in items:
+        header, payload = ChunkFormat().encode_parts(meta, raw)
+        assert store.put(NS, meta.key, list(split_chunk(NS, meta.key, header, memoryview(payload)))) \
+            is PutOutcome.STORED
+    real, calls = store_module.write_chunk_file, []
+
+    def fills_after_one(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(store_module, "write_chunk_file", fills_after_one)
+    assert store.flush() == 1 and len(calls) == 3
+    assert store.disk.num_chunks == 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.codecs import ChunkLayout, codecs
-from tiercache.config import TierCacheConfig, read_secret
+from tiercache.config import TierCacheConfig, read_secret, read_token
 from tiercache.connector.api import WorkerHandshake
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
@@ -161,7 +161,7 @@ class RedisTierBuilder(LowerTier):
 
 def _grpc_token(config: TierCacheConfig) -> str | None:
     g = config.grpc
-    return read_secret(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
+    return read_token(g.auth_token_file, "grpc.auth_token_file") if g.auth_token_file else None
 
 
 @lower_tiers.register("grpc")

@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
                         "which clients on this host read and write directly")
     v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
-    v.add_argument("--disk-capacity", type=_size, default=100 << 30, help="bytes of chunk files, e.g. 100GiB")
+    v.add_argument("--disk-capacity", type=_size, default=None, help="bytes of chunk files, e.g. 100GiB (default "
+                                                                     "100GiB; with --disk only)")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")
     v.add_argument("--max-message", type=_size, default=128 << 20, help="largest chunk message accepted, e.g. 128MiB")
     v.add_argument("--workers", type=_positive, default=8, help="RPC handler threads (two are kept from streams, "
@@ -432,7 +433,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, data_port=args.data_port, capacity=args.capacity,
                          eviction=args.eviction or DEFAULT_EVICTION,
-                         disk=args.disk, disk_capacity=args.disk_capacity, shm_dir=args.shm_dir,
+                         disk=args.disk, disk_capacity=_disk_capacity(args), shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          max_value=args.max_value, max_inflight=args.max_inflight,
@@ -441,16 +442,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(config, args.log_format)
 
 
+def _disk_capacity(args: argparse.Namespace) -> int:
+    if args.disk_capacity is None:
+        return 100 << 30
+    if not args.disk:
+        raise ConfigError("--disk-capacity", args.disk_capacity, "has no disk to bound: give --disk DIR too")
+    return args.disk_capacity
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     import grpc
 
-    from tiercache.config import is_host_port, read_secret
+    from tiercache.config import is_host_port, read_token
     from tiercache.wire import tiercache_pb2 as pb
     from tiercache.wire.grpc_messages import AUTH_HEADER, method
 
     if not is_host_port(args.server):
         raise ConfigError("--server", args.server, "expected host:port")
-    token = read_secret(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
+    token = read_token(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
     with grpc.insecure_channel(args.server) as channel:
         call = channel.unary_unary(method("Stats"), lambda b: b, lambda b: b)
         try:

@@ -359,14 +359,26 @@ def is_host_port(address: str) -> bool:
 
 
 def read_secret(path: str, field_name: str) -> str:
-    """The stripped contents of a secret file (an auth token); a `ConfigError` naming ``field_name`` otherwise."""
+    """The stripped contents of a secret file; a `ConfigError` naming ``field_name`` otherwise."""
     try:
-        secret = Path(path).read_text().strip()
+        secret = Path(path).read_text(encoding="utf-8").strip()
     except OSError as err:
         raise ConfigError(field_name, path, f"cannot read: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(field_name, path, "is not UTF-8 text") from None
     if not secret:
         raise ConfigError(field_name, path, "is empty")
     return secret
+
+
+def read_token(path: str, field_name: str) -> str:
+    """An auth token file: one token of printable ASCII (it travels in a header), nothing else."""
+    token = read_secret(path, field_name)
+    if not all(33 <= ord(c) < 127 for c in token):
+        what = "a tenants file (tiercache serve's); give the file of one tenant's token" \
+            if "[tenants" in token else "more than one token, or characters a header cannot carry"
+        raise ConfigError(field_name, path, f"holds {what}")
+    return token
 
 
 def _set_dotted(target: dict[str, Any], dotted: str, value: str, origin: str) -> None:

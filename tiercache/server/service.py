@@ -141,7 +141,10 @@ class CacheService:
     def _authorize(self, context: grpc.ServicerContext) -> Tenant:
         given = next((v for k, v in context.invocation_metadata() if k == AUTH_HEADER), "")
         given = given.decode(errors="replace") if isinstance(given, bytes) else given
-        tenant = self.tenancy.who(given.removeprefix("Bearer "))
+        if given and not given.startswith("Bearer "):
+            tenant = None                      # a token must come as `Bearer <token>` (none: an open server's)
+        else:
+            tenant = self.tenancy.who(given.removeprefix("Bearer "))
         if tenant is None:
             raise _Rejected(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token")
         return tenant

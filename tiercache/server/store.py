@@ -323,8 +323,7 @@ class ChunkStore:
             return 0
         with self._lock:
             spills = self._reserve_on_disk(self.memory.unspilled(self.disk.has))
-        self._write_spills(spills)
-        return len(spills)
+        return len(spills) - len(self._write_spills(spills))
 
     # -- spills (write-back to disk) ------------------------------------------
     def _take_spills(self) -> list[Spill]:
@@ -344,9 +343,10 @@ class ChunkStore:
                 spill.file.unlink(missing_ok=True)
         return kept
 
-    def _write_spills(self, spills: list[Spill]) -> None:
+    def _write_spills(self, spills: list[Spill]) -> list[bytes]:
+        """Write reserved spills to disk; returns the keys that failed."""
         if not spills:
-            return
+            return []
         assert self.disk is not None
         failed = []
         for spill in spills:
@@ -365,6 +365,7 @@ class ChunkStore:
                     spill.file.unlink(missing_ok=True)
         with self._lock:
             self.disk.publish([s.key for s in spills], failed)
+        return failed
 
     def stats(self) -> dict[str, object]:
         with self._lock:

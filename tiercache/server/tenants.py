@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.config import parse_size, read_secret
+from tiercache.config import parse_size, read_secret, read_token
 from tiercache.errors import ConfigError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
@@ -66,7 +66,7 @@ def load_tenants(path: str) -> list[Tenant]:
         return [Tenant(DEFAULT, None, admin=True)]
     text = read_secret(path, FIELD)
     if not text.lstrip().startswith("[tenants."):
-        return [Tenant(DEFAULT, text, admin=True)]
+        return [Tenant(DEFAULT, read_token(path, FIELD), admin=True)]
     try:
         table = tomllib.loads(text).get("tenants", {})
     except tomllib.TOMLDecodeError as err:
@@ -96,7 +96,7 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
                                        f"known: {', '.join(sorted(_KEYS))}")
     if ("token" in entry) == ("token_file" in entry):          # neither, or both
         raise ConfigError(FIELD, path, f"{where} needs one of token, token_file")
-    token = str(entry["token"]).strip() if "token" in entry else read_secret(str(entry["token_file"]), FIELD)
+    token = str(entry["token"]).strip() if "token" in entry else read_token(str(entry["token_file"]), FIELD)
     if len(token) < 16:
         raise ConfigError(FIELD, path, f"{where}: a token of {len(token)} characters is too short to be secret "
                                        "(16 or more)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
@@ -111,6 +112,7 @@ class DiskChunks(IndexedTier):
         self.root = Path(root)
         self._capacity = capacity_bytes
         self.root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=self.root).close()   # writable: fail at start, not on every spill
         self.header_namespaces: dict[bytes, bytes] = {}    # a scoped directory's name → what its headers name
         for ns_dir in sorted(self.root.iterdir()):
             try:
