@@ -161,7 +161,8 @@ def data_server(**kwargs):
     import collections
 
     from tiercache.server.data_server import DataServer
-    from tiercache.server.limits import InflightBytes, ServerLimits
+    from tiercache.server.fair import InflightBytes
+    from tiercache.server.limits import ServerLimits
     from tiercache.server.store import StoreConfig
     from tiercache.server.tenants import Tenancy, load_tenants
     limits = ServerLimits.for_server(1 << 20, workers=4)

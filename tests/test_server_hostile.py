@@ -80,7 +80,9 @@ def test_values_declared_and_never_sent_cannot_grow_the_server_past_its_budget(t
     """12 data-channel PUTs each declaring a 64 MiB value and sending 16 MiB of it, and 8 gRPC Puts declaring
     1 TiB: before, each declaration was given its buffer (12 × 16 MiB received into them; the gRPC pieces kept
     until the stream ended); now the declared bytes wait for room in the in-flight budget (here 64 MiB, one
-    value), the rest are read past into no memory, and a 1 TiB declaration is refused at its first message."""
+    value), the rest are read past into no memory, and a 1 TiB declaration is refused at its first message.
+    A connection that holds the budget and goes silent loses it to the next connection that needs room
+    (`tiercache.server.fair`): a real client's stores go through while the silent ones are still there."""
     server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "30", "--log-format", "text")
     held = []
     try:
@@ -127,17 +129,28 @@ def test_values_declared_and_never_sent_cannot_grow_the_server_past_its_budget(t
         grown = rss_mib(server.proc.pid) - before
         assert grown < 64 + 48, f"RSS grew {grown:.0f} MiB"
         stats = json.loads(raw_stats(server))
-        assert stats["inflight_refused"] >= 11 and stats["inflight_bytes"] <= 64 * MiB
+        # every declaration but the one holding the budget now was refused, or admitted and taken back silent
+        assert stats["inflight_refused"] + stats["inflight_taken_back"] >= 11
+        assert stats["inflight_bytes"] <= 64 * MiB
         client = Client(server.address, NS)
         try:
             items = chunks(2)
             keys = [m.key for m, _ in items]
-            # While the budget is held, a store is refused as busy: the chunks fail, the tier stays up.
-            assert {why for _, why in client.write_chunks(items)} <= {Failure.IO} and client.available
+            last = open_data(server, port)      # one more declares a whole-budget value, sends a quarter of it
+            held.append(last)
+            key = b"\xaa" * 32
+            last.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(len(head) + 64 * MiB
+                                                                                            - 4096)
+                         + header_for(key, 64 * MiB - 4096) + part)
+            eventually(lambda: json.loads(raw_stats(server))["inflight_bytes"] > 0, 5, "the budget held")
+            time.sleep(1.2)             # and goes silent past fair.SILENT_S
+            before_put = json.loads(raw_stats(server))
+            assert before_put["inflight_bytes"] > 0                         # a silent connection holds it all
+            assert client.write_chunks(items) == () and client.contains(keys) == 2 and client.available
+            assert json.loads(raw_stats(server))["inflight_taken_back"] > before_put["inflight_taken_back"]
             for sock in held:           # the silent clients go: their reservations are released at once
                 sock.close()
             eventually(lambda: json.loads(raw_stats(server))["inflight_bytes"] == 0, 5, "the budget released")
-            assert client.write_chunks(items) == () and client.contains(keys) == 2
         finally:
             client.close()
     finally:
@@ -297,4 +310,61 @@ def test_a_restarted_server_is_picked_up_within_the_retry_interval(tmp_path):
         assert client.transport._outage.probes - probes_before <= 1
     finally:
         client.close()
+        server.stop()
+
+
+def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_tenants_engine_working(tmp_path):
+    """Tenant `rival` declares four 16 MiB values over four data connections (the whole 64 MiB in-flight
+    budget, borrowed while nobody else asked), sends 1 MiB of each and goes silent. Tenant `acme`'s real
+    engines then store a workload through the server and a fresh one loads it back: the rival's silent
+    reservations past its share are taken back for acme's (`tiercache.server.fair`), so acme's hit tokens and
+    outputs are those of an undisturbed run."""
+    from tiercache.wire.chunk_format import HEADER_BYTES
+    from tiercache.wire.grpc_messages import AUTH_HEADER
+
+    tokens = {name: f"{name}-token-0123456789" for name in ("acme", "rival", "ops")}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()) + "admin = true\n")
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "30",
+                                "--auth-token-file", str(tenants), "--log-format", "text")
+
+    def server_stats() -> dict:
+        reply = raw_call(server, "Stats", b"", metadata=((AUTH_HEADER, f"Bearer {tokens['ops']}"),))
+        return dict(pb.StatsReply.FromString(reply).counters)
+
+    token = tmp_path / "acme.token"
+    token.write_text(tokens["acme"])
+    spec = WorkloadSpec("shared-prefix", requests=3, prefix_tokens=256, output_tokens=2)
+    cfg = TierCacheConfig().replace(keys={"block_size": 16, "chunk_tokens": 64},
+                                    cpu={"capacity": "2MiB", "prefault": False},
+                                    grpc={"enabled": True, "address": server.address, "timeout": 5.0,
+                                          "auth_token_file": str(token)})
+    held = []
+    try:
+        port = data_port(server)
+        for i in range(4):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(dw.hello(tokens["rival"]))
+            assert sock.recv(1) == bytes([dw.HELLO_OK])
+            key = bytes([200 + i]) * 32
+            sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(16 * MiB)
+                         + header_for(key, 16 * MiB - HEADER_BYTES) + b"\1" * MiB)
+            held.append(sock)
+        eventually(lambda: server_stats()["inflight_bytes"] == 64 * MiB, 10, "the rival holding the budget")
+        time.sleep(1.2)                        # silent past fair.SILENT_S
+        first = run_workload(spec, EngineConfig(num_blocks=64), cfg)
+        second = run_workload(spec, EngineConfig(num_blocks=64), cfg)
+        assert second.tier_hit_tokens >= 256 and second.outputs == first.outputs
+        assert server_stats()["inflight_taken_back"] >= 1
+
+        def ended(sock: socket.socket) -> bool:
+            sock.settimeout(0.2)
+            try:
+                return sock.recv(1) == b""
+            except OSError:                    # still open (timed out), or reset
+                return False
+        assert sum(ended(sock) for sock in held) >= 1       # a taken-back connection was ended by the server
+    finally:
+        for sock in held:
+            sock.close()
         server.stop()

@@ -29,7 +29,8 @@ from tiercache.server.service import CacheService
 from tiercache.server.store import StoreConfig, StoreDirectoryError
 from tiercache.machine import physical_memory
 from tiercache.server.tenants import Tenancy, load_tenants
-from tiercache.server.limits import IDLE_TIMEOUT_S, READ_TIMEOUT_S, InflightBytes, ServerLimits
+from tiercache.server.fair import InflightBytes
+from tiercache.server.limits import IDLE_TIMEOUT_S, READ_TIMEOUT_S, ServerLimits
 
 log = logging.getLogger("tiercache.server")
 

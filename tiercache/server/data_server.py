@@ -33,7 +33,8 @@ from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.wire import data_frames as dw
 from tiercache.log_limits import ThrottledLog
-from tiercache.server.limits import InflightBytes, ServerLimits
+from tiercache.server.fair import InflightBytes
+from tiercache.server.limits import ServerLimits
 from tiercache.server.store import PutOutcome
 from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
@@ -56,6 +57,12 @@ class _Connection:
     sock: socket.socket
     host: str
     idle_since: float | None = None      # waiting for its next request since (None: in a request)
+
+
+def _end_connection(conn: socket.socket) -> None:
+    """End a connection from another thread (its reservation was taken back): its blocked read returns."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 class DataServer:
@@ -247,7 +254,9 @@ class DataServer:
                 continue
             # Room for the bytes before any is received: a client declaring large values and going silent
             # holds at most the in-flight budget, never memory of its own choosing.
-            if not self.inflight.reserve(size, self.limits.admit_wait_s):
+            hold = self.inflight.reserve(size, self.limits.admit_wait_s, tenant.name, conn,
+                                         revoke=lambda: _end_connection(conn))
+            if hold is None:
                 reader.skip(size - HEADER_BYTES, deadline)     # read past it, into no memory of its own
                 self.counters["data_put_busy"] += 1
                 outcomes.append(dw.PUT_REJECTED)
@@ -255,10 +264,11 @@ class DataServer:
             try:
                 value = store.pool.take(size)
                 value[:HEADER_BYTES] = header
-                reader.read_into(memoryview(value)[HEADER_BYTES:], deadline)
+                reader.read_into(memoryview(value)[HEADER_BYTES:], deadline,
+                                 progress=lambda: self.inflight.moved(hold))
                 outcome = store.put(namespace, key, value)
             finally:
-                self.inflight.release(size)
+                self.inflight.release(hold)
             if outcome is not PutOutcome.STORED:
                 store.pool.give(value)
             outcomes.append(_OUTCOME[outcome])

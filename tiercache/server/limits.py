@@ -2,11 +2,13 @@
 
 - **Memory.** A chunk's bytes are admitted before they are received: its
   declared length must be within ``max_value_bytes`` and is reserved from one
-  server-wide budget of bytes in flight (`InflightBytes`, ``max_inflight_bytes``)
-  — received but not yet stored — and released once the store has taken or
-  refused it. A client that declares a huge value, or many clients that
-  declare values and then go silent, hold at most that budget; nothing is
-  allocated for them beyond it. Stored chunks are bounded by ``--capacity``
+  server-wide budget of bytes in flight (``max_inflight_bytes``) — received
+  but not yet stored — and released once the store has taken or refused it.
+  A client that declares a huge value, or many clients that declare values
+  and then go silent, hold at most that budget; nothing is allocated for them
+  beyond it. The budget is divided fairly, per tenant and per connection,
+  and a silent holder past its share is taken back when others need room
+  (`tiercache.server.fair.InflightBytes`). Stored chunks are bounded by ``--capacity``
   (and ``--disk-capacity``), so the server's memory stays within capacity +
   in-flight budget + a constant (the interpreter, gRPC's own buffers: at most
   ``max_streams`` messages of ``2 × --max-message``, and ≈ 19 KiB per call in
@@ -73,42 +75,6 @@ class ServerLimits:
         return self.read_timeout_s + nbytes / self.min_rate_bytes_s
 
 
-class InflightBytes:
-    """Bytes being received from clients and not yet stored: reserved before they arrive, from a fixed budget."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._used = 0
-        self._cond = threading.Condition()
-        self.refused = 0
-
-    @property
-    def used(self) -> int:
-        return self._used
-
-    def reserve(self, nbytes: int, wait_s: float) -> bool:
-        """Take ``nbytes`` from the budget, waiting up to ``wait_s`` for others to release theirs; False
-        (and counted) when the value is larger than the whole budget or there is no room in time."""
-        if nbytes > self.limit:
-            self.refused += 1
-            return False
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while self._used + nbytes > self.limit:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    if self._used + nbytes > self.limit:
-                        self.refused += 1
-                        return False
-            self._used += nbytes
-            return True
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self._used -= nbytes
-            self._cond.notify_all()
-
-
 class StreamWatch:
     """The gRPC streams in progress: admitted up to ``limit`` at once, and cancelled when one has waited on its
     client for ``stall_s`` (a client that opens a ``Put`` and goes silent, or stops reading a ``Get``).
@@ -173,12 +139,13 @@ class StreamWatch:
                     del self._streams[sid]
             for _, context in stalled:
                 self.cancelled += 1
-                _end(context)
+                end_call(context)
 
 
-def _end(context: grpc.ServicerContext) -> None:
-    """End a stalled call from the watchdog's thread. The asyncio server's context for a synchronous handler
-    has no ``cancel``; its ``abort`` ends the call (the client sees DEADLINE_EXCEEDED, the handler's blocked
-    read raises) and raises here too, which is the watchdog's to swallow."""
+def end_call(context: grpc.ServicerContext, why: str = "the stream stalled past the server's read timeout") -> None:
+    """End a call from another thread (a stalled stream, or one whose reservation was taken back). The
+    asyncio server's context for a synchronous handler has no ``cancel``; its ``abort`` ends the call (the
+    client sees DEADLINE_EXCEEDED, the handler's blocked read raises) and raises here too, which is the
+    caller's to swallow."""
     with contextlib.suppress(Exception):
-        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream stalled past the server's read timeout")
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, why)

@@ -37,7 +37,8 @@ from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.wire import tiercache_pb2 as pb
-from tiercache.server.limits import InflightBytes, ServerLimits, StreamWatch
+from tiercache.server.fair import Hold, InflightBytes
+from tiercache.server.limits import ServerLimits, StreamWatch, end_call
 from tiercache.server.store import PutOutcome
 from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
@@ -212,6 +213,7 @@ class CacheService:
         self._allowed(tenant, "write")
         store = self.tenancy.own(tenant)
         reply = pb.PutReply()
+        holds: list[Hold] = []            # the in-flight reservations of the chunk being received
         with self._stream_slot(context) as (waiting, moved):
             def messages() -> Iterator[bytes]:
                 pending = iter(requests)
@@ -221,16 +223,18 @@ class CacheService:
                     moved()
                     if m is None:
                         return
+                    for hold in holds:       # its bytes are arriving: the reservation is in use
+                        self.inflight.moved(hold)
                     yield self._sized(m)
             stream = messages()
             try:
-                while (chunk := self._chunk(stream)) is not None:
+                while (chunk := self._chunk(stream, tenant, context, holds)) is not None:
                     head, raw = chunk
                     try:
                         self.counters["bytes_in"] += head.total
                         outcome = store.put(head.namespace, head.key, raw)
                     finally:
-                        self.inflight.release(head.total)
+                        self._release(holds)
                     if outcome is PutOutcome.STORED:
                         reply.stored += 1
                     elif outcome is PutOutcome.PRESENT:
@@ -242,8 +246,9 @@ class CacheService:
                 raise
         return reply.SerializeToString()
 
-    def _admit(self, head: ChunkView) -> None:
-        """A chunk's declared length, checked and reserved before any more of it is received."""
+    def _admit(self, head: ChunkView, tenant: Tenant, context: grpc.ServicerContext) -> Hold:
+        """A chunk's declared length, checked and reserved (for this stream of this tenant) before any more of
+        it is received."""
         self._names(head.namespace, [head.key])
         if head.total < HEADER_BYTES:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
@@ -252,25 +257,24 @@ class CacheService:
             raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"a value of {head.total} bytes, over the server's value limit of "
                             f"{self.limits.max_value_bytes}")
-        if not self.inflight.reserve(head.total, self.limits.admit_wait_s):
+        hold = self.inflight.reserve(head.total, self.limits.admit_wait_s, tenant.name, context,
+                                     revoke=lambda: end_call(context, "silent past its tenant's share of the "
+                                                                      "in-flight budget while others wait"))
+        if hold is None:
             raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no room for a {head.total}-byte value in the server's in-flight budget; try again")
+        return hold
 
-    def _chunk(self, messages):
-        """The next chunk of a Put stream, checked, its bytes reserved in the in-flight budget (the caller
-        releases them): (first message parsed, its raw messages); None at the end."""
-        admitted: list[ChunkView] = []
-
-        def admit(head: ChunkView) -> None:
-            self._admit(head)
-            admitted.append(head)
+    def _chunk(self, messages, tenant: Tenant, context: grpc.ServicerContext, holds: list[Hold]):
+        """The next chunk of a Put stream, checked, its bytes reserved in the in-flight budget (into ``holds``,
+        which the caller releases): (first message parsed, its raw messages); None at the end."""
         try:
-            got = read_chunk(messages, admit)
+            got = read_chunk(messages, lambda head: holds.append(self._admit(head, tenant, context)))
         except WireError as err:
-            self._release(admitted)
+            self._release(holds)
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed Chunk: {err}") from None
         except BaseException:
-            self._release(admitted)
+            self._release(holds)
             raise
         if got is None:
             return None
@@ -278,14 +282,15 @@ class CacheService:
         try:
             check_value(head.namespace, head.key, pieces[0][:HEADER_BYTES], head.total)
         except ChunkFormatError as err:
-            self._release(admitted)
+            self._release(holds)
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"chunk {head.key.hex()[:16]}… rejected: {type(err).__name__}: {err}") from None
         return head, raw
 
-    def _release(self, admitted: list[ChunkView]) -> None:
-        for head in admitted:
-            self.inflight.release(head.total)
+    def _release(self, holds: list[Hold]) -> None:
+        for hold in holds:
+            self.inflight.release(hold)
+        holds.clear()
 
     def delete(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
         self._allowed(tenant, "delete")
@@ -374,6 +379,7 @@ class CacheService:
                                       key=lambda h: -h[2])[:10],
                  "tenants": self.tenancy.usage()}
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
-                       "inflight_refused": self.inflight.refused, "streams_refused": self.streams.refused,
+                       "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
+                       "streams_refused": self.streams.refused,
                        "streams_stalled": self.streams.cancelled}
         return s

@@ -13,6 +13,7 @@ import socket
 import ssl
 import struct
 import time
+from collections.abc import Callable
 
 LINE_BUFFER_BYTES = 64 << 10
 _CRLF = b"\r\n"
@@ -83,10 +84,12 @@ class StreamReader:
                 raise ProtocolError(f"a reply line longer than {len(self._buf)} bytes")
             self._fill()
 
-    def read_into(self, dest: memoryview, deadline: float | None = None) -> None:
+    def read_into(self, dest: memoryview, deadline: float | None = None,
+                  progress: Callable[[], None] | None = None) -> None:
         """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream; with a
         ``deadline`` (``time.monotonic()``), raise `TimeoutError` once it passes, however the bytes trickle
-        in (the socket must have a timeout: each receive waits at most until the deadline)."""
+        in (the socket must have a timeout: each receive waits at most until the deadline). ``progress`` is
+        called after each receive that brought bytes."""
         n = len(dest)
         have = min(n, self._hi - self._lo)
         dest[:have] = self._view[self._lo:self._lo + have]
@@ -104,6 +107,8 @@ class StreamReader:
                 if got == 0:
                     raise ConnectionError("the peer closed the connection mid-value")
                 pos += got
+                if progress is not None:
+                    progress()
         finally:
             if deadline is not None:
                 self._sock.settimeout(step_timeout)
