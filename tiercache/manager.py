@@ -376,9 +376,10 @@ class CacheManager:
 
     def take_write_back(self) -> WriteBackOrder | None:
         """The shutdown write-down order to send with the plans planned since the last call (None without a
-        write-back tier). Call it after planning, for every batch of plans handed to the workers."""
+        write-back tier, or when nothing changed). Call it after planning, for every batch of plans handed to
+        the workers."""
         target = self._spill_to
-        if target is None:
+        if target is None or not (self._keep or self._left):
             return None
         order = WriteBackOrder(target.name, link_name(Medium.CPU, target.medium), frozenset(self._keep),
                                tuple(self._left))

@@ -16,8 +16,9 @@
 - **Time.** Every read from a client has a deadline of the server's own:
   ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
   between requests on the data channel, and a value must arrive at
-  ``min_rate_bytes_s`` or faster. gRPC streams (``Put``, ``Get``) that stop
-  moving for ``read_timeout_s`` are cancelled by a watchdog (`StreamWatch`).
+  ``min_rate_bytes_s`` or faster. gRPC streams (``Put``, ``Get``) that have
+  waited on their client for ``read_timeout_s`` are cancelled by a watchdog
+  (`StreamWatch`; the server's own work on a stream never counts).
 - **Slots.** gRPC runs as an asyncio server (`tiercache.server.app`): each
   call's request is read on its event loop and only then handed to a
   handler thread, so a unary call whose request never comes holds none. At
