@@ -61,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tiercache.build import check_config
 from tiercache.config import TierCacheConfig, load_config
 from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.connector.api import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
@@ -420,9 +421,17 @@ class TierCacheConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-by-layer loads wait inside the forward, which a whole-graph CUDA graph replay would skip."""
-        transfer = offload_config(extra_config, 1).transfer
-        return transfer.layerwise and transfer.inline_host_copies != "on"
+        """Layer-by-layer loads wait inside the forward, which a whole-graph CUDA graph replay would skip.
+
+        vLLM asks this while it builds its config, in the user's process, before anything starts (on GPU,
+        where CUDA graphs are on): so the whole ``kv_connector_extra_config`` is checked here, choices by
+        name included, and a mistake is the first error the user sees."""
+        cfg = offload_config(extra_config, 1)
+        try:
+            check_config(cfg)
+        except ConfigError as err:
+            raise ConfigError(f"kv_connector_extra_config.{err.field}", err.value, err.reason) from None
+        return cfg.transfer.layerwise and cfg.transfer.inline_host_copies != "on"
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

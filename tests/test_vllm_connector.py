@@ -353,3 +353,17 @@ def test_piecewise_cuda_graphs_are_asked_for_only_when_loads_wait_inside_the_for
     assert TierCacheConnector.requires_piecewise_for_cudagraph({})                    # layerwise by default
     assert not TierCacheConnector.requires_piecewise_for_cudagraph({"transfer": {"layerwise": False}})
     assert not TierCacheConnector.requires_piecewise_for_cudagraph({"transfer": {"inline_host_copies": "on"}})
+
+
+def test_the_hook_vllm_calls_while_it_builds_its_config_checks_the_whole_extra_config():
+    """On GPU vLLM asks `requires_piecewise_for_cudagraph` in the user's process before anything starts: a bad
+    value there, a bad name of a policy or codec too, is the first error, naming the field."""
+    from tiercache.connectors.vllm import TierCacheConnector
+    from tiercache.errors import ConfigError
+    for extra, field in (({"cpu": {"capacity": "lots"}}, "kv_connector_extra_config.cpu.capacity"),
+                         ({"cpu": {"eviction": "bogus"}}, "kv_connector_extra_config.cpu.eviction"),
+                         ({"format": {"codec": "zip"}}, "kv_connector_extra_config.format"),
+                         ({"tape": {}}, "kv_connector_extra_config.tape")):
+        with pytest.raises(ConfigError) as err:
+            TierCacheConnector.requires_piecewise_for_cudagraph(extra)
+        assert err.value.field == field, (extra, str(err.value))
