@@ -88,3 +88,29 @@ def test_a_slot_freed_by_a_cut_stream_admits_the_next():
         assert watch.admit(Call()) is not None
     finally:
         watch.close()
+
+
+def test_a_tenant_over_its_share_of_slots_gives_a_silent_stream_to_another_tenant():
+    """Four slots, all held by tenant A (borrowed while nobody else streamed): B's first stream gets the slot
+    of A's stream that has waited on its silent client longest; a second tenant-B stream, B now at its
+    share of two only with A's streams moving, is refused; A's moving streams are never cut for B."""
+    clock = Clock()
+    watch = StreamWatch(limit=4, stall_s=3600.0, clock=clock, share_silent_s=1.0)
+    try:
+        calls = [Call() for _ in range(4)]
+        ids = [watch.admit(c, "A") for c in calls]
+        assert all(i is not None for i in ids)
+        watch.waiting(ids[0])                 # silent since t=0
+        clock.now = 0.5
+        watch.waiting(ids[1])                 # silent since t=0.5
+        clock.now = 2.0                       # ids[2], ids[3] keep moving (never waiting)
+        b1 = watch.admit(Call(), "B")
+        assert b1 is not None and calls[0].ended.is_set() and not calls[1].ended.is_set()
+        assert watch.taken_back == 1
+        b2 = watch.admit(Call(), "B")         # A still over its share of 2, and ids[1] silent for 1.5 s
+        assert b2 is not None and calls[1].ended.is_set()
+        assert watch.admit(Call(), "B") is None          # B at its share; A's two are moving
+        assert not calls[2].ended.is_set() and not calls[3].ended.is_set() and watch.refused == 1
+        assert watch.admit(Call(), "A") is None          # full, and A has nothing to take back from
+    finally:
+        watch.close()

@@ -85,30 +85,65 @@ class StreamWatch:
     taken). Time the server spends on a stream itself — storing a chunk, waiting for in-flight room,
     reading a value to send — never counts, so a loaded server, whose own work load stretches, does not
     cut the legitimate clients it is slow to serve.
+
+    Slots are shared fairly among tenants: when every slot is taken, a newcomer of a tenant below its share
+    (the slots divided among the tenants holding some, its own counted) gets one from the tenant holding
+    the most, if that tenant is over its share and one of its streams has waited on its client for
+    ``share_silent_s`` — that stream is ended. A tenant's streams that keep moving are never cut for another.
     """
 
-    def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic,
+                 share_silent_s: float = 1.0) -> None:
         self.limit = limit
         self.stall_s = stall_s
+        self.share_silent_s = share_silent_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._streams: dict[int, list] = {}       # id → [context, waiting on the client since (None: not)]
+        self._streams: dict[int, list] = {}       # id → [context, waiting on the client since (None: not), tenant]
         self._ids = iter(range(1 << 62))
         self.cancelled = 0
         self.refused = 0
+        self.taken_back = 0                       # silent streams ended to give another tenant its share
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tiercache-stream-watch", daemon=True)
         self._thread.start()
 
-    def admit(self, context: grpc.ServicerContext) -> int | None:
-        """A slot for a new stream, or None (counted) when every slot is taken."""
+    def admit(self, context: grpc.ServicerContext, tenant: str = "") -> int | None:
+        """A slot for a new stream of ``tenant``, or None (counted) when every slot is taken and none can be
+        taken back for it (see the class docstring)."""
+        victim = None
         with self._lock:
             if len(self._streams) >= self.limit:
-                self.refused += 1
-                return None
+                victim = self._take_back_for(tenant)
+                if victim is None:
+                    self.refused += 1
+                    return None
             sid = next(self._ids)
-            self._streams[sid] = [context, None]
-            return sid
+            self._streams[sid] = [context, None, tenant]
+        if victim is not None:
+            end_call(victim, "a silent stream past its tenant's share of the stream slots, taken for another")
+        return sid
+
+    def _take_back_for(self, tenant: str):
+        """Under the lock: end (and forget) a silent stream of the tenant most over its share, if ``tenant``
+        is below its own; returns its context, or None."""
+        held: dict[str, int] = {}
+        for entry in self._streams.values():
+            held[entry[2]] = held.get(entry[2], 0) + 1
+        share = self.limit // len(held.keys() | {tenant})
+        if held.get(tenant, 0) >= share:
+            return None
+        greedy = max((t for t in held if t != tenant), key=held.__getitem__, default=None)
+        if greedy is None or held[greedy] <= share:
+            return None
+        now = self._clock()
+        silent = [(entry[1], sid) for sid, entry in self._streams.items()
+                  if entry[2] == greedy and entry[1] is not None and now - entry[1] >= self.share_silent_s]
+        if not silent:
+            return None
+        _, sid = min(silent)                       # the one silent longest
+        self.taken_back += 1
+        return self._streams.pop(sid)[0]
 
     def waiting(self, sid: int) -> None:
         """The handler waits on the client from now (for its next message, or for it to read one)."""

@@ -110,7 +110,7 @@ class CacheService:
             self.counters[f"rpc_{name}"] += 1
             try:
                 tenant = self._authorize(context)
-                with self._stream_slot(context) as (waiting, moved):
+                with self._stream_slot(context, tenant) as (waiting, moved):
                     for message in fn(request, context, tenant):
                         waiting()            # until the client has taken it (gRPC's flow control)
                         yield message
@@ -120,10 +120,10 @@ class CacheService:
         return run
 
     @contextlib.contextmanager
-    def _stream_slot(self, context: grpc.ServicerContext):
-        """One of the stream slots, for as long as the stream runs; yields the calls that say the handler now
-        waits on its client, and that the client moved (`StreamWatch`)."""
-        sid = self.streams.admit(context)
+    def _stream_slot(self, context: grpc.ServicerContext, tenant: Tenant):
+        """One of the stream slots (the tenant's fair share: `StreamWatch`), for as long as the stream runs;
+        yields the calls that say the handler now waits on its client, and that the client moved."""
+        sid = self.streams.admit(context, tenant.name)
         if sid is None:
             raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"all {self.streams.limit} stream slots are busy; try again")
@@ -214,7 +214,7 @@ class CacheService:
         store = self.tenancy.own(tenant)
         reply = pb.PutReply()
         holds: list[Hold] = []            # the in-flight reservations of the chunk being received
-        with self._stream_slot(context) as (waiting, moved):
+        with self._stream_slot(context, tenant) as (waiting, moved):
             def messages() -> Iterator[bytes]:
                 pending = iter(requests)
                 while True:
@@ -380,6 +380,6 @@ class CacheService:
                  "tenants": self.tenancy.usage()}
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
-                       "streams_refused": self.streams.refused,
+                       "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,
                        "streams_stalled": self.streams.cancelled}
         return s
