@@ -318,7 +318,8 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
     budget, borrowed while nobody else asked), sends 1 MiB of each and goes silent. Tenant `acme`'s real
     engines then store a workload through the server and a fresh one loads it back: the rival's silent
     reservations past its share are taken back for acme's (`tiercache.server.fair`), so acme's hit tokens and
-    outputs are those of an undisturbed run."""
+    outputs are those of an undisturbed run. Meanwhile the rival's own loads proceed, whatever becomes of
+    its stores, and its tier stays up."""
     from tiercache.wire.chunk_format import HEADER_BYTES
     from tiercache.wire.grpc_messages import AUTH_HEADER
 
@@ -340,8 +341,11 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
                                     grpc={"enabled": True, "address": server.address, "timeout": 5.0,
                                           "auth_token_file": str(token)})
     held = []
+    rival = Client(server.address, NS, auth_token=tokens["rival"])
     try:
         port = data_port(server)
+        stored = chunks(2, seed=9)
+        assert rival.write_chunks(stored) == ()
         for i in range(4):
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
             sock.sendall(dw.hello(tokens["rival"]))
@@ -351,6 +355,10 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
                          + header_for(key, 16 * MiB - HEADER_BYTES) + b"\1" * MiB)
             held.append(sock)
         eventually(lambda: server_stats()["inflight_bytes"] == 64 * MiB, 10, "the rival holding the budget")
+        # the rival's own stores find no room now (refused as busy: the tier stays up), its loads proceed
+        assert {why for _, why in rival.write_chunks(chunks(1, seed=10))} <= {Failure.IO} and rival.available
+        bufs = [memoryview(bytearray(len(raw))) for _, raw in stored]
+        assert rival.read_chunks_into([(m.key, b) for (m, _), b in zip(stored, bufs)]) == [len(r) for _, r in stored]
         time.sleep(1.2)                        # silent past fair.SILENT_S
         first = run_workload(spec, EngineConfig(num_blocks=64), cfg)
         second = run_workload(spec, EngineConfig(num_blocks=64), cfg)
@@ -365,6 +373,7 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
                 return False
         assert sum(ended(sock) for sock in held) >= 1       # a taken-back connection was ended by the server
     finally:
+        rival.close()
         for sock in held:
             sock.close()
         server.stop()
