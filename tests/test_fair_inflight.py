@@ -7,6 +7,7 @@ Taking a reservation back calls its ``revoke`` (the server ends that connection)
 from __future__ import annotations
 
 import threading
+import time
 
 from tiercache.server.fair import InflightBytes
 
@@ -112,3 +113,25 @@ def test_a_released_hold_is_released_once():
     b.release(h)
     b.release(h)                                         # a handler's finally after a taken-back release
     assert b.used == 0
+
+
+def test_a_tenant_over_its_own_share_takes_nothing_back_from_another():
+    """A and B hold 4 of 8 each and go silent. A, already at its share, asking for more takes nothing back
+    from B; C, arriving with nothing, takes back from both (each is over the share of three tenants)."""
+    clock, revoked = Clock(), []
+    b = budget(clock)
+    a, bs = ask(b, "A", "a1", 4, revoked), ask(b, "B", "b1", 4, revoked)
+    assert a is not None and bs is not None and b.used == 8 * UNIT
+    assert ask(b, "C", "c1", 2, revoked) is None           # full, nobody silent yet: C waits its turn, active
+    clock.now += 1.0                                       # A and B silent now; C still counts as active
+    assert ask(b, "A", "a1", 2, revoked) is None and revoked == []   # B is over the share of 2, but so is A
+    got = []
+    t = threading.Thread(target=lambda: got.append(ask(b, "C", "c1", 2, revoked, wait_s=5.0)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not revoked and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    b.release(a)
+    b.release(bs)
+    t.join(5)
+    assert got and got[0] is not None and set(revoked) == {("A", "a1"), ("B", "b1")}

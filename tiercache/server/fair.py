@@ -101,14 +101,20 @@ class InflightBytes:
         return True
 
     def _over_share(self, now: float, waiting: Hold) -> list[Hold]:
-        """Silent holders of the groups over their share that stand in ``waiting``'s way."""
+        """Silent holders of the groups over their share that stand in ``waiting``'s way — taken back only for
+        a waiter whose group would stay within its own share (or that holds nothing yet)."""
         tenant_share, connection_share, _, _ = self._shares(waiting, now)
+        mine = self._by_tenant[waiting.tenant]
+        for_tenant = not mine or mine + waiting.nbytes <= tenant_share
+        mine = self._by_connection[(waiting.tenant, waiting.connection)]
+        for_connection = not mine or mine + waiting.nbytes <= connection_share
         out = []
         for h in self._holds:
             if h.revoked or now - h.moved_at < self.silent_s:
                 continue
-            other_tenant = h.tenant != waiting.tenant and self._by_tenant[h.tenant] > tenant_share
-            other_connection = (h.tenant == waiting.tenant and h.connection != waiting.connection
+            other_tenant = (for_tenant and h.tenant != waiting.tenant
+                            and self._by_tenant[h.tenant] > tenant_share)
+            other_connection = (for_connection and h.tenant == waiting.tenant and h.connection != waiting.connection
                                 and self._by_connection[(h.tenant, h.connection)] > connection_share)
             if other_tenant or other_connection:
                 out.append(h)
