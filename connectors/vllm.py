@@ -103,7 +103,7 @@ def _worker_exit_budget_s() -> float:
     """Seconds a worker may spend in its shutdown before vLLM terminates it, less a margin to exit in."""
     import vllm.envs as envs
 
-    return max(0.0, float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) - 1.0)
+    return max(0.0, float(getattr(envs, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", 5)) - 1.0)   # 5: vLLM's default
 
 
 def _log_like_vllm() -> None:
