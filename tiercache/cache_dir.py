@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.wire.chunk_files import SUFFIX
+from tiercache.wire.chunk_files import SUFFIX, TEMP_SUFFIX
 
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -36,29 +36,35 @@ def _chunk_files(root: Path):
             if not (shard.is_dir() and len(shard.name) == 2 and _HEX.fullmatch(shard.name)):
                 continue
             for f in shard.iterdir():
-                stem = f.name.removesuffix(".tmp")
+                stem = f.name.removesuffix(TEMP_SUFFIX)
                 if f.is_file() and stem.endswith(SUFFIX) and _HEX.fullmatch(stem.removesuffix(SUFFIX)):
                     yield digest, f
 
 
-def usage(root: Path) -> CacheDirUsage:
-    digests, chunks, temps, nbytes = set(), 0, 0, 0
-    for digest, f in _chunk_files(root):
-        digests.add(digest.name)
-        temps += f.name.endswith(".tmp")
-        chunks += not f.name.endswith(".tmp")
+def _walk(root: Path, remove: bool) -> tuple[CacheDirUsage, set[Path]]:
+    """What the layout's files under ``root`` hold, and the directories they lie in; with ``remove``, each
+    file is deleted as it is counted (one walk)."""
+    digests, dirs, chunks, temps, nbytes = set(), set(), 0, 0, 0
+    for digest, f in list(_chunk_files(root)):
+        digests.add(digest)
+        dirs.update((digest, f.parent))
+        temp = f.name.endswith(TEMP_SUFFIX)
+        temps += temp
+        chunks += not temp
         nbytes += f.stat().st_size
-    return CacheDirUsage(str(root), len(digests), chunks, temps, nbytes)
+        if remove:
+            f.unlink(missing_ok=True)
+    return CacheDirUsage(str(root), len(digests), chunks, temps, nbytes), dirs
+
+
+def usage(root: Path) -> CacheDirUsage:
+    return _walk(root, remove=False)[0]
 
 
 def clear(root: Path) -> CacheDirUsage:
     """Remove every chunk and temp file of the layout, then the directories they leave empty; returns what
     was removed. Run it while no engine uses the directory (a running engine's index would still list them)."""
-    removed = usage(root)
-    dirs = set()
-    for digest, f in list(_chunk_files(root)):
-        f.unlink(missing_ok=True)
-        dirs.update((f.parent, digest))
+    removed, dirs = _walk(root, remove=True)
     for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):     # not empty: something else lives there
             d.rmdir()

@@ -40,7 +40,8 @@ class WorkloadSpec:
 
     @property
     def max_tokens(self) -> int:
-        """Tokens the longest request holds once its output is generated."""
+        """At least as many tokens as the longest request holds once its output is generated (multi-turn
+        counts a last turn's output once more)."""
         longest_prompt = {
             "multi-turn": self.prefix_tokens + self.turns * (self.suffix_tokens + self.output_tokens),
             "long-doc": 2 * self.prefix_tokens + self.suffix_tokens,

@@ -20,6 +20,7 @@ from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, check_header
 
 SUFFIX = ".chunk"
+TEMP_SUFFIX = ".tmp"     # a chunk file being written, renamed into place once whole
 ALIGN = 4096
 WRITE_PIECE = 4 << 20   # page-cache writes in one 32 MiB syscall ran at about half the rate of 4 MiB ones here
 
@@ -86,7 +87,7 @@ def write_chunk_file(final: Path, header: memoryview, payload: memoryview, fsync
 def _write_temp(final: Path, header: memoryview, payload: memoryview, staging: memoryview | None) -> tuple[int, Path]:
     """``final``'s temp file, written and still open; nothing is left behind when this raises."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = final.with_name(final.name + TEMP_SUFFIX)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if staging is not None else 0)
     fd = os.open(tmp, flags, 0o644)
     try:
@@ -171,7 +172,7 @@ def scan_chunk_files(directory: Path, namespace: bytes) -> ScanResult:
     files and foreign, damaged or wrong-sized files are deleted and counted."""
     found, bad, temp = [], 0, 0
     for path in directory.glob("*/*"):
-        if path.name.endswith(".tmp"):          # a writer died mid-chunk
+        if path.name.endswith(TEMP_SUFFIX):     # a writer died mid-chunk
             path.unlink(missing_ok=True)
             temp += 1
             continue
