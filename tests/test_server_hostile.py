@@ -1,13 +1,16 @@
 """`tiercache serve` against careless and hostile clients: a real server in a subprocess, real sockets.
 
-Memory stays within capacity + the in-flight budget under clients that declare values and never send them;
+Memory stays within capacity + the in-flight budget under clients that declare values and never send them,
+and within the server's logged bound under hundreds of concurrent maximal calls;
 stalled gRPC streams and hundreds of idle data connections cannot keep a real client's loads and stores out;
 a restarted server is picked up within ``grpc.retry_interval``.
 """
+import asyncio
 import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -376,4 +379,76 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
         rival.close()
         for sock in held:
             sock.close()
+        server.stop()
+
+
+def flood_with_maximal_calls(address: str, per_kind: int, message: bytes) -> Counter:
+    """``per_kind`` concurrent Puts, Contains and Gets at once, each carrying one message of the server's
+    largest size (garbage: what a careless or hostile client sends); their status codes, counted."""
+    codes: Counter = Counter()
+
+    async def flood() -> None:
+        channels = [grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 1 << 30)])
+                    for _ in range(8)]
+
+        async def one(i: int, kind: str) -> None:
+            channel = channels[i % len(channels)]
+            try:
+                if kind == "Put":
+                    async def pieces():
+                        yield message
+                        await asyncio.sleep(5)             # and then silent
+                    await channel.stream_unary(method("Put"))(pieces(), timeout=30)
+                elif kind == "Contains":
+                    await channel.unary_unary(method("Contains"))(message, timeout=30)
+                else:
+                    async for _ in channel.unary_stream(method("Get"))(message, timeout=30):
+                        pass
+                codes[f"{kind} OK"] += 1
+            except grpc.aio.AioRpcError as err:
+                codes[f"{kind} {err.code().name}"] += 1
+        try:
+            await asyncio.gather(*(one(i, kind) for i in range(per_kind) for kind in ("Put", "Contains", "Get")))
+        finally:
+            for channel in channels:
+                await channel.close()
+    asyncio.run(flood())
+    return codes
+
+
+def test_hundreds_of_concurrent_maximal_calls_keep_the_server_within_its_memory_bound(tmp_path):
+    """600 calls at once — Puts, Contains and Gets of one 4 MiB message each, the largest the server takes —
+    twice: before, each call's message was received (and each unary request read whole) before any handler
+    could refuse it, and a 64 MiB server reached 1.5 GiB. Now a message is received only under a request or
+    stream slot, and a call without one holds gRPC's initial window: RSS, sampled throughout, stays within
+    the bound the server logs at start. Health answers during the flood, and a client stores and loads
+    after it."""
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--max-message", "4MiB")
+    started = next(json.loads(line) for line in server.log().splitlines() if '"started"' in line)
+    bound_mib = started["memory_bound"] / MiB
+    peak, stop = [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], rss_mib(server.proc.pid))
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        message = np.random.default_rng(7).integers(0, 256, 4 * MiB, dtype=np.uint8).tobytes()
+        codes: Counter = Counter()
+        for _ in range(2):
+            flood = threading.Thread(target=lambda: codes.update(flood_with_maximal_calls(server.address, 200,
+                                                                                          message)))
+            flood.start()
+            time.sleep(0.5)
+            assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
+            flood.join(120)
+            assert not flood.is_alive()
+        stop.set()
+        sampler.join(5)
+        assert sum(codes.values()) == 1200 and codes["Put OK"] == 0
+        assert peak[0] <= bound_mib, f"RSS peaked at {peak[0]:.0f} MiB, over the bound of {bound_mib:.0f} MiB"
+        assert_a_client_stores_and_loads(server, 2, seed=9, timeout_s=5.0)
+    finally:
+        stop.set()
         server.stop()

@@ -114,3 +114,51 @@ def test_a_tenant_over_its_share_of_slots_gives_a_silent_stream_to_another_tenan
         assert watch.admit(Call(), "A") is None          # full, and A has nothing to take back from
     finally:
         watch.close()
+
+
+def test_a_tenant_at_its_share_is_refused_free_slots_while_another_tenant_is_active():
+    """Eight slots, tenant B asked a moment ago: A may take its share of four, not the free rest — they are
+    B's while B is active. Once B has been quiet for ``active_s``, A may borrow them."""
+    clock = Clock()
+    watch = StreamWatch(limit=8, stall_s=3600.0, clock=clock, active_s=1.0)
+    try:
+        b = watch.admit(Call(), "B")
+        watch.done(b)                                        # B asked, and holds nothing now
+        assert all(watch.admit(Call(), "A") is not None for _ in range(4))
+        assert watch.admit(Call(), "A") is None and watch.refused == 1
+        clock.now = 1.5                                      # B quiet past active_s: A is alone
+        assert watch.admit(Call(), "A") is not None
+    finally:
+        watch.close()
+
+
+def test_request_slots_go_from_a_silent_request_to_a_newcomer_of_the_same_tenant():
+    """The request slots (``take_back_own``): a unary call's request comes with its headers, so a slot whose
+    request has not come for ``share_silent_s`` is ended for a newcomer even of the same tenant — silent
+    calls from one client cannot lock its own tenant out. A newcomer finds nothing to take while the
+    holders are fresh or moving."""
+    clock = Clock()
+    watch = StreamWatch(limit=2, stall_s=3600.0, clock=clock, share_silent_s=0.1, take_back_own=True)
+    try:
+        silent, working = Call(), Call()
+        s, w = watch.admit(silent, "A"), watch.admit(working, "A")
+        watch.waiting(s)                                     # its request never comes
+        assert watch.admit(Call(), "A") is None              # silent for 0 s: not yet
+        clock.now = 0.2
+        assert watch.admit(Call(), "A") is not None and silent.ended.is_set()
+        assert not working.ended.is_set() and watch.taken_back == 1
+        assert watch.admit(Call(), "A") is None              # the working one (not waiting) is never taken
+    finally:
+        watch.close()
+
+
+def test_without_take_back_own_a_tenant_never_ends_its_own_streams():
+    clock = Clock()
+    watch = StreamWatch(limit=1, stall_s=3600.0, clock=clock, share_silent_s=0.1)
+    try:
+        silent = Call()
+        watch.waiting(watch.admit(silent, "A"))
+        clock.now = 5.0
+        assert watch.admit(Call(), "A") is None and not silent.ended.is_set()
+    finally:
+        watch.close()

@@ -30,12 +30,13 @@ from tiercache.server.store import StoreConfig, StoreDirectoryError
 from tiercache.machine import physical_memory
 from tiercache.server.tenants import Tenancy, load_tenants
 from tiercache.server.fair import InflightBytes
-from tiercache.server.limits import IDLE_TIMEOUT_S, READ_TIMEOUT_S, ServerLimits
+from tiercache.server.limits import (
+    IDLE_TIMEOUT_S, MAX_CALLS, MAX_CALLS_PER_CONNECTION, READ_TIMEOUT_S, ServerLimits, memory_bound,
+)
 
 log = logging.getLogger("tiercache.server")
 
-HARD_LIMIT_FACTOR = 2   # gRPC refuses messages above this many times max_message_bytes before any handler runs
-MAX_MESSAGE_LIMIT = 1 << 30   # gRPC's message limits are 32-bit: twice this still fits
+MAX_MESSAGE_LIMIT = 1 << 30   # gRPC's message limits are 32-bit
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +123,6 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     root.setLevel(level)
 
 
-MAX_CALLS = 4096   # concurrent gRPC calls: a call waiting for its client holds no thread, only its state
 
 
 class CacheServer:
@@ -139,10 +139,10 @@ class CacheServer:
             raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None
         limits = config.limits()
         inflight = InflightBytes(limits.max_inflight_bytes)
-        self.service = CacheService(self.tenancy, config.max_message, limits, inflight)
-        # gRPC's asyncio server reads every request on its event loop and runs the (synchronous) handlers in
-        # the pool: a client that opens calls and never sends their request holds no handler thread
+        # gRPC's asyncio server reads requests on its event loop and runs the calls' work in the pool: a
+        # client that opens calls and never sends their request holds no handler thread
         self._pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc")
+        self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-grpc-loop", daemon=True)
         self._loop_thread.start()
@@ -169,11 +169,16 @@ class CacheServer:
         self._metrics = None
 
     async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
-        hard = config.max_message * HARD_LIMIT_FACTOR
+        limit = config.max_message    # gRPC refuses a larger message from its length prefix, before any handler
         server = grpc.aio.server(
             migration_thread_pool=self._pool, handlers=[self.service.handler()],
-            options=[("grpc.max_receive_message_length", hard), ("grpc.max_send_message_length", hard),
-                     ("grpc.so_reuseport", 0)],
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0),
+                     # a stream's receive window stays gRPC's initial one (64 KiB) instead of growing with
+                     # the measured bandwidth-delay product: a call whose messages no handler reads yet
+                     # holds that much, not megabytes
+                     ("grpc.http2.bdp_probe", 0),
+                     ("grpc.max_concurrent_streams", MAX_CALLS_PER_CONNECTION)],
             maximum_concurrent_rpcs=MAX_CALLS,    # calls in progress, waiting ones included; beyond, refused
         )
         try:
@@ -204,6 +209,8 @@ class CacheServer:
                         "capacity": self.config.capacity,
                         "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
                         "auth": self.config.auth_token_file != "",
+                        "memory_bound": memory_bound(self.service.limits, self.config.capacity,
+                                                     self.config.max_message),
                         "tenants": sorted(self.tenancy.tenants),
                         "chunks_on_disk": sum(s.disk.num_chunks for s in self.tenancy.stores.values() if s.disk)})
 
@@ -213,7 +220,7 @@ class CacheServer:
         self.service.serving = False
         self._on_loop(self._server.stop(self.config.grace))
         self._end_loop()
-        self.service.streams.close()
+        self.service.close()
         if self.data is not None:
             self.data.stop()
         started = time.monotonic()

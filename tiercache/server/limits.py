@@ -8,24 +8,33 @@
   and then go silent, hold at most that budget; nothing is allocated for them
   beyond it. The budget is divided fairly, per tenant and per connection,
   and a silent holder past its share is taken back when others need room
-  (`tiercache.server.fair.InflightBytes`). Stored chunks are bounded by ``--capacity``
-  (and ``--disk-capacity``), so the server's memory stays within capacity +
-  in-flight budget + a constant (the interpreter, gRPC's own buffers: at most
-  ``max_streams`` messages of ``2 × --max-message``, and ≈ 19 KiB per call in
-  progress, at most `tiercache.server.app.MAX_CALLS`).
+  (`tiercache.server.fair.InflightBytes`). Stored chunks are bounded by
+  ``--capacity`` (and ``--disk-capacity``). gRPC messages are received only
+  under a slot: a unary call's request (and ``Get``'s) under one of
+  ``max_requests`` request slots, a ``Put`` stream's messages under one of
+  ``max_streams`` stream slots (`tiercache.server.service`); gRPC refuses a
+  message over ``--max-message`` from its length prefix; a call that holds no
+  slot yet holds gRPC's initial receive window (64 KiB: the window does not
+  grow with the measured bandwidth), and gRPC admits at most ``MAX_CALLS``
+  calls, ``MAX_CALLS_PER_CONNECTION`` on one connection. So the server's memory
+  stays within `memory_bound`: capacity + in-flight budget + a message per slot
+  + a window per call + a constant, logged at start.
 - **Time.** Every read from a client has a deadline of the server's own:
   ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
   between requests on the data channel, and a value must arrive at
   ``min_rate_bytes_s`` or faster. gRPC streams (``Put``, ``Get``) that have
   waited on their client for ``read_timeout_s`` are cancelled by a watchdog
   (`StreamWatch`; the server's own work on a stream never counts).
-- **Slots.** gRPC runs as an asyncio server (`tiercache.server.app`): each
-  call's request is read on its event loop and only then handed to a
-  handler thread, so a unary call whose request never comes holds none. At
-  most ``max_streams`` gRPC streams at once — the streams' messages are read
-  in their handler threads — fewer than the handler threads, so ``Health``,
-  ``Contains`` and the other unary calls always find a thread; further
-  streams refused with ``RESOURCE_EXHAUSTED``;
+- **Slots.** gRPC runs as an asyncio server (`tiercache.server.app`): a
+  unary call's request is read on its event loop and only then is its work
+  handed to a handler thread, so a call whose request never comes holds no
+  thread — it holds a request slot, which a newcomer takes from it once it
+  has been silent for ``REQUEST_SILENT_S``. At most ``max_streams`` gRPC
+  streams at once — a Put's messages are read in its handler thread — fewer
+  than the handler threads, so ``Health``, ``Contains`` and the other unary
+  calls always find a thread. Request and stream slots are shared fairly
+  among tenants (`StreamWatch`); a call that finds none free within its
+  tenant's share is refused with ``RESOURCE_EXHAUSTED``;
   data-channel connections at most ``max_connections`` in all and
   ``max_connections_per_peer`` from one host, the oldest idle one dropped to
   make room, a client refused only when every connection is busy.
@@ -44,10 +53,32 @@ IDLE_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 10.0
 MIN_RATE_BYTES_S = 8 << 20          # 8 MiB/s: a 32 MiB chunk may take 4 s beyond the read timeout
 RESERVED_HANDLERS = 2               # gRPC handler threads no stream may take
+MIN_REQUESTS = 16                   # request slots (unary calls received or being worked on), at least
 MAX_CONNECTIONS = 256
 MAX_CONNECTIONS_PER_PEER = 64
+MAX_CALLS = 1024                    # concurrent gRPC calls; a call no handler reads yet holds its state and
+                                    # at most one receive window
+MAX_CALLS_PER_CONNECTION = 128      # HTTP/2 streams one connection may have open
 ADMIT_WAIT_S = 0.5                  # how long a value waits for room in the in-flight budget (well within a
                                     # client's own timeout) before it is refused as busy
+
+
+# What `memory_bound` counts beyond the chunks and the in-flight budget (measured: an idle server is ~55 MiB)
+MESSAGE_COPIES = 3          # a message being read lives as gRPC's slices and as the bytes made of them; a Get's
+                            # message being sent, once more in gRPC's send buffer
+CALL_BYTES = 96 << 10       # a call waiting: gRPC's initial receive window (64 KiB) and the call's state
+CONNECTION_BYTES = 64 << 10  # a data-channel connection's own buffers
+BASE_BYTES = 192 << 20      # the interpreter, gRPC's threads and the allocator's slack
+
+
+def memory_bound(limits: "ServerLimits", capacity: int, max_message: int) -> int:
+    """The most memory `tiercache serve` takes whatever its clients send: the stored chunks (``capacity``),
+    the values being received (``max_inflight_bytes``), a message per request and stream slot (a message is
+    received only under a slot), every call gRPC admits waiting with one receive window, every data-channel
+    connection, and the base. The test of the server's memory samples RSS against it."""
+    slots = (limits.max_requests + limits.max_streams) * MESSAGE_COPIES * max_message
+    return (capacity + limits.max_inflight_bytes + slots + MAX_CALLS * CALL_BYTES
+            + limits.max_connections * CONNECTION_BYTES + BASE_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +86,7 @@ class ServerLimits:
     max_value_bytes: int
     max_inflight_bytes: int
     max_streams: int
+    max_requests: int
     read_timeout_s: float = READ_TIMEOUT_S
     idle_timeout_s: float = IDLE_TIMEOUT_S
     min_rate_bytes_s: float = MIN_RATE_BYTES_S
@@ -69,7 +101,7 @@ class ServerLimits:
         for four of the largest values, at most the capacity (never less than one value)."""
         value = max_value_bytes or min(256 << 20, capacity)
         inflight = max_inflight_bytes or max(value, min(4 * value, capacity))
-        return cls(value, inflight, max(1, workers - RESERVED_HANDLERS), **overrides)
+        return cls(value, inflight, max(1, workers - RESERVED_HANDLERS), max(MIN_REQUESTS, 2 * workers), **overrides)
 
     def value_deadline_s(self, nbytes: int) -> float:
         """Seconds a value of ``nbytes`` may take to arrive."""
@@ -86,20 +118,27 @@ class StreamWatch:
     reading a value to send — never counts, so a loaded server, whose own work load stretches, does not
     cut the legitimate clients it is slow to serve.
 
-    Slots are shared fairly among tenants: when every slot is taken, a newcomer of a tenant below its share
-    (the slots divided among the tenants holding some, its own counted) gets one from the tenant holding
-    the most, if that tenant is over its share and one of its streams has waited on its client for
-    ``share_silent_s`` — that stream is ended. A tenant's streams that keep moving are never cut for another.
+    Slots are shared fairly among tenants. A tenant's share is the slots divided among the tenants holding
+    some or asking within ``active_s``, its own counted. A tenant at its share is refused a new slot while
+    another tenant is active, even with slots free — they are the other's; alone, it may take them all.
+    When every slot is taken, a newcomer below its share gets one from the tenant holding the most, if that
+    tenant is over its share and one of its streams has waited on its client for ``share_silent_s`` — that
+    stream is ended. A tenant's streams that keep moving are never cut for another. With ``take_back_own``
+    (the request slots, whose one message comes at once from any client that means to send it), a silent
+    stream of the newcomer's own tenant, or of one holding as many, is ended for it too.
     """
 
     def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic,
-                 share_silent_s: float = 1.0) -> None:
+                 share_silent_s: float = 1.0, active_s: float = 1.0, take_back_own: bool = False) -> None:
         self.limit = limit
+        self.take_back_own = take_back_own
         self.stall_s = stall_s
         self.share_silent_s = share_silent_s
+        self.active_s = active_s
         self._clock = clock
         self._lock = threading.Lock()
         self._streams: dict[int, list] = {}       # id → [context, waiting on the client since (None: not), tenant]
+        self._asked: dict[str, float] = {}        # tenant → its last admit (tenants are the configured few)
         self._ids = iter(range(1 << 62))
         self.cancelled = 0
         self.refused = 0
@@ -108,15 +147,20 @@ class StreamWatch:
         self._thread = threading.Thread(target=self._watch, name="tiercache-stream-watch", daemon=True)
         self._thread.start()
 
-    def admit(self, context: grpc.ServicerContext, tenant: str = "") -> int | None:
-        """A slot for a new stream of ``tenant``, or None (counted) when every slot is taken and none can be
-        taken back for it (see the class docstring)."""
+    def admit(self, context, tenant: str = "", count: bool = True) -> int | None:
+        """A slot for a new stream of ``tenant``, or None (counted in `refused` unless ``count`` is False:
+        a caller that asks again counts its final refusal itself) when its share is taken, or every slot
+        is and none can be taken back for it (see the class docstring). ``context`` is the call: anything
+        with gRPC's ``abort(code, details)``, which ends it."""
         victim = None
         with self._lock:
-            if len(self._streams) >= self.limit:
-                victim = self._take_back_for(tenant)
+            now = self._clock()
+            self._asked[tenant] = now
+            held, share, alone = self._share(tenant, now)
+            if len(self._streams) >= self.limit or (held >= share and not alone):
+                victim = self._take_back_for(tenant, held, share, now)
                 if victim is None:
-                    self.refused += 1
+                    self.refused += count
                     return None
             sid = next(self._ids)
             self._streams[sid] = [context, None, tenant]
@@ -124,21 +168,31 @@ class StreamWatch:
             end_call(victim, "a silent stream past its tenant's share of the stream slots, taken for another")
         return sid
 
-    def _take_back_for(self, tenant: str):
-        """Under the lock: end (and forget) a silent stream of the tenant most over its share, if ``tenant``
-        is below its own; returns its context, or None."""
+    def _held(self) -> dict[str, int]:
         held: dict[str, int] = {}
         for entry in self._streams.values():
             held[entry[2]] = held.get(entry[2], 0) + 1
-        share = self.limit // len(held.keys() | {tenant})
-        if held.get(tenant, 0) >= share:
-            return None
+        return held
+
+    def _share(self, tenant: str, now: float) -> tuple[int, int, bool]:
+        """Under the lock: (slots ``tenant`` holds, its share, whether no other tenant is active)."""
+        held = self._held()
+        active = held.keys() | {t for t, at in self._asked.items() if now - at <= self.active_s} | {tenant}
+        return held.get(tenant, 0), max(1, self.limit // len(active)), len(active) == 1
+
+    def _take_back_for(self, tenant: str, mine: int, share: int, now: float):
+        """Under the lock: end (and forget) the longest-silent stream of the tenant most over its share, if
+        ``tenant`` is below its own — or, with ``take_back_own``, of any tenant holding at least as many
+        slots as ``tenant`` (itself included); returns its context, or None."""
+        held = self._held()
+        owners = set()
         greedy = max((t for t in held if t != tenant), key=held.__getitem__, default=None)
-        if greedy is None or held[greedy] <= share:
-            return None
-        now = self._clock()
+        if mine < share and greedy is not None and held[greedy] > share:
+            owners.add(greedy)
+        if self.take_back_own:
+            owners |= {t for t, n in held.items() if n >= mine}
         silent = [(entry[1], sid) for sid, entry in self._streams.items()
-                  if entry[2] == greedy and entry[1] is not None and now - entry[1] >= self.share_silent_s]
+                  if entry[2] in owners and entry[1] is not None and now - entry[1] >= self.share_silent_s]
         if not silent:
             return None
         _, sid = min(silent)                       # the one silent longest

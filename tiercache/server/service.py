@@ -7,7 +7,15 @@ and no context), and a `Chunk` is parsed without copying its value.
 
 Every call but ``Health`` runs as the tenant its token names
 (`tiercache.server.tenants`): reads look in that tenant's store and the ones it
-was granted, writes and deletes in its own only.
+was granted, writes and deletes in its own only. The token is checked from the
+call's headers, before any of its messages is received.
+
+No message is received before its call holds a slot (`tiercache.server.limits`):
+every method is registered as one whose handler reads its requests itself. A
+unary call's request (and ``Get``'s) is read on the event loop under one of the
+*request slots*, held until the call's work in the handler pool is done; a
+``Put`` stream's messages are read in its handler thread under a *stream slot*.
+Until then a call holds gRPC's initial receive window (64 KiB) and its state.
 
 Error statuses, each with one log line naming the peer:
 - ``UNAUTHENTICATED``: tokens are configured and the call has none of them;
@@ -15,18 +23,22 @@ Error statuses, each with one log line naming the peer:
 - ``INVALID_ARGUMENT``: a malformed message, a namespace or key of the wrong
   size, a value whose header is damaged or names another namespace or key;
 - ``RESOURCE_EXHAUSTED``: a message larger than ``max_message_bytes`` (gRPC
-  itself refuses anything above twice that before it reaches a handler), a
-  chunk declaring a value over the value limit, a chunk that finds no room in
-  the in-flight budget in time, a stream when every stream slot is taken
-  (`tiercache.server.limits`). A stream that stops moving is cancelled.
+  itself refuses it from its length prefix, before any handler), a chunk
+  declaring a value over the value limit, a chunk that finds no room in the
+  in-flight budget in time, a call whose tenant's share of the request or
+  stream slots is taken. A stream that stops moving is cancelled, and so is a
+  call whose request does not come.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import grpc
@@ -48,7 +60,18 @@ from tiercache.wire.grpc_messages import (
 
 log = logging.getLogger("tiercache.server")
 
+REQUEST_SILENT_S = 0.1    # a call whose one request has not come for this long gives its slot to a newcomer
+                          # (a client sends a unary call's request with its headers, in one write)
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
+
+
+def _forget_frames(err: BaseException) -> None:
+    """Drop the tracebacks of ``err`` and of the exceptions it was raised from or during."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 class _Rejected(Exception):
@@ -58,66 +81,184 @@ class _Rejected(Exception):
         self.details = details
 
 
+class _TaskCall:
+    """An asyncio handler's call as the watchdogs (`StreamWatch`) see it: `abort`, from any thread, cancels
+    the handler's task, and `ended_as_rejection` turns that cancellation into the status it was ended with."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task = asyncio.current_task()
+        self._ended: tuple[grpc.StatusCode, str] | None = None
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self._ended = (code, details)
+        self._loop.call_soon_threadsafe(self._task.cancel)
+
+    @contextlib.contextmanager
+    def ended_as_rejection(self):
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self._ended is None:          # cancelled by gRPC: the client left, or the server stops
+                raise
+            self._task.uncancel()
+            raise _Rejected(*self._ended) from None
+
+
+class _Request:
+    """Reads a call's one request under its slot, telling the watchdog while the handler waits for it."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, waiting, moved) -> None:
+        self._context = context
+        self._waiting = waiting
+        self._moved = moved
+
+    async def read(self) -> bytes:
+        self._waiting()
+        message = await self._context.read()
+        self._moved()
+        if message is grpc.aio.EOF:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "the call ended before its request came")
+        return message
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
 
 class CacheService:
     def __init__(self, tenancy: Tenancy, max_message_bytes: int, limits: ServerLimits,
-                 inflight: InflightBytes) -> None:
+                 inflight: InflightBytes, pool: Executor) -> None:
         self.tenancy = tenancy
         self.max_message_bytes = max_message_bytes
         self.limits = limits
         self.inflight = inflight
+        self.pool = pool                    # the handler threads: every call's work runs there
         self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s)
+        self.requests = StreamWatch(limits.max_requests, limits.read_timeout_s,
+                                    share_silent_s=REQUEST_SILENT_S, take_back_own=True)
         self.serving = True
         self.data_port = 0          # set by the server when its data channel listens
         self.counters: Counter[str] = Counter()
 
     # -- registration --------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
-        rpc = {
-            "Contains": grpc.unary_unary_rpc_method_handler(self._guard(self.contains), _identity, _identity),
-            "Get": grpc.unary_stream_rpc_method_handler(self._guard_stream(self.get), _identity, _identity),
-            "Put": grpc.stream_unary_rpc_method_handler(self._guard(self.put), _identity, _identity),
-            "Delete": grpc.unary_unary_rpc_method_handler(self._guard(self.delete), _identity, _identity),
-            "Stats": grpc.unary_unary_rpc_method_handler(self._guard(self.stats), _identity, _identity),
-            "Health": grpc.unary_unary_rpc_method_handler(self._guard(self.health, auth=False), _identity, _identity),
-            "Local": grpc.unary_unary_rpc_method_handler(self._guard(self.local), _identity, _identity),
-            "Adopt": grpc.unary_unary_rpc_method_handler(self._guard(self.adopt), _identity, _identity),
-            "Touch": grpc.unary_unary_rpc_method_handler(self._guard(self.touch), _identity, _identity),
-        }
+        unary = {"Contains": self.contains, "Delete": self.delete, "Stats": self.stats, "Local": self.local,
+                 "Adopt": self.adopt, "Touch": self.touch}
+        rpc = {name: grpc.stream_unary_rpc_method_handler(self._guard_unary(fn), _identity, _identity)
+               for name, fn in unary.items()}
+        rpc["Health"] = grpc.stream_unary_rpc_method_handler(self._guard_unary(self.health, auth=False),
+                                                             _identity, _identity)
+        rpc["Get"] = grpc.stream_stream_rpc_method_handler(self._guard_get(), _identity, _identity)
+        rpc["Put"] = grpc.stream_unary_rpc_method_handler(self._guard_put(), _identity, _identity)
         return grpc.method_handlers_generic_handler(SERVICE, rpc)
 
-    def _guard(self, fn, auth: bool = True):
+    # Every call is registered as one whose requests the handler reads itself, so that no message is received
+    # before the call holds a slot for it (see the module docstring). A unary call's request is read on the
+    # event loop, holding no thread, and the call's work runs in the handler pool.
+    def _guard_unary(self, fn, auth: bool = True):
         name = fn.__name__
 
-        def run(request: Any, context: grpc.ServicerContext) -> bytes:
+        async def run(requests, context: grpc.aio.ServicerContext) -> bytes:
             self.counters[f"rpc_{name}"] += 1
             try:
-                if not auth:
-                    return fn(request, context)
-                return fn(request, context, self._authorize(context))
-            except _Rejected as err:
-                self._reject(name, context, err)
-                raise AssertionError("unreachable: context.abort raises")
+                tenant = self._authorize(context) if auth else None
+                async with self._request_slot(context, tenant) as slot:
+                    request = await slot.read()
+                    work = (lambda: fn(request, context, tenant)) if auth else (lambda: fn(request, context))
+                    return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+            except BaseException as err:
+                self._end(name, context, err)
+                return b""
         return run
 
-    def _guard_stream(self, fn):
-        name = fn.__name__
-
-        def run(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            self.counters[f"rpc_{name}"] += 1
+    def _guard_get(self):
+        async def run(requests, context: grpc.aio.ServicerContext) -> None:
+            self.counters["rpc_get"] += 1
+            loop = asyncio.get_running_loop()
             try:
                 tenant = self._authorize(context)
-                with self._stream_slot(context, tenant) as (waiting, moved):
-                    for message in fn(request, context, tenant):
+                async with self._request_slot(context, tenant) as slot:
+                    request = await slot.read()
+                    namespace, keys = await loop.run_in_executor(self.pool, self._get_request, request)
+                del request
+                call = _TaskCall(loop)
+                with call.ended_as_rejection(), self._stream_slot(call, tenant) as (waiting, moved):
+                    messages = self.get(namespace, keys, tenant)
+                    while (message := await loop.run_in_executor(self.pool, next, messages, None)) is not None:
                         waiting()            # until the client has taken it (gRPC's flow control)
-                        yield message
+                        await context.write(message)
                         moved()
-            except _Rejected as err:
-                self._reject(name, context, err)
+            except BaseException as err:
+                self._end("get", context, err)
         return run
+
+    def _guard_put(self):
+        def run(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+            self.counters["rpc_put"] += 1
+            try:
+                return self.put(requests, context, self._authorize(context))
+            except BaseException as err:
+                self._end("put", context, err)
+                return b""
+        return run
+
+    @contextlib.asynccontextmanager
+    async def _request_slot(self, context: grpc.aio.ServicerContext, tenant: Tenant | None):
+        """One of the request slots (`requests`: the tenant's fair share, and ended by the watchdog when the
+        client does not send its request within the read timeout) from before its request is read until the
+        call's work is done; yields the `_Request` to read it with."""
+        call = _TaskCall(asyncio.get_running_loop())
+        name = tenant.name if tenant else ""
+        give_up = time.monotonic() + self.limits.admit_wait_s
+        # a slot held by a request that has not come for REQUEST_SILENT_S is taken back for a newcomer, so a
+        # newcomer refused at first may find one a little later: it asks again while it waits
+        while (sid := self.requests.admit(call, name, count=False)) is None and time.monotonic() < give_up:
+            await asyncio.sleep(REQUEST_SILENT_S / 5)
+        if sid is None:
+            self.requests.refused += 1
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no request slot free for tenant {name!r} (its share of {self.requests.limit}); "
+                            f"try again")
+        try:
+            with call.ended_as_rejection():
+                yield _Request(context, lambda: self.requests.waiting(sid), lambda: self.requests.moved(sid))
+        finally:
+            self.requests.done(sid)
+
+    @contextlib.contextmanager
+    def _stream_slot(self, context, tenant: Tenant):
+        """One of the stream slots (the tenant's fair share: `StreamWatch`), for as long as the stream runs;
+        yields the calls that say the handler now waits on its client, and that the client moved."""
+        sid = self.streams.admit(context, tenant.name)
+        if sid is None:
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no stream slot free for tenant {tenant.name!r} (its share of {self.streams.limit}); "
+                            f"try again")
+        try:
+            yield (lambda: self.streams.waiting(sid)), (lambda: self.streams.moved(sid))
+        finally:
+            self.streams.done(sid)
+
+    def _end(self, name: str, context: grpc.ServicerContext, err: BaseException) -> None:
+        """A handler that did not finish: answer a refusal with its status; let a call ended elsewhere (the
+        watchdog, a reservation taken back, the client gone) end; log anything else as a server fault.
+
+        No exception leaves a handler, and none keeps its frames: gRPC holds the exception that ends a call
+        in the call's state, its traceback holds the handler's frames, and they hold the call — a cycle that
+        keeps every message the handler read (a refused 8 MiB Put, a 16 MiB malformed request) until the
+        garbage collector happens to run. 400 refused Puts kept a 64 MiB server at 1 GiB that way."""
+        if isinstance(err, _Rejected):
+            self._reject(name, context, err)
+        elif not isinstance(err, grpc.RpcError | grpc.aio.AbortError | GeneratorExit):
+            self.counters["handler_faults"] += 1
+            log.error("%s from %s failed: %s: %s", name, context.peer(), type(err).__name__, err,
+                      exc_info=err, extra={"event": "rpc_fault", "rpc": name, "peer": context.peer()})
+            context.set_code(grpc.StatusCode.INTERNAL)
+            context.set_details(f"{name} failed on the server: {type(err).__name__}")
+        _forget_frames(err)
+        if not isinstance(err, Exception):       # KeyboardInterrupt, SystemExit, GeneratorExit: not ours to stop
+            raise err
 
     @contextlib.contextmanager
     def _stream_slot(self, context: grpc.ServicerContext, tenant: Tenant):
@@ -126,7 +267,8 @@ class CacheService:
         sid = self.streams.admit(context, tenant.name)
         if sid is None:
             raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"all {self.streams.limit} stream slots are busy; try again")
+                            f"no stream slot free for tenant {tenant.name!r} (its share of {self.streams.limit}); "
+                            f"try again")
         try:
             yield (lambda: self.streams.waiting(sid)), (lambda: self.streams.moved(sid))
         finally:
@@ -136,7 +278,12 @@ class CacheService:
         self.counters[f"rejected_{err.code.name.lower()}"] += 1
         log.warning("rejected %s from %s: %s: %s", name, context.peer(), err.code.name, err.details,
                     extra={"event": "rpc_rejected", "rpc": name, "peer": context.peer(), "code": err.code.name})
-        context.abort(err.code, err.details)
+        context.set_code(err.code)        # not abort: see `_end`
+        context.set_details(err.details)
+
+    def close(self) -> None:
+        self.streams.close()
+        self.requests.close()
 
     # -- checks --------------------------------------------------------------
     def _authorize(self, context: grpc.ServicerContext) -> Tenant:
@@ -155,16 +302,10 @@ class CacheService:
         if not getattr(tenant, right):
             raise _Rejected(grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} may not {right}")
 
-    def _sized(self, data: bytes) -> bytes:
-        if len(data) > self.max_message_bytes:
-            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"message of {len(data)} bytes exceeds the server's limit of {self.max_message_bytes}")
-        return data
-
     def _parse(self, cls: type[Message], data: bytes) -> Any:
         msg = cls()
         try:
-            msg.ParseFromString(self._sized(data))
+            msg.ParseFromString(data)
         except DecodeError as err:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {err}") from None
         return msg
@@ -197,14 +338,17 @@ class CacheService:
             n += 1
         return n
 
-    def get(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> Iterator[bytes]:
+    def _get_request(self, request: bytes) -> tuple[bytes, list[bytes]]:
         req = self._parse(pb.GetRequest, request)
         self._names(req.namespace, req.keys)
+        return req.namespace, list(req.keys)
+
+    def get(self, namespace: bytes, keys: list[bytes], tenant: Tenant) -> Iterator[bytes]:
         stores = self.tenancy.readable(tenant)
-        for key in req.keys:
-            messages = next((m for m in (s.get(req.namespace, key) for s in stores) if m is not None), None)
+        for key in keys:
+            messages = next((m for m in (s.get(namespace, key) for s in stores) if m is not None), None)
             if messages is None:
-                yield encode_chunk(req.namespace, key)
+                yield encode_chunk(namespace, key)
                 continue
             self.counters["bytes_out"] += sum(len(m) for m in messages)
             yield from messages
@@ -225,7 +369,7 @@ class CacheService:
                         return
                     for hold in holds:       # its bytes are arriving: the reservation is in use
                         self.inflight.moved(hold)
-                    yield self._sized(m)
+                    yield m
             stream = messages()
             try:
                 while (chunk := self._chunk(stream, tenant, context, holds)) is not None:
