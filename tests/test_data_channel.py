@@ -6,7 +6,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tests.conftest import TOKEN, CacheServerProcess  # noqa: E402
+from tests.conftest import TOKEN, CacheServerProcess, eventually  # noqa: E402
 from tests.test_grpc_server import NS, Client, chunks, healthy, raw_call  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
 from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
@@ -246,3 +246,54 @@ def test_a_server_that_stalls_mid_value_times_the_request_out():
         server.join()
         channel.close()
         listener.close()
+
+
+def server_stats(server, token: str | None = None) -> dict:
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    reply = pb.StatsReply.FromString(raw_call(server, "Stats", b"", metadata))
+    return dict(reply.counters)
+
+
+def test_a_connection_closed_by_the_servers_idle_policy_is_reopened_quietly(tmp_path):
+    """The server closes a data connection idle past ``--idle-timeout``; the client's next load finds its
+    kept connection closed and makes the call again on a fresh one — no outage, no failed chunk."""
+    server = CacheServerProcess(tmp_path, "--idle-timeout", "0.3")
+    tier = Client(server.address, NS)
+    try:
+        items = chunks(2, seed=5)
+        assert tier.write_chunks(items) == ()
+        eventually(lambda: server_stats(server).get("data_idle_closed", 0) >= 1, 10, "the idle connection closed")
+        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+        assert tier.read_chunks_into([(m.key, b) for (m, _), b in zip(items, bufs)]) == [1 << 16] * 2
+        assert all(bytes(b) == raw for b, (_, raw) in zip(bufs, items))
+        assert tier.transport.reconnects == 1 and tier.available and tier.transport._outage.outages == 0
+    finally:
+        tier.close()
+        server.stop()
+
+
+def test_a_tenant_opening_connections_in_a_loop_closes_its_own_not_another_tenants(tmp_path):
+    """Tenant B's engine keeps one idle data connection. Tenant A opens 150 connections one after another
+    from the same host — past the per-host cap of 64 — and leaves each idle: room is made from A's own
+    connections (the tenant holding the most), never by closing B's, the oldest idle one there is."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[tenants.a]\ntoken = "token-of-tenant-a"\n[tenants.b]\ntoken = "token-of-tenant-b"\n')
+    server = CacheServerProcess(tmp_path, "--auth-token-file", str(tenants))
+    b = Client(server.address, NS, auth_token="token-of-tenant-b")
+    held = []
+    try:
+        items = chunks(2, seed=6)
+        assert b.write_chunks(items) == ()                  # B's connection: open, and idle from now on
+        for _ in range(150):
+            sock, status = connect(server, "token-of-tenant-a")
+            assert status == dw.HELLO_OK
+            held.append(sock)
+        assert sum(closed(s) for s in held[:-1][:80]) >= 80 - 1   # A's oldest went for room
+        bufs = [memoryview(bytearray(1 << 16)) for _ in items]
+        assert b.read_chunks_into([(m.key, buf) for (m, _), buf in zip(items, bufs)]) == [1 << 16] * 2
+        assert b.transport.reconnects == 0                  # B's kept connection was never closed
+    finally:
+        for sock in held:
+            sock.close()
+        b.close()
+        server.stop()

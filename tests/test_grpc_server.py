@@ -624,3 +624,32 @@ def test_the_shutdown_flush_counts_only_the_chunks_it_wrote(tmp_path, monkeypatc
     monkeypatch.setattr(store_module, "write_chunk_file", fills_after_one)
     assert store.flush() == 1 and len(calls) == 3
     assert store.disk.num_chunks == 1
+
+
+class _RefusedForRoom(grpc.RpcError):
+    """What a server out of request slots answers (a fault injected at the client's transport boundary)."""
+
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return "no request slot free for tenant 'default'; try again"
+
+
+def test_a_lookup_refused_by_a_busy_server_is_a_miss_and_the_tier_stays_up(cache_server):
+    """A ``Contains`` the server refused for room says nothing about the server being away: that lookup is a
+    miss (counted as busy, not as an error) and the next one asks again — no outage, no probing."""
+    client = Client(cache_server.address, NS)
+    try:
+        items = chunks(1, seed=8)
+        keys = [m.key for m, _ in items]
+        assert client.write_chunks(items) == ()
+        real = client.index._present
+        client.index._present = lambda *a: (_ for _ in ()).throw(_RefusedForRoom())
+        assert client.contains(keys) == 0
+        client.index._present = real
+        assert client.index.available and client.index.stats()["lookups_busy"] == 1
+        assert client.index.stats()["errors"] == 0 and client.index.stats()["outages"] == 0
+        assert client.contains(keys) == 1
+    finally:
+        client.close()

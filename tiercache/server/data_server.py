@@ -15,9 +15,13 @@ in time is read past and answered ``PUT_REJECTED``: a busy server, not a
 broken one); every read has the server's deadline — the
 hello, each request once begun, each value at the minimum rate — and a
 connection idle between requests longer than the idle timeout is closed.
-Connections are capped in all and per peer host; at the cap the oldest idle
-one is closed to make room, and when none is idle the newcomer is told
-``HELLO_BUSY`` (its client moves its bytes over gRPC streams instead).
+Connections are capped in all and per peer host. At a cap, room is made by
+closing, first, a connection that has not said hello within
+``HELLO_SILENT_S`` (a client says it as it connects), then the oldest idle
+connection of the tenant that holds the most — so a tenant that opens
+connections in a loop closes its own, never another tenant's one idle
+connection. When none can go, the newcomer is told ``HELLO_BUSY`` (its client
+moves its bytes over gRPC streams instead).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from tiercache.wire.streams import ProtocolError, StreamReader
 log = logging.getLogger("tiercache.server")
 
 HELLO_TIMEOUT_S = 10.0     # a connection that does not say hello in time is dropped
+HELLO_SILENT_S = 1.0       # ... and one silent this long is closed first to make room for a newcomer
 _OUTCOME = {PutOutcome.STORED: dw.PUT_STORED, PutOutcome.PRESENT: dw.PUT_PRESENT,
             PutOutcome.REJECTED: dw.PUT_REJECTED}
 
@@ -56,7 +61,22 @@ class _Refused(Exception):
 class _Connection:
     sock: socket.socket
     host: str
+    opened: float
+    tenant: str | None = None            # None: it has not said hello yet
     idle_since: float | None = None      # waiting for its next request since (None: in a request)
+
+
+def _make_room(crowd: list[_Connection], now: float) -> _Connection | None:
+    """The connection to close for a newcomer: the oldest silent before its hello, else the oldest idle one
+    of the tenant holding the most connections; None when every one is busy in a request."""
+    silent = [c for c in crowd if c.tenant is None and now - c.opened >= HELLO_SILENT_S]
+    if silent:
+        return min(silent, key=lambda c: c.opened)
+    idle = [c for c in crowd if c.idle_since is not None]
+    if not idle:
+        return None
+    held = Counter(c.tenant for c in crowd)
+    return min(idle, key=lambda c: (-held[c.tenant], c.idle_since))
 
 
 def _end_connection(conn: socket.socket) -> None:
@@ -113,8 +133,8 @@ class DataServer:
                              name="tiercache-data", daemon=True).start()
 
     def _admit(self, conn: socket.socket, host: str) -> bool:
-        """Room for a new connection: under both caps, or by closing the oldest idle connection (of this host
-        when it is the host's cap that is reached); otherwise the newcomer is told the server is busy."""
+        """Room for a new connection: under both caps, or by closing one (`_make_room`; of this host when it
+        is the host's cap that is reached); otherwise the newcomer is told the server is busy."""
         with self._lock:
             if self._closed:
                 conn.close()
@@ -123,18 +143,18 @@ class DataServer:
             crowd = mine if len(mine) >= self.limits.max_connections_per_peer else \
                 list(self._connections.values()) if len(self._connections) >= self.limits.max_connections else None
             victim = None
+            now = time.monotonic()
             if crowd is not None:
-                idle = [c for c in crowd if c.idle_since is not None]
-                if not idle:
+                victim = _make_room(crowd, now)
+                if victim is None:
                     self.counters["data_refused_connections"] += 1
                     with contextlib.suppress(OSError):
                         conn.settimeout(1.0)
                         conn.sendall(bytes([dw.HELLO_BUSY]))
                     conn.close()
                     return False
-                victim = min(idle, key=lambda c: c.idle_since)
                 del self._connections[victim.sock]
-            self._connections[conn] = _Connection(conn, host)
+            self._connections[conn] = _Connection(conn, host, now)
         if victim is not None:
             self.counters["data_idle_closed"] += 1
             with contextlib.suppress(OSError):
@@ -153,6 +173,8 @@ class DataServer:
                 tenant = self._hello(conn, reader)
             except TimeoutError:
                 raise _Refused(f"no hello within {self.hello_timeout_s:.0f} s") from None
+            if state is not None:
+                state.tenant = tenant.name
             while True:
                 if state is not None:
                     state.idle_since = time.monotonic()

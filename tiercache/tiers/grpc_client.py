@@ -43,7 +43,7 @@ import grpc
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
 from tiercache.tiers.data_client import DataChannel, DataChannelBusy, StaleConnection
-from tiercache.tiers.grpc_index import ServerChannel
+from tiercache.tiers.grpc_index import ServerChannel, busy
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
 from tiercache.transfer.plan import Failure, KeyFailures
@@ -89,6 +89,7 @@ class GrpcTransport(RemoteTransport):
         self._use_local, self._use_bulk = local == "auto", bulk == "auto"
         self._known_paths: _Paths | None = None     # None: not asked yet
         self.busy = 0           # calls a busy server refused (RESOURCE_EXHAUSTED): failed, but not an outage
+        self.reconnects = 0     # kept data connections found closed and opened again (not an outage)
 
     def close(self) -> None:
         super().close()
@@ -116,7 +117,7 @@ class GrpcTransport(RemoteTransport):
         self._server.probe(max(self.probe_timeout_s, self._server.retry_interval_s))
 
     def _failed(self, what: str, err: Exception) -> None:
-        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if busy(err):
             # The server is there and refused this call for room (stream slots, in-flight bytes): these
             # chunks fail, the tier stays up.
             self.busy += 1
@@ -253,17 +254,20 @@ class GrpcTransport(RemoteTransport):
         return tuple(refused) + tuple((BlockHash(k), Failure.IO) for k in reply.rejected)
 
     def _on_bulk(self, bulk: DataChannel, call: Callable[[DataChannel], list]) -> list:
-        """``call`` on the data channel; a kept connection that failed (the server may have restarted, on
-        another port) is given one more try after asking the server again. Raises ConnectionError or
-        grpc.RpcError."""
+        """``call`` on the data channel. A kept connection that failed — closed by the server's idle policy or
+        to make room, or a server that restarted — is no outage: the call is made once more, quietly, on a
+        fresh connection, after asking the server for its data port (a restarted one may listen on another,
+        or on none). Raises ConnectionError or grpc.RpcError."""
         try:
             return call(bulk)
         except StaleConnection:
+            self.reconnects += 1
+        if self._server.health().data_port != bulk.address[1]:
             self._forget_paths()
             bulk = self._paths().bulk
             if bulk is None:
                 raise ConnectionError("the server no longer has a data channel") from None
-            return call(bulk)
+        return call(bulk)
 
     def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         """One ``PUT`` on the data channel: each chunk's header and payload sent as they are (a chunk the codec

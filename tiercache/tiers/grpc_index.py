@@ -22,6 +22,11 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
+def busy(err: BaseException) -> bool:
+    """A call the server refused for room (request or stream slots, in-flight bytes): it is there."""
+    return isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ServerChannel:
     """One gRPC channel to a server and its raw-bytes method handles (each side opens its own)."""
 
@@ -61,8 +66,13 @@ class ServerChannel:
         """Ask for health, waiting up to ``timeout_s`` for the channel to connect (a probe that finds it
         between reconnection attempts waits for the next rather than failing at once)."""
         reply = pb.HealthReply()
-        reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=timeout_s,
-                                           metadata=self.metadata, wait_for_ready=True))
+        try:
+            reply.ParseFromString(self._health(pb.HealthRequest().SerializeToString(), timeout=timeout_s,
+                                               metadata=self.metadata, wait_for_ready=True))
+        except grpc.RpcError as err:
+            if busy(err):
+                return                 # it answered: there, only out of room for this call
+            raise
         if reply.status != pb.HealthReply.SERVING:
             raise ConnectionError(f"tiercache server {self.address} is not serving (shutting down)")
 
@@ -90,7 +100,8 @@ class GrpcIndex(RemoteIndex):
         try:
             reply = self._server.health()
         except grpc.RpcError as err:
-            self._outage.failed("health check", err)
+            if not busy(err):
+                self._outage.failed("health check", err)
             return None
         self.parallel_jobs = self._local_or_bulk and bool(reply.data_port)
         return reply
@@ -101,6 +112,9 @@ class GrpcIndex(RemoteIndex):
 
     def _probe(self) -> None:
         self._server.probe(max(self.lookup_timeout_s, self._server.retry_interval_s))
+
+    def _busy(self, err: Exception) -> bool:
+        return busy(err)
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
         """One ``Contains`` per rank's digest, all in flight at once."""

@@ -71,6 +71,7 @@ class RemoteIndex(LowerIndex):
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()   # negative entries: key → until (monotonic)
         self._deletes: list[BlockHash] = []
         self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
+        self.lookups_busy = 0       # lookups a busy server refused: misses, not errors
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         self._storage = tuple(dict.fromkeys(storage_digests))
@@ -92,7 +93,12 @@ class RemoteIndex(LowerIndex):
         out = super().stats()
         out["errors"] = self.counters.errors + self.lookup_errors
         out["outages"] = self._outage.outages
+        out["lookups_busy"] = self.lookups_busy
         return out
+
+    def _busy(self, err: Exception) -> bool:
+        """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
+        return False
 
     @abstractmethod
     def _probe(self) -> None:
@@ -113,6 +119,9 @@ class RemoteIndex(LowerIndex):
         try:
             n = self._present(keys, self._storage)
         except Exception as err:   # whatever the client raises while the server is away or slow
+            if self._busy(err):    # there, and refused this one for room: a miss, the tier stays up
+                self.lookups_busy += 1
+                return 0
             self.lookup_errors += 1
             self._outage.failed("lookup", err)
             return 0
@@ -257,6 +266,10 @@ class RemoteTransport(Transport):
         self._outage.failed(what, err)
         with self._lock:
             self.errors += 1
+
+    def _busy(self, err: Exception) -> bool:
+        """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
+        return False
 
     @abstractmethod
     def _probe(self) -> None:
