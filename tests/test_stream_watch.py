@@ -17,7 +17,8 @@ from tiercache.server.limits import StreamWatch  # noqa: E402
 
 
 class Call:
-    """The gRPC call's context as the watchdog sees it: ending it is all the watchdog may do."""
+    """The gRPC call's context as the watchdog sees it: ending it is all the watchdog may do (on its own
+    thread: `admit` runs on gRPC's event loop, which a context's ``abort`` may need)."""
 
     def __init__(self) -> None:
         self.ended = threading.Event()
@@ -105,10 +106,10 @@ def test_a_tenant_over_its_share_of_slots_gives_a_silent_stream_to_another_tenan
         watch.waiting(ids[1])                 # silent since t=0.5
         clock.now = 2.0                       # ids[2], ids[3] keep moving (never waiting)
         b1 = watch.admit(Call(), "B")
-        assert b1 is not None and calls[0].ended.is_set() and not calls[1].ended.is_set()
+        assert b1 is not None and calls[0].ended.wait(5) and not calls[1].ended.is_set()
         assert watch.taken_back == 1
         b2 = watch.admit(Call(), "B")         # A still over its share of 2, and ids[1] silent for 1.5 s
-        assert b2 is not None and calls[1].ended.is_set()
+        assert b2 is not None and calls[1].ended.wait(5)
         assert watch.admit(Call(), "B") is None          # B at its share; A's two are moving
         assert not calls[2].ended.is_set() and not calls[3].ended.is_set() and watch.refused == 1
         assert watch.admit(Call(), "A") is None          # full, and A has nothing to take back from
@@ -145,7 +146,7 @@ def test_request_slots_go_from_a_silent_request_to_a_newcomer_of_the_same_tenant
         watch.waiting(s)                                     # its request never comes
         assert watch.admit(Call(), "A") is None              # silent for 0 s: not yet
         clock.now = 0.2
-        assert watch.admit(Call(), "A") is not None and silent.ended.is_set()
+        assert watch.admit(Call(), "A") is not None and silent.ended.wait(5)
         assert not working.ended.is_set() and watch.taken_back == 1
         assert watch.admit(Call(), "A") is None              # the working one (not waiting) is never taken
     finally:

@@ -42,6 +42,7 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -144,6 +145,7 @@ class StreamWatch:
         self.refused = 0
         self.taken_back = 0                       # silent streams ended to give another tenant its share
         self._stop = threading.Event()
+        self._taken: queue.SimpleQueue = queue.SimpleQueue()    # (context, why) taken back, to be ended
         self._thread = threading.Thread(target=self._watch, name="tiercache-stream-watch", daemon=True)
         self._thread.start()
 
@@ -164,8 +166,9 @@ class StreamWatch:
                     return None
             sid = next(self._ids)
             self._streams[sid] = [context, None, tenant]
-        if victim is not None:
-            end_call(victim, "a silent stream past its tenant's share of the stream slots, taken for another")
+        if victim is not None:   # ended by the watchdog's thread: admit runs on gRPC's event loop too, and a
+            # synchronous handler's context ends its call through that loop — from the loop, that would block it
+            self._taken.put((victim, "a silent stream past its tenant's share of the slots, taken for another"))
         return sid
 
     def _held(self) -> dict[str, int]:
@@ -220,7 +223,16 @@ class StreamWatch:
         self._thread.join(timeout=2)
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.stall_s / 4)):
+        """End what `admit` took back, as soon as it is queued; every tick, end the streams that stalled."""
+        tick = min(1.0, self.stall_s / 4)
+        next_tick = time.monotonic() + tick
+        while not self._stop.is_set():
+            try:
+                context, why = self._taken.get(timeout=max(0.0, next_tick - time.monotonic()))
+                end_call(context, why)
+                continue
+            except queue.Empty:
+                next_tick = time.monotonic() + tick
             now = self._clock()
             with self._lock:
                 stalled = [(sid, e[0]) for sid, e in self._streams.items()

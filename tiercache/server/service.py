@@ -60,6 +60,7 @@ from tiercache.wire.grpc_messages import (
 
 log = logging.getLogger("tiercache.server")
 
+STREAM_SILENT_S = 0.25   # a stream of a tenant over its share silent this long gives its slot to another tenant
 REQUEST_SILENT_S = 0.1    # a call whose one request has not come for this long gives its slot to a newcomer
                           # (a client sends a unary call's request with its headers, in one write)
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
@@ -134,7 +135,7 @@ class CacheService:
         self.limits = limits
         self.inflight = inflight
         self.pool = pool                    # the handler threads: every call's work runs there
-        self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s)
+        self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s, share_silent_s=STREAM_SILENT_S)
         self.requests = StreamWatch(limits.max_requests, limits.read_timeout_s,
                                     share_silent_s=REQUEST_SILENT_S, take_back_own=True)
         self.serving = True
