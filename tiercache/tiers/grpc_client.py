@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -56,6 +59,9 @@ from tiercache.wire.grpc_messages import PART_BYTES, ChunkPieces, ChunkView, Wir
 log = logging.getLogger(__name__)
 
 MIN_TRANSFER_RATE = 100e6   # bytes/s assumed when sizing a streaming call's deadline
+BUSY_TRIES = 4              # a stream the server refuses for room is asked for again this many times in all,
+BUSY_PAUSE_S = 0.05         # after pauses of about 0.05, 0.1, 0.2 s
+T = TypeVar("T")
 PATH_MODES = ("auto", "off")
 
 
@@ -115,6 +121,20 @@ class GrpcTransport(RemoteTransport):
 
     def _probe(self) -> None:
         self._server.probe(max(self.probe_timeout_s, self._server.retry_interval_s))
+
+    @staticmethod
+    def _when_room(call: Callable[[], T]) -> T:
+        """``call()``; when the server refuses it for room (its slots or in-flight bytes, for this tenant's
+        share), asked again after a short pause that doubles, jittered so that refused clients spread out —
+        `BUSY_TRIES` times in all, within a fraction of a second. Raises the last refusal, or any other error."""
+        for attempt in range(BUSY_TRIES):
+            try:
+                return call()
+            except grpc.RpcError as err:
+                if not busy(err) or attempt == BUSY_TRIES - 1:
+                    raise
+            time.sleep(BUSY_PAUSE_S * (2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable: the last try returns or raises")
 
     def _failed(self, what: str, err: Exception) -> None:
         if busy(err):
@@ -211,10 +231,13 @@ class GrpcTransport(RemoteTransport):
                     yield from split_chunk(self.storage, chunk.meta.key, chunk.header, chunk.payload, self.part_bytes)
 
         nbytes = sum(len(memoryview(raw).cast("B")) for _, raw in items)
+
+        def put() -> bytes:
+            refused.clear()
+            return self._server.put(messages(), timeout=self._deadline(nbytes), metadata=self._server.metadata)
         try:
             reply = pb.PutReply()
-            reply.ParseFromString(self._server.put(messages(), timeout=self._deadline(nbytes),
-                                                   metadata=self._server.metadata))
+            reply.ParseFromString(self._when_room(put))
         except grpc.RpcError as err:
             self._failed("store", err)
             return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in items)
@@ -354,13 +377,18 @@ class GrpcTransport(RemoteTransport):
         out: list[int | Failure] = [Failure.MISS] * len(items)
         request = pb.GetRequest(namespace=self.storage, keys=[k for k, _ in items]).SerializeToString()
         nbytes = sum(len(buf) for _, buf in items)
-        try:
+
+        def first() -> tuple[Iterator[bytes], tuple | None]:      # a refusal for room comes before any chunk
             stream = iter(self._server.get(request, timeout=self._deadline(nbytes), metadata=self._server.metadata))
+            return stream, read_chunk(stream)
+        try:
+            stream, got = self._when_room(first)
             for i, item in enumerate(items):
-                got = read_chunk(stream)
                 if got is None:
                     break
                 out[i] = self._place(reads, item, got[0], got[1])
+                if i + 1 < len(items):
+                    got = read_chunk(stream)
         except grpc.RpcError as err:
             self._failed("load", err)
             return [Failure.UNAVAILABLE] * len(items)
