@@ -188,6 +188,59 @@ def test_a_connection_that_never_says_hello_is_dropped(caplog):
         server.stop()
 
 
+def test_connections_that_never_say_hello_hold_no_thread_and_do_not_keep_a_client_out():
+    """The accept thread reads every hello itself: a flood of silent connections, more than the server
+    takes at once, gets no thread each, and closes its own oldest, while a client saying its hello is
+    admitted at once."""
+    import threading
+
+    server = data_server()
+    flood = []
+    try:
+        before = sum(t.name == "tiercache-data" for t in threading.enumerate())
+        for _ in range(server.limits.max_connections + 40):
+            flood.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        client.sendall(dw.hello(None))
+        assert client.recv(1)[0] == dw.HELLO_OK
+        eventually(lambda: server.counters["data_hello_dropped"] >= 40, 10, "the oldest silent ones closed")
+        assert sum(t.name == "tiercache-data" for t in threading.enumerate()) <= before + 1   # the client's
+        assert server.num_connections == 1
+        client.close()
+    finally:
+        for sock in flood:
+            sock.close()
+        server.stop()
+
+
+def test_a_data_port_that_does_not_answer_the_hello_sends_the_next_calls_to_grpc_at_once():
+    """A port that accepts and never answers (a swamped server) costs one `HANDSHAKE_TIMEOUT_S`; for
+    `BUSY_BACKOFF_S` after it the channel says busy without trying, and the tier moves its chunks over
+    gRPC streams meanwhile."""
+    from tiercache.tiers import data_client
+    from tiercache.tiers.data_client import DataChannel, DataChannelBusy
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    channel = DataChannel("127.0.0.1", listener.getsockname()[1], NS, None, timeout_s=30.0)
+    try:
+        with pytest.raises(DataChannelBusy, match="did not take the hello"):
+            channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
+        silent, _ = listener.accept()                       # the one connection it made
+        listener.settimeout(0.2)
+        with pytest.raises(DataChannelBusy, match="busy less than"):
+            channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
+        with pytest.raises(TimeoutError):
+            listener.accept()                               # and no second one
+        channel._busy_until = 0.0                           # the backoff over (its length is not under test)
+        with pytest.raises(DataChannelBusy, match="did not take the hello"):
+            channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
+        assert data_client.HANDSHAKE_TIMEOUT_S < channel.timeout_s
+        silent.close()
+    finally:
+        channel.close()
+        listener.close()
+
+
 def test_stop_ends_the_accept_thread_and_every_connection_at_once():
     """A thread blocked in accept() is not woken by closing the listener: stop() shuts it down first, so a
     server's shutdown does not wait out the join's timeout (it used to take 5 s)."""

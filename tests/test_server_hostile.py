@@ -452,3 +452,58 @@ def test_hundreds_of_concurrent_maximal_calls_keep_the_server_within_its_memory_
     finally:
         stop.set()
         server.stop()
+
+
+def test_a_hostile_tenant_leaves_every_other_tenants_engines_storing_and_loading(tmp_path):
+    """Tenants acme and beta each run a real engine that stores a workload through the server and a fresh
+    one that takes it back — first undisturbed, then while tenant rival, with a valid token of its own and a
+    process of its own, runs every hostile client at once (`tiercache.bench.hostile`): silent PUTs holding
+    the in-flight budget, stalled streams, data connections that never say hello, unary calls that never
+    send their request, rounds of 200 concurrent maximal Puts and Contains a second, and a reconnect loop. Each
+    victim's hit ratio stays within 20% of its undisturbed run, with no failed store and the same tokens;
+    the server's RSS, sampled throughout, stays within its logged bound; and the server's fairness is
+    what made room (stream or in-flight reservations taken back). The victims' timeouts are generous: on a
+    CI machine whose cores are busy with other work this measures fairness, not latency (the benchmark,
+    `benchmarks/hostile_server.py`, runs with the defaults and records time to first token)."""
+    import subprocess
+    import sys
+
+    from tiercache.bench.hostile import RssSampler, tenant_run
+
+    tokens = {name: f"{name}-token-0123456789" for name in ("acme", "beta", "rival", "ops")}
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()) + "admin = true\n")
+    for name, token in tokens.items():
+        (tmp_path / f"{name}.token").write_text(token)
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--max-message", "8MiB", "--read-timeout", "20",
+                                "--auth-token-file", str(tenants))
+    started = next(json.loads(line) for line in server.log().splitlines() if '"started"' in line)
+    rival = None
+    try:
+        def turn(seed: int) -> dict:
+            return {t: tenant_run(t, server.address, tmp_path / f"{t}.token",
+                                  WorkloadSpec("shared-prefix", requests=3, prefix_tokens=512, output_tokens=2,
+                                               seed=seed + i), timeout_s=20.0, lookup_timeout_s=5.0)
+                    for i, t in enumerate(("acme", "beta"))}
+        quiet = turn(seed=10)
+        rival = subprocess.Popen([sys.executable, "-m", "tiercache.bench.hostile", "--address", server.address,
+                                  "--data-port", str(data_port(server)), "--token-file",
+                                  str(tmp_path / "rival.token"), "--max-message", str(8 << 20),
+                                  "--calls-per-round", "200", "--round-pause", "1"],
+                                 stdout=subprocess.PIPE, text=True)
+        assert rival.stdout.readline().strip() == "started"
+        time.sleep(1.5)                                   # let it take what it can
+        with RssSampler(server.proc.pid) as rss:
+            hostile = turn(seed=20)
+        for t in ("acme", "beta"):
+            assert hostile[t].outputs_match and hostile[t].store_failures == 0, hostile[t]
+            assert hostile[t].hit_ratio >= 0.8 * quiet[t].hit_ratio, (quiet[t], hostile[t])
+        assert rss.peak_mib <= started["memory_bound"] / MiB
+        reply = raw_call(server, "Stats", b"", metadata=(("authorization", f"Bearer {tokens['ops']}"),))
+        stats = dict(pb.StatsReply.FromString(reply).counters)
+        assert stats["streams_taken_back"] + stats["inflight_taken_back"] >= 1
+    finally:
+        if rival is not None:
+            rival.terminate()
+            rival.communicate(timeout=90)
+        server.stop()

@@ -24,6 +24,7 @@ import grpc
 
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
+from tiercache.server.collector import Collector
 from tiercache.server.data_server import DataServer
 from tiercache.server.service import CacheService
 from tiercache.server.store import StoreConfig, StoreDirectoryError
@@ -167,6 +168,7 @@ class CacheServer:
             self.service.data_port = self.data.port
         self._stopped = threading.Event()
         self._metrics = None
+        self._collector = Collector()
 
     async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
         limit = config.max_message    # gRPC refuses a larger message from its length prefix, before any handler
@@ -204,6 +206,7 @@ class CacheServer:
         self._on_loop(self._server.start())
         if self.data is not None:
             self.data.start()
+        self._collector.start()
         log.info("serving on %s:%d", self.config.host, self.port,
                  extra={"event": "started", "port": self.port, "data_port": self.service.data_port or None,
                         "capacity": self.config.capacity,
@@ -223,6 +226,7 @@ class CacheServer:
         self.service.close()
         if self.data is not None:
             self.data.stop()
+        self._collector.stop()
         started = time.monotonic()
         flushed = self.tenancy.flush()
         if self._metrics is not None:
@@ -246,6 +250,7 @@ def run(config: ServeConfig, log_format: str = "json") -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.start()
+    Collector.freeze()              # this process is the server: what it holds now needs no collecting
     print(json.dumps({"event": "listening", "host": config.host, "port": server.port,
                       "data_port": server.service.data_port or None}), flush=True)
     server.wait()

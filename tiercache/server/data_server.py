@@ -15,18 +15,23 @@ in time is read past and answered ``PUT_REJECTED``: a busy server, not a
 broken one); every read has the server's deadline — the
 hello, each request once begun, each value at the minimum rate — and a
 connection idle between requests longer than the idle timeout is closed.
-Connections are capped in all and per peer host. At a cap, room is made by
-closing, first, a connection that has not said hello within
-``HELLO_SILENT_S`` (a client says it as it connects), then the oldest idle
-connection of the tenant that holds the most — so a tenant that opens
-connections in a loop closes its own, never another tenant's one idle
-connection. When none can go, the newcomer is told ``HELLO_BUSY`` (its client
-moves its bytes over gRPC streams instead).
+A connection that has not said its hello yet holds no thread: the accept thread
+reads every hello, from all of them at once (`selectors`), and gives a
+connection its thread only once its token names a tenant. Those waiting are
+capped too (``max_connections``): past it the one waiting longest is closed (a
+client says hello as it connects, so a flood of silent connections closes its
+own), and one that has not said it within the hello timeout is dropped.
+Connections past their hello are capped in all and per peer host; at a cap,
+room is made by closing the oldest idle connection of the tenant that holds the
+most — so a tenant that opens connections in a loop closes its own, never
+another tenant's one idle connection. When none can go, the newcomer is told
+``HELLO_BUSY`` (its client moves its bytes over gRPC streams instead).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -48,7 +53,8 @@ from tiercache.wire.streams import ProtocolError, StreamReader
 log = logging.getLogger("tiercache.server")
 
 HELLO_TIMEOUT_S = 10.0     # a connection that does not say hello in time is dropped
-HELLO_SILENT_S = 1.0       # ... and one silent this long is closed first to make room for a newcomer
+ACCEPT_BATCH = 64          # connections accepted in a row before the hellos that came are read
+_HELLO_HEAD = len(dw.MAGIC) + dw.U16.size
 _OUTCOME = {PutOutcome.STORED: dw.PUT_STORED, PutOutcome.PRESENT: dw.PUT_PRESENT,
             PutOutcome.REJECTED: dw.PUT_REJECTED}
 
@@ -61,22 +67,41 @@ class _Refused(Exception):
 class _Connection:
     sock: socket.socket
     host: str
-    opened: float
-    tenant: str | None = None            # None: it has not said hello yet
+    tenant: str
     idle_since: float | None = None      # waiting for its next request since (None: in a request)
 
 
-def _make_room(crowd: list[_Connection], now: float) -> _Connection | None:
-    """The connection to close for a newcomer: the oldest silent before its hello, else the oldest idle one
-    of the tenant holding the most connections; None when every one is busy in a request."""
-    silent = [c for c in crowd if c.tenant is None and now - c.opened >= HELLO_SILENT_S]
-    if silent:
-        return min(silent, key=lambda c: c.opened)
+@dataclass(slots=True)
+class _Greeting:
+    """A connection accepted whose hello is not all in yet; the accept thread reads it without blocking."""
+    sock: socket.socket
+    host: str
+    peer: str
+    opened: float
+    received: bytearray
+
+    def wanted(self) -> int:
+        """Bytes of the hello still to come: the head, then the token its head announces."""
+        if len(self.received) < _HELLO_HEAD:
+            return _HELLO_HEAD - len(self.received)
+        (n,) = dw.U16.unpack_from(self.received, len(dw.MAGIC))
+        return _HELLO_HEAD + n - len(self.received)
+
+
+def _make_room(crowd: list[_Connection]) -> _Connection | None:
+    """The connection to close for a newcomer: the oldest idle one of the tenant holding the most
+    connections; None when every one is busy in a request."""
     idle = [c for c in crowd if c.idle_since is not None]
     if not idle:
         return None
     held = Counter(c.tenant for c in crowd)
     return min(idle, key=lambda c: (-held[c.tenant], c.idle_since))
+
+
+def _say(sock: socket.socket, status: int) -> None:
+    """One status byte to a connection in the accept thread's hands (its send buffer is empty: no wait)."""
+    with contextlib.suppress(OSError):
+        sock.send(bytes([status]))
 
 
 def _end_connection(conn: socket.socket) -> None:
@@ -94,9 +119,10 @@ class DataServer:
         self.hello_timeout_s = hello_timeout_s
         self.counters = counters
         self._warn = ThrottledLog(log)     # hostile or broken clients: one line per kind and 10 s
-        self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=socket.SOMAXCONN)
         self.port = self._listener.getsockname()[1]
-        self._connections: dict[socket.socket, _Connection] = {}
+        self._connections: dict[socket.socket, _Connection] = {}    # past their hello, each with a thread
+        self._greetings: dict[socket.socket, _Greeting] = {}       # the accept thread's own: waiting for hello
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="tiercache-data-accept", daemon=True)
@@ -110,31 +136,116 @@ class DataServer:
             self._closed = True
             connections = list(self._connections)
         with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)     # wakes the accept thread (a bare close does not)
-        self._listener.close()
+            self._listener.shutdown(socket.SHUT_RDWR)     # wakes the accept thread, which closes the rest
         for conn in connections:
             with contextlib.suppress(OSError):      # already closed by its peer
                 conn.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        else:
+            self._listener.close()                  # never started
 
     @property
     def num_connections(self) -> int:
         return len(self._connections)
 
     def _accept(self) -> None:
-        while True:
+        """The accept thread: takes new connections and reads their hellos, until `stop`."""
+        with selectors.DefaultSelector() as selector:
+            self._listener.setblocking(False)
+            selector.register(self._listener, selectors.EVENT_READ)
+            try:
+                while not self._closed:
+                    for key, _ in selector.select(timeout=min(0.5, self.hello_timeout_s / 2)):
+                        if key.fileobj is self._listener:
+                            self._take_new(selector)
+                        elif key.fileobj in self._greetings:
+                            self._read_hello(selector, self._greetings[key.fileobj])
+                    self._drop_late(selector)
+            except OSError:
+                pass                # the listener, shut down by stop()
+            finally:
+                for greeting in self._greetings.values():
+                    greeting.sock.close()
+                self._greetings.clear()
+                self._listener.close()
+
+    def _take_new(self, selector: selectors.BaseSelector) -> None:
+        """Accept what is waiting (up to `ACCEPT_BATCH`, so the hellos that came are read in between); past
+        the cap on connections waiting for their hello, the one waiting longest is closed."""
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return      # closed by stop()
-            if not self._admit(conn, peer[0]):
-                continue
-            threading.Thread(target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"),
-                             name="tiercache-data", daemon=True).start()
+            except BlockingIOError:
+                return
+            conn.setblocking(False)
+            self._greetings[conn] = _Greeting(conn, peer[0], f"{peer[0]}:{peer[1]}", time.monotonic(), bytearray())
+            selector.register(conn, selectors.EVENT_READ)
+            if len(self._greetings) > self.limits.max_connections:
+                oldest = next(iter(self._greetings.values()))      # dicts keep their order: the first came first
+                self.counters["data_hello_dropped"] += 1
+                self._forget(selector, oldest)
 
-    def _admit(self, conn: socket.socket, host: str) -> bool:
-        """Room for a new connection: under both caps, or by closing one (`_make_room`; of this host when it
-        is the host's cap that is reached); otherwise the newcomer is told the server is busy."""
+    def _read_hello(self, selector: selectors.BaseSelector, greeting: _Greeting) -> None:
+        """Take in what came of ``greeting``'s hello (never more than the hello: what follows is its
+        thread's to read); a whole hello names its tenant, and the connection is admitted or told why not."""
+        try:
+            data = greeting.sock.recv(greeting.wanted())
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(selector, greeting)            # it went away before its hello
+            return
+        greeting.received += data
+        hello = greeting.received
+        if len(hello) >= len(dw.MAGIC) and hello[:len(dw.MAGIC)] != dw.MAGIC:
+            return self._turn_away(selector, greeting, dw.HELLO_BAD_VERSION,
+                                   f"not a tiercache data channel hello (or another version): {bytes(hello[:8])!r}")
+        if len(hello) >= _HELLO_HEAD and greeting.wanted() > dw.MAX_TOKEN_BYTES:
+            return self._turn_away(selector, greeting, None, f"a {greeting.wanted()}-byte token")
+        if greeting.wanted():
+            return
+        tenant = self.tenancy.who(bytes(hello[_HELLO_HEAD:]))
+        if tenant is None:
+            return self._turn_away(selector, greeting, dw.HELLO_UNAUTHENTICATED, "missing or wrong auth token")
+        selector.unregister(greeting.sock)
+        del self._greetings[greeting.sock]
+        conn = greeting.sock
+        conn.setblocking(True)
+        if not self._admit(conn, greeting.host, tenant.name):
+            return
+        _say(conn, dw.HELLO_OK)
+        threading.Thread(target=self._serve, args=(conn, greeting.peer, tenant),
+                         name="tiercache-data", daemon=True).start()
+
+    def _drop_late(self, selector: selectors.BaseSelector) -> None:
+        """Close the connections that have not said their hello within the hello timeout."""
+        late = time.monotonic() - self.hello_timeout_s
+        while self._greetings:
+            first = next(iter(self._greetings.values()))
+            if first.opened > late:
+                return
+            self._turn_away(selector, first, None, f"no hello within {self.hello_timeout_s:.0f} s")
+
+    def _turn_away(self, selector: selectors.BaseSelector, greeting: _Greeting, status: int | None,
+                   reason: str) -> None:
+        if status is not None:
+            _say(greeting.sock, status)
+        self.counters["data_rejected"] += 1
+        self._warn.warning("data rejected", "data channel: dropped %s: %s", greeting.peer, reason,
+                           extra={"event": "data_rejected", "peer": greeting.peer, "reason": reason})
+        self._forget(selector, greeting)
+
+    def _forget(self, selector: selectors.BaseSelector, greeting: _Greeting) -> None:
+        selector.unregister(greeting.sock)
+        del self._greetings[greeting.sock]
+        greeting.sock.close()
+
+    def _admit(self, conn: socket.socket, host: str, tenant: str) -> bool:
+        """Room for a connection past its hello: under both caps, or by closing one (`_make_room`; of this
+        host when it is the host's cap that is reached); otherwise it is told the server is busy."""
         with self._lock:
             if self._closed:
                 conn.close()
@@ -143,18 +254,15 @@ class DataServer:
             crowd = mine if len(mine) >= self.limits.max_connections_per_peer else \
                 list(self._connections.values()) if len(self._connections) >= self.limits.max_connections else None
             victim = None
-            now = time.monotonic()
             if crowd is not None:
-                victim = _make_room(crowd, now)
+                victim = _make_room(crowd)
                 if victim is None:
                     self.counters["data_refused_connections"] += 1
-                    with contextlib.suppress(OSError):
-                        conn.settimeout(1.0)
-                        conn.sendall(bytes([dw.HELLO_BUSY]))
+                    _say(conn, dw.HELLO_BUSY)
                     conn.close()
                     return False
                 del self._connections[victim.sock]
-            self._connections[conn] = _Connection(conn, host, now)
+            self._connections[conn] = _Connection(conn, host, tenant)
         if victim is not None:
             self.counters["data_idle_closed"] += 1
             with contextlib.suppress(OSError):
@@ -162,19 +270,12 @@ class DataServer:
         return True
 
     # -- one connection --------------------------------------------------------
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, peer: str, tenant: Tenant) -> None:
         self.counters["data_connections"] += 1
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = StreamReader(conn)
         state = self._connections.get(conn)
         try:
-            conn.settimeout(self.hello_timeout_s)
-            try:
-                tenant = self._hello(conn, reader)
-            except TimeoutError:
-                raise _Refused(f"no hello within {self.hello_timeout_s:.0f} s") from None
-            if state is not None:
-                state.tenant = tenant.name
             while True:
                 if state is not None:
                     state.idle_since = time.monotonic()
@@ -212,22 +313,6 @@ class DataServer:
             with self._lock:
                 self._connections.pop(conn, None)
             conn.close()
-
-    def _hello(self, conn: socket.socket, reader: StreamReader) -> Tenant:
-        """The connection's tenant, from its token."""
-        magic = reader.exactly(len(dw.MAGIC))
-        if magic != dw.MAGIC:
-            conn.sendall(bytes([dw.HELLO_BAD_VERSION]))
-            raise _Refused(f"not a tiercache data channel hello (or another version): {magic!r}")
-        (n,) = dw.U16.unpack(reader.exactly(dw.U16.size))
-        if n > dw.MAX_TOKEN_BYTES:
-            raise _Refused(f"a {n}-byte token")
-        tenant = self.tenancy.who(reader.exactly(n))
-        if tenant is None:
-            conn.sendall(bytes([dw.HELLO_UNAUTHENTICATED]))
-            raise _Refused("missing or wrong auth token")
-        conn.sendall(bytes([dw.HELLO_OK]))
-        return tenant
 
     def _key(self, reader: StreamReader) -> bytes:
         n = reader.exactly(1)[0]

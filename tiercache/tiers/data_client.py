@@ -8,11 +8,19 @@ error closes that thread's connection and propagates as `ConnectionError`
 (`StaleConnection` when the connection had served requests before: the server
 may have restarted, on another port, and the caller asks again once);
 the tier turns it into misses and an outage, and the next call reconnects.
+
+A connection is made within `HANDSHAKE_TIMEOUT_S` (connect, hello and its
+answer) or not at all: a data port that does not answer that fast — its
+server busy, or flooded with connections — raises `DataChannelBusy`, and for
+`BUSY_BACKOFF_S` after it every call does so at once, so the tier's chunks go
+over its gRPC streams meanwhile instead of each waiting for a port that may
+not answer.
 """
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -24,6 +32,9 @@ from tiercache.wire.streams import ProtocolError, StreamReader, kernel_timeouts
 
 Receive = Callable[[StreamReader, int, BlockHash, memoryview], "int | Failure"]
 T = TypeVar("T")
+
+HANDSHAKE_TIMEOUT_S = 1.0   # connect, hello and its answer (a server answers at once: it reads hellos apart)
+BUSY_BACKOFF_S = 1.0        # after the data channel was busy, calls go to gRPC streams for this long
 
 
 class DataChannelRefused(ConnectionError):
@@ -49,6 +60,7 @@ class DataChannel:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._busy_until = 0.0      # monotonic: until then, a new connection is not tried
 
     def close(self) -> None:
         """Close every thread's connection; a closed channel opens no new ones (the tier asks for another)."""
@@ -63,8 +75,17 @@ class DataChannel:
         if conn is not None:
             return conn
         where = f"{self.address[0]}:{self.address[1]}"
+        if time.monotonic() < self._busy_until:
+            raise DataChannelBusy(f"the data channel at {where} was busy less than {BUSY_BACKOFF_S:g} s ago")
         try:
-            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            return self._connect(where)
+        except DataChannelBusy:
+            self._busy_until = time.monotonic() + BUSY_BACKOFF_S
+            raise
+
+    def _connect(self, where: str) -> tuple[socket.socket, StreamReader]:
+        try:
+            sock = socket.create_connection(self.address, timeout=min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
         except OSError as err:
             raise DataChannelBusy(f"the data channel at {where} does not answer: {err}") from None
         try:
@@ -73,8 +94,8 @@ class DataChannel:
                 sock.sendall(self._hello)
                 reader = StreamReader(sock)
                 status = reader.exactly(1)[0]
-            except OSError as err:     # closed or reset before a status: a server at its connection cap
-                raise DataChannelBusy(f"the data channel at {where} closed the connection: {err}") from None
+            except OSError as err:     # closed, reset or silent before a status: a server at its cap, or swamped
+                raise DataChannelBusy(f"the data channel at {where} did not take the hello: {err}") from None
             if status == dw.HELLO_BUSY:
                 raise DataChannelBusy(f"the data channel at {where} has no free connection slot")
             if status != dw.HELLO_OK:

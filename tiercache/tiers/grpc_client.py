@@ -45,7 +45,7 @@ import grpc
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.tiers.data_client import DataChannel, DataChannelBusy, StaleConnection
+from tiercache.tiers.data_client import DataChannel, DataChannelBusy, DataChannelRefused, StaleConnection
 from tiercache.tiers.grpc_index import ServerChannel, busy
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
@@ -280,17 +280,29 @@ class GrpcTransport(RemoteTransport):
         """``call`` on the data channel. A kept connection that failed — closed by the server's idle policy or
         to make room, or a server that restarted — is no outage: the call is made once more, quietly, on a
         fresh connection, after asking the server for its data port (a restarted one may listen on another,
-        or on none). Raises ConnectionError or grpc.RpcError."""
+        or on none). Any other failure of the data channel, or of that second try, raises `DataChannelBusy`:
+        the data channel only speeds up what gRPC streams carry, and the caller moves these chunks there
+        (a server that is away fails there too, and that is the outage). Raises grpc.RpcError from the
+        server's Health, and `DataChannelRefused`."""
         try:
             return call(bulk)
         except StaleConnection:
             self.reconnects += 1
+        except DataChannelRefused:
+            raise
+        except ConnectionError as err:
+            raise DataChannelBusy(f"the data channel failed ({err})") from err
         if self._server.health().data_port != bulk.address[1]:
             self._forget_paths()
             bulk = self._paths().bulk
             if bulk is None:
-                raise ConnectionError("the server no longer has a data channel") from None
-        return call(bulk)
+                raise DataChannelBusy("the server no longer has a data channel")
+        try:
+            return call(bulk)
+        except DataChannelRefused:
+            raise
+        except ConnectionError as err:
+            raise DataChannelBusy(f"the data channel failed again on a fresh connection ({err})") from err
 
     def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         """One ``PUT`` on the data channel: each chunk's header and payload sent as they are (a chunk the codec

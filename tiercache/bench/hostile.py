@@ -1,0 +1,300 @@
+"""A hostile tenant of `tiercache serve`, and the victims' engines beside it: for the server's tests and benchmark.
+
+A `HostileTenant` holds a valid token of its own and runs, from threads of this process, every kind of client
+the server must withstand (`KINDS`), each kept up — reopened whenever the server ends it — until `stop`:
+
+- ``silent_puts``: data-channel PUTs declaring 16 MiB values, sending 1 MiB of each, then nothing — the
+  whole in-flight budget, held silently;
+- ``stalled_streams``: gRPC Put streams that stop mid-chunk (every stream slot it can get);
+- ``silent_flood``: data connections that never say hello, and unary calls whose request never comes;
+- ``maximal_calls``: rounds of concurrent gRPC Puts and Contains of one message of the server's largest size;
+- ``reconnect_loop``: data connections opened (with its token), said hello on, and closed, in a loop.
+
+`tenant_run` is one victim tenant's turn: a reference engine stores a workload through the server, a fresh
+one takes its prefixes back; what comes out is that tenant's hit ratio, store success and outputs.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from tiercache.bench.demo import run_workload
+from tiercache.bench.workloads import WorkloadSpec
+from tiercache.config import TierCacheConfig
+from tiercache.engine import EngineConfig
+from tiercache.keys import BlockHash
+from tiercache.wire import data_frames as dw
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.grpc_messages import AUTH_HEADER, encode_chunk, method
+
+MiB = 1 << 20
+NS = b"\xee" * 16
+KINDS = ("silent_puts", "stalled_streams", "silent_flood", "maximal_calls", "reconnect_loop")
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class RssSampler:
+    """The peak RSS of a process, sampled every ``every_s`` from /proc while running (a context manager)."""
+
+    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+        self.pid = pid
+        self.every_s = every_s
+        self.peak_mib = rss_mib(pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="tiercache-rss-sampler", daemon=True)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
+
+
+def header_for(key: bytes, payload_bytes: int) -> bytes:
+    """A well-formed chunk header for ``payload_bytes`` of float16 under `NS`."""
+    raw = np.zeros(payload_bytes // 2, dtype=np.float16)
+    meta = ChunkMeta(NS, BlockHash(key), 16, "float16", (payload_bytes // 2,))
+    return bytes(ChunkFormat().encode_parts(meta, raw)[0])
+
+
+class HostileTenant:
+    """The kinds of clients in the module docstring, run as the tenant of ``token``, until `stop`."""
+
+    def __init__(self, address: str, data_port: int, token: str, max_message: int,
+                 kinds: tuple[str, ...] = KINDS, calls_per_round: int = 100, round_pause_s: float = 0.2) -> None:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown hostile kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        self.address = address
+        self.data_port = data_port
+        self.token = token
+        self.metadata = ((AUTH_HEADER, f"Bearer {token}"),)
+        self.max_message = max_message
+        self.kinds = kinds
+        self.calls_per_round = calls_per_round
+        self.round_pause_s = round_pause_s
+        self.rounds = 0                       # rounds of maximal calls sent
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        jobs: dict[str, list[Callable[[int], None]]] = {
+            "silent_puts": [self._silent_put] * 4,
+            "stalled_streams": [self._stalled_stream] * 8,
+            "silent_flood": [self._never_hello] + [self._silent_unary] * 16,
+            "maximal_calls": [self._maximal_calls],
+            "reconnect_loop": [self._reconnect_loop],
+        }
+        for kind in self.kinds:
+            for i, job in enumerate(jobs[kind]):
+                thread = threading.Thread(target=job, args=(i,), name=f"hostile-{kind}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    # -- the data channel ------------------------------------------------------------------------------------
+    def _hello(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.data_port), timeout=5)
+        sock.sendall(dw.hello(self.token))
+        if sock.recv(1) != bytes([dw.HELLO_OK]):
+            sock.close()
+            raise ConnectionError("refused")
+        return sock
+
+    def _until_closed(self, sock: socket.socket) -> None:
+        sock.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                if sock.recv(1 << 16) == b"":
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    def _silent_put(self, i: int) -> None:
+        key = bytes([200 + i]) * 32
+        head = header_for(key, 16 * MiB - 4096)
+        while not self._stop.is_set():
+            try:
+                with self._hello() as sock:
+                    sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key)
+                                 + dw.U64.pack(len(head) + 16 * MiB - 4096) + head + b"\1" * MiB)
+                    self._until_closed(sock)
+            except OSError:
+                self._stop.wait(0.1)
+
+    def _never_hello(self, _: int) -> None:
+        socks: list[socket.socket] = []
+        while not self._stop.is_set():
+            socks = [s for s in socks if not _closed(s)]
+            while len(socks) < 256 and not self._stop.is_set():
+                try:
+                    socks.append(socket.create_connection(("127.0.0.1", self.data_port), timeout=5))
+                except OSError:
+                    break
+            self._stop.wait(0.5)
+        for sock in socks:
+            sock.close()
+
+    def _reconnect_loop(self, _: int) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self._hello().close()
+            self._stop.wait(0.005)
+
+    # -- gRPC ------------------------------------------------------------------------------------------------
+    def _stalled_stream(self, i: int) -> None:
+        head = header_for(bytes([128 + i]) * 32, 4 * MiB)
+        first = encode_chunk(NS, bytes([128 + i]) * 32, head, b"\0" * MiB, value_len=len(head) + 4 * MiB)
+        self._hold("Put", [first])
+
+    def _silent_unary(self, i: int) -> None:
+        self._hold("Health" if i % 2 else "Contains", [])
+
+    def _hold(self, name: str, sent: list[bytes]) -> None:
+        """Call ``name``, send ``sent`` and then nothing more, for as long as the server lets it stay open; again
+        whenever it ends."""
+        with grpc.insecure_channel(self.address) as channel:
+            call = channel.stream_unary(method(name), lambda b: b, lambda b: b)
+
+            def stream():
+                yield from sent
+                self._stop.wait(120)
+            while not self._stop.is_set():
+                try:
+                    call(stream(), timeout=120, metadata=self.metadata)
+                except grpc.RpcError:
+                    self._stop.wait(0.1)
+
+    def _maximal_calls(self, _: int) -> None:
+        message = np.random.default_rng(0).integers(0, 256, self.max_message, dtype=np.uint8).tobytes()
+
+        async def rounds() -> None:
+            channels = [grpc.aio.insecure_channel(self.address, options=[("grpc.max_send_message_length",
+                                                                           1 << 30)]) for _ in range(4)]
+
+            async def one(i: int) -> None:
+                channel = channels[i % len(channels)]
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    if i % 2:
+                        await channel.unary_unary(method("Contains"))(message, timeout=10, metadata=self.metadata)
+                    else:
+                        await channel.stream_unary(method("Put"))(iter([message]), timeout=10,
+                                                                  metadata=self.metadata)
+            try:
+                while not self._stop.is_set():
+                    await asyncio.gather(*(one(i) for i in range(self.calls_per_round)))
+                    self.rounds += 1
+                    await asyncio.sleep(self.round_pause_s)
+            finally:
+                for channel in channels:
+                    await channel.close()
+        asyncio.run(rounds())
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        gone = sock.recv(1) == b""
+    except BlockingIOError:
+        gone = False
+    except OSError:
+        gone = True
+    if gone:
+        sock.close()
+    return gone
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRun:
+    tenant: str
+    hit_ratio: float            # the fresh engine's prompt tokens served from the server's tier
+    stores: int                 # chunks the first engine stored on the server
+    store_failures: int         # ... and those that failed (refused, or the tier away)
+    outputs_match: bool         # the fresh engine generated the tokens the first one did
+    ttft_ms_p50: float
+
+    @property
+    def store_success(self) -> float:
+        return self.stores / max(1, self.stores + self.store_failures)
+
+
+def tenant_run(tenant: str, address: str, token_file: Path | None, spec: WorkloadSpec,
+               engine_cfg: EngineConfig = EngineConfig(num_blocks=64), timeout_s: float = 5.0,
+               lookup_timeout_s: float = 0.25) -> TenantRun:
+    """``tenant``'s turn: one engine stores ``spec`` through the server (write-through), a fresh one runs it
+    again and takes its prefixes from the server; the timeouts are its gRPC tier's ``timeout`` and
+    ``lookup_timeout``."""
+    cfg = TierCacheConfig().replace(keys={"block_size": 16, "chunk_tokens": 64},
+                                    cpu={"capacity": "2MiB", "prefault": False},
+                                    grpc={"enabled": True, "address": address, "write_mode": "write-through",
+                                          "timeout": timeout_s, "lookup_timeout": lookup_timeout_s,
+                                          "auth_token_file": str(token_file or "")})
+    first = run_workload(spec, engine_cfg, cfg)
+    second = run_workload(spec, engine_cfg, cfg)
+    tier = first.stats["connector"]["tiers"]["grpc"]
+    ttft = sorted(second.ttft_s)
+    return TenantRun(tenant, second.tier_hit_tokens / max(1, second.prompt_tokens), tier["stored"],
+                     tier["errors"], first.outputs == second.outputs, round(ttft[len(ttft) // 2] * 1e3, 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a `HostileTenant` in a process of its own (as a hostile client is: its load is not the victims'),
+    until SIGTERM or SIGINT."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m tiercache.bench.hostile", description=main.__doc__)
+    parser.add_argument("--address", required=True, help="the server's gRPC host:port")
+    parser.add_argument("--data-port", type=int, required=True)
+    parser.add_argument("--token-file", required=True, help="the hostile tenant's own (valid) token")
+    parser.add_argument("--max-message", type=int, required=True, help="the server's --max-message, in bytes")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}")
+    parser.add_argument("--calls-per-round", type=int, default=100)
+    parser.add_argument("--round-pause", type=float, default=0.2, help="seconds between rounds of maximal calls")
+    args = parser.parse_args(argv)
+    token = Path(args.token_file).read_text().strip()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    try:
+        tenant = HostileTenant(args.address, args.data_port, token, args.max_message, kinds, args.calls_per_round,
+                               args.round_pause)
+    except ValueError as err:
+        parser.error(str(err))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    tenant.start()
+    print("started", flush=True)
+    stop.wait()
+    tenant.stop()
+    print(f"stopped after {tenant.rounds} rounds of maximal calls", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
