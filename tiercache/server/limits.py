@@ -18,7 +18,10 @@
   grow with the measured bandwidth), and gRPC admits at most ``MAX_CALLS``
   calls, ``MAX_CALLS_PER_CONNECTION`` on one connection. So the server's memory
   stays within `memory_bound`: capacity + in-flight budget + a message per slot
-  + a window per call + a constant, logged at start.
+  + a window per call + a constant, logged at start — provided a finished
+  call's memory is given back, which takes grpc.aio's reads and writes
+  shielded from cancellation (`tiercache.server.service`) and the cyclic
+  garbage collector run on a clock (`tiercache.server.collector`).
 - **Time.** Every read from a client has a deadline of the server's own:
   ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
   between requests on the data channel, and a value must arrive at
@@ -36,8 +39,11 @@
   among tenants (`StreamWatch`); a call that finds none free within its
   tenant's share is refused with ``RESOURCE_EXHAUSTED``;
   data-channel connections at most ``max_connections`` in all and
-  ``max_connections_per_peer`` from one host, the oldest idle one dropped to
-  make room, a client refused only when every connection is busy.
+  ``max_connections_per_peer`` from one host, the oldest idle one of the
+  tenant holding the most dropped to make room, a client refused only when
+  every connection is busy. Connections still to say their hello hold no
+  thread and at most a hello's bytes (their accept thread reads them all),
+  ``max_connections`` of them at most (`tiercache.server.data_server`).
 """
 from __future__ import annotations
 

@@ -543,5 +543,6 @@ class CacheService:
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
                        "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,
-                       "streams_stalled": self.streams.cancelled}
+                       "streams_stalled": self.streams.cancelled, "requests_refused": self.requests.refused,
+                       "requests_taken_back": self.requests.taken_back}
         return s
