@@ -653,3 +653,40 @@ def test_a_lookup_refused_by_a_busy_server_is_a_miss_and_the_tier_stays_up(cache
         assert client.contains(keys) == 1
     finally:
         client.close()
+
+
+class _TooSlow(grpc.RpcError):
+    """A lookup past the lookup timeout (a fault injected at the client's transport boundary)."""
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_a_slow_lookup_is_a_miss_and_only_lookups_that_keep_timing_out_take_the_tier_down(cache_server):
+    """A loaded server may answer one lookup past ``lookup_timeout`` and the next in time: that lookup is a
+    miss (``lookups_slow``), the tier stays up. `SLOW_LOOKUPS_DOWN` in a row are a hung server: an outage."""
+    from tiercache.tiers.remote import SLOW_LOOKUPS_DOWN
+
+    client = Client(cache_server.address, NS)
+    try:
+        items = chunks(1, seed=9)
+        keys = [m.key for m, _ in items]
+        assert client.write_chunks(items) == ()
+        real = client.index._present
+        client.index._present = lambda *a: (_ for _ in ()).throw(_TooSlow())
+        for _ in range(SLOW_LOOKUPS_DOWN - 1):
+            assert client.contains(keys) == 0
+        assert client.index.available and client.index.stats()["lookups_slow"] == SLOW_LOOKUPS_DOWN - 1
+        client.index._present = real
+        assert client.contains(keys) == 1                 # answered in time: the run of slow ones is over
+        client.index._present = lambda *a: (_ for _ in ()).throw(_TooSlow())
+        for _ in range(SLOW_LOOKUPS_DOWN - 1):
+            assert client.contains(keys) == 0
+        assert client.index.available
+        assert client.contains(keys) == 0                 # the third in a row
+        assert not client.index.available and client.index.stats()["outages"] == 1
+    finally:
+        client.close()

@@ -116,6 +116,9 @@ class GrpcIndex(RemoteIndex):
     def _busy(self, err: Exception) -> bool:
         return busy(err)
 
+    def _slow(self, err: Exception) -> bool:
+        return isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
         """One ``Contains`` per rank's digest, all in flight at once."""
         calls = [self._server.contains.future(pb.ContainsRequest(namespace=digest, keys=keys).SerializeToString(),

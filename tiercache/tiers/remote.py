@@ -6,7 +6,9 @@ chunk evicted between lookup and read is a failed read, hence a miss.
 `RemoteIndex` (scheduler side) answers lookups from a thread of its own:
 `contains` hands a query to that thread and answers None ("ask again") until
 the reply is in, so the scheduler's thread never waits on the network; a
-query that takes longer than ``lookup_timeout`` marks the tier down. A reply
+query that takes longer than ``lookup_timeout`` is a miss, and
+``SLOW_LOOKUPS_DOWN`` of them in a row (a hung server, not a loaded one) mark
+the tier down, as any other failure of a query does at once. A reply
 serves the same lookup for ``ANSWER_TTL_S``; a chunk that went meanwhile is a
 failed promotion, hence a miss — and then *absent*: a chunk whose load failed
 on any rank (corrupt, gone, unreachable), or that was deleted, is a negative
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS = 1024        # lookups answered or in flight (oldest dropped first)
 ANSWER_TTL_S = 1.0        # an answer serves the same lookup for this long, then it is asked again
 ABSENT_TTL_S = 10.0       # a chunk that failed to load, or was deleted, is absent this long (or until stored)
+SLOW_LOOKUPS_DOWN = 3     # lookups in a row past the lookup timeout before the tier counts as down
 MAX_ABSENT = 65536        # negative entries kept (oldest dropped first): a few MiB
 
 
@@ -72,6 +75,8 @@ class RemoteIndex(LowerIndex):
         self._deletes: list[BlockHash] = []
         self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
         self.lookups_busy = 0       # lookups a busy server refused: misses, not errors
+        self.lookups_slow = 0       # lookups past the lookup timeout: misses; `SLOW_LOOKUPS_DOWN` in a row, down
+        self._slow_in_row = 0
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         self._storage = tuple(dict.fromkeys(storage_digests))
@@ -94,10 +99,15 @@ class RemoteIndex(LowerIndex):
         out["errors"] = self.counters.errors + self.lookup_errors
         out["outages"] = self._outage.outages
         out["lookups_busy"] = self.lookups_busy
+        out["lookups_slow"] = self.lookups_slow
         return out
 
     def _busy(self, err: Exception) -> bool:
         """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
+        return False
+
+    def _slow(self, err: Exception) -> bool:
+        """Whether ``err`` is a lookup that outlasted its timeout (a loaded server may answer the next)."""
         return False
 
     @abstractmethod
@@ -122,9 +132,16 @@ class RemoteIndex(LowerIndex):
             if self._busy(err):    # there, and refused this one for room: a miss, the tier stays up
                 self.lookups_busy += 1
                 return 0
+            if self._slow(err):    # a miss; the tier is down only when lookups keep timing out (a hung server)
+                self.lookups_slow += 1
+                self._slow_in_row += 1
+                if self._slow_in_row < SLOW_LOOKUPS_DOWN:
+                    return 0
+            self._slow_in_row = 0
             self.lookup_errors += 1
             self._outage.failed("lookup", err)
             return 0
+        self._slow_in_row = 0
         self._outage.succeeded()
         return n
 
