@@ -277,7 +277,7 @@ class CacheService:
         garbage collector happens to run. 400 refused Puts kept a 64 MiB server at 1 GiB that way."""
         if isinstance(err, _Rejected):
             self._reject(name, context, err)
-        elif not isinstance(err, grpc.RpcError | grpc.aio.AbortError | GeneratorExit):
+        elif not isinstance(err, grpc.RpcError | grpc.aio.AbortError | GeneratorExit | asyncio.CancelledError):
             self.counters["handler_faults"] += 1
             log.error("%s from %s failed: %s: %s", name, context.peer(), type(err).__name__, err,
                       exc_info=err, extra={"event": "rpc_fault", "rpc": name, "peer": context.peer()})
