@@ -163,7 +163,8 @@ class DataServer:
                             self._read_hello(selector, self._greetings[key.fileobj])
                     self._drop_late(selector)
             except OSError:
-                pass                # the listener, shut down by stop()
+                if not self._closed:
+                    raise
             finally:
                 for greeting in self._greetings.values():
                     greeting.sock.close()
@@ -177,6 +178,18 @@ class DataServer:
             try:
                 conn, peer = self._listener.accept()
             except BlockingIOError:
+                return
+            except OSError as err:
+                if self._closed:
+                    raise                   # the listener, shut down by stop()
+                # out of file descriptors, most likely: the one waiting longest for its hello gives its own
+                self.counters["data_accept_errors"] += 1
+                self._warn.warning("data accept", "data channel: accept failed: %s", err,
+                                   extra={"event": "data_accept_failed", "reason": str(err)})
+                if self._greetings:
+                    self._forget(selector, next(iter(self._greetings.values())))
+                else:
+                    time.sleep(0.05)        # every descriptor is a served connection's: wait for one to go
                 return
             conn.setblocking(False)
             self._greetings[conn] = _Greeting(conn, peer[0], f"{peer[0]}:{peer[1]}", time.monotonic(), bytearray())
