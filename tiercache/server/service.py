@@ -138,8 +138,9 @@ async def _uncancelled(operation) -> Any:
     grpc.aio frees what an operation holds in C — a received message's buffer, a sent one's — only when its
     awaiter sees it complete; an awaiter cancelled first drops it, and that memory is never given back
     (grpc/grpc#43360). Calls are cancelled all the time here (a client's deadline, a slot taken back), and
-    each lost a message of up to ``max_message`` bytes: a 64 MiB server passed 12 GiB of RSS under a
-    hostile tenant's rounds of maximal calls. Shielded, the operation runs to its end — the call's end
+    each could lose a message of up to ``max_message`` bytes — with the collector's delay
+    (`tiercache.server.collector`), the reason a 64 MiB server passed 12 GiB of RSS under a hostile
+    tenant's rounds of maximal calls. Shielded, the operation runs to its end — the call's end
     completes it — and its awaiter frees it, while the handler is cancelled at once."""
     task = asyncio.ensure_future(operation)
     task.add_done_callback(_retrieve)
@@ -224,7 +225,7 @@ class CacheService:
                 return b""
             finally:
                 # gRPC's request iterator, left suspended, holds the last message it gave (up to max_message
-                # bytes) until the garbage collector finds the cycles around a finished call: closed, at once
+                # bytes): closed now, not whenever the collector reaches what is left of the call
                 close = getattr(requests, "close", None)
                 if close is not None:
                     close()
