@@ -626,26 +626,43 @@ def test_the_shutdown_flush_counts_only_the_chunks_it_wrote(tmp_path, monkeypatc
     assert store.disk.num_chunks == 1
 
 
-class _RefusedForRoom(grpc.RpcError):
-    """What a server out of request slots answers (a fault injected at the client's transport boundary)."""
+class _Fault(grpc.RpcError):
+    """A status the server (or the call's deadline) answers with: a fault injected at the client's
+    transport boundary."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
 
     def code(self):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
+        return self._code
 
     def details(self):
-        return "no request slot free for tenant 'default'; try again"
+        return self._details
+
+
+def _refused_for_room():
+    raise _Fault(grpc.StatusCode.RESOURCE_EXHAUSTED, "no request slot free for tenant 'default'; try again")
+
+
+def _too_slow(*_):
+    raise _Fault(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _stored_one(server, seed: int):
+    """A client of ``server`` that stored one chunk; with that chunk's keys and its index's real lookup."""
+    client = Client(server.address, NS)
+    items = chunks(1, seed=seed)
+    assert client.write_chunks(items) == ()
+    return client, [m.key for m, _ in items], client.index._present
 
 
 def test_a_lookup_refused_by_a_busy_server_is_a_miss_and_the_tier_stays_up(cache_server):
     """A ``Contains`` the server refused for room says nothing about the server being away: that lookup is a
     miss (counted as busy, not as an error) and the next one asks again — no outage, no probing."""
-    client = Client(cache_server.address, NS)
+    client, keys, real = _stored_one(cache_server, seed=8)
     try:
-        items = chunks(1, seed=8)
-        keys = [m.key for m, _ in items]
-        assert client.write_chunks(items) == ()
-        real = client.index._present
-        client.index._present = lambda *a: (_ for _ in ()).throw(_RefusedForRoom())
+        client.index._present = lambda *a: _refused_for_room()
         assert client.contains(keys) == 0
         client.index._present = real
         assert client.index.available and client.index.stats()["lookups_busy"] == 1
@@ -655,34 +672,20 @@ def test_a_lookup_refused_by_a_busy_server_is_a_miss_and_the_tier_stays_up(cache
         client.close()
 
 
-class _TooSlow(grpc.RpcError):
-    """A lookup past the lookup timeout (a fault injected at the client's transport boundary)."""
-
-    def code(self):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self):
-        return "Deadline Exceeded"
-
-
 def test_a_slow_lookup_is_a_miss_and_only_lookups_that_keep_timing_out_take_the_tier_down(cache_server):
     """A loaded server may answer one lookup past ``lookup_timeout`` and the next in time: that lookup is a
     miss (``lookups_slow``), the tier stays up. `SLOW_LOOKUPS_DOWN` in a row are a hung server: an outage."""
     from tiercache.tiers.remote import SLOW_LOOKUPS_DOWN
 
-    client = Client(cache_server.address, NS)
+    client, keys, real = _stored_one(cache_server, seed=9)
     try:
-        items = chunks(1, seed=9)
-        keys = [m.key for m, _ in items]
-        assert client.write_chunks(items) == ()
-        real = client.index._present
-        client.index._present = lambda *a: (_ for _ in ()).throw(_TooSlow())
+        client.index._present = _too_slow
         for _ in range(SLOW_LOOKUPS_DOWN - 1):
             assert client.contains(keys) == 0
         assert client.index.available and client.index.stats()["lookups_slow"] == SLOW_LOOKUPS_DOWN - 1
         client.index._present = real
         assert client.contains(keys) == 1                 # answered in time: the run of slow ones is over
-        client.index._present = lambda *a: (_ for _ in ()).throw(_TooSlow())
+        client.index._present = _too_slow
         for _ in range(SLOW_LOOKUPS_DOWN - 1):
             assert client.contains(keys) == 0
         assert client.index.available
