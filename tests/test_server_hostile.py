@@ -6,6 +6,7 @@ stalled gRPC streams and hundreds of idle data connections cannot keep a real cl
 a restarted server is picked up within ``grpc.retry_interval``.
 """
 import asyncio
+import functools
 import json
 import socket
 import threading
@@ -22,32 +23,21 @@ pytestmark = pytest.mark.slow     # real servers under hostile load: tens of sec
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
 
 from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tiercache.bench import hostile  # noqa: E402
 from tiercache.bench.demo import run_workload  # noqa: E402
+from tiercache.bench.hostile import RssSampler, rss_mib  # noqa: E402
 from tiercache.bench.workloads import WorkloadSpec  # noqa: E402
 from tiercache.config import TierCacheConfig  # noqa: E402
 from tiercache.engine import EngineConfig  # noqa: E402
-from tiercache.keys import BlockHash  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.wire.grpc_messages import encode_chunk, method  # noqa: E402
 
 MiB = 1 << 20
 
 
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def header_for(key: bytes, payload_bytes: int) -> bytes:
-    """A valid chunk header (checksum and all) for a float16 payload of ``payload_bytes``."""
-    raw = np.zeros(payload_bytes // 2, dtype=np.float16)
-    header, _ = ChunkFormat().encode_parts(ChunkMeta(NS, BlockHash(key), 16, "float16", (payload_bytes // 2,)), raw)
-    return bytes(header)
+header_for = functools.partial(hostile.header_for, namespace=NS)
 
 
 def data_port(server) -> int:
@@ -426,31 +416,22 @@ def test_hundreds_of_concurrent_maximal_calls_keep_the_server_within_its_memory_
     server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--max-message", "4MiB")
     started = next(json.loads(line) for line in server.log().splitlines() if '"started"' in line)
     bound_mib = started["memory_bound"] / MiB
-    peak, stop = [0.0], threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.02):
-            peak[0] = max(peak[0], rss_mib(server.proc.pid))
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     try:
         message = np.random.default_rng(7).integers(0, 256, 4 * MiB, dtype=np.uint8).tobytes()
         codes: Counter = Counter()
-        for _ in range(2):
-            flood = threading.Thread(target=lambda: codes.update(flood_with_maximal_calls(server.address, 200,
-                                                                                          message)))
-            flood.start()
-            time.sleep(0.5)
-            assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
-            flood.join(120)
-            assert not flood.is_alive()
-        stop.set()
-        sampler.join(5)
+        with RssSampler(server.proc.pid) as rss:
+            for _ in range(2):
+                flood = threading.Thread(target=lambda: codes.update(flood_with_maximal_calls(server.address, 200,
+                                                                                              message)))
+                flood.start()
+                time.sleep(0.5)
+                assert pb.HealthReply.FromString(raw_call(server, "Health", b"")).status == pb.HealthReply.SERVING
+                flood.join(120)
+                assert not flood.is_alive()
         assert sum(codes.values()) == 1200 and codes["Put OK"] == 0
-        assert peak[0] <= bound_mib, f"RSS peaked at {peak[0]:.0f} MiB, over the bound of {bound_mib:.0f} MiB"
+        assert rss.peak_mib <= bound_mib, f"RSS peaked at {rss.peak_mib:.0f} MiB, over the bound of {bound_mib:.0f} MiB"
         assert_a_client_stores_and_loads(server, 2, seed=9, timeout_s=5.0)
     finally:
-        stop.set()
         server.stop()
 
 
@@ -468,7 +449,7 @@ def test_a_hostile_tenant_leaves_every_other_tenants_engines_storing_and_loading
     import subprocess
     import sys
 
-    from tiercache.bench.hostile import RssSampler, tenant_run
+    from tiercache.bench.hostile import tenant_run
 
     tokens = {name: f"{name}-token-0123456789" for name in ("acme", "beta", "rival", "ops")}
     tenants = tmp_path / "tenants.toml"

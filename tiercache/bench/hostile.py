@@ -41,19 +41,26 @@ KINDS = ("silent_puts", "stalled_streams", "silent_flood", "maximal_calls", "rec
 
 
 def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """The resident memory of process ``pid``; raises ProcessLookupError for one that has ended."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    raise ProcessLookupError(f"process {pid} has ended: no resident memory to read")
 
 
 class RssSampler:
-    """The peak RSS of a process, sampled every ``every_s`` from /proc while running (a context manager)."""
+    """The peak RSS of a process, sampled every ``every_s`` from /proc while running (a context manager). A
+    process that ends meanwhile is an error on leaving, never a peak read too low."""
 
     def __init__(self, pid: int, every_s: float = 0.02) -> None:
         self.pid = pid
         self.every_s = every_s
         self.peak_mib = rss_mib(pid)
+        self._error: ProcessLookupError | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="tiercache-rss-sampler", daemon=True)
 
@@ -61,19 +68,24 @@ class RssSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *_) -> None:
         self._done.set()
         self._thread.join(5)
+        if self._error is not None and exc_type is None:
+            raise self._error
 
     def _sample(self) -> None:
-        while not self._done.wait(self.every_s):
-            self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
+        try:
+            while not self._done.wait(self.every_s):
+                self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
+        except ProcessLookupError as err:
+            self._error = err
 
 
-def header_for(key: bytes, payload_bytes: int) -> bytes:
-    """A well-formed chunk header for ``payload_bytes`` of float16 under `NS`."""
+def header_for(key: bytes, payload_bytes: int, namespace: bytes = NS) -> bytes:
+    """A well-formed chunk header (checksum and all) for ``payload_bytes`` of float16 under ``namespace``."""
     raw = np.zeros(payload_bytes // 2, dtype=np.float16)
-    meta = ChunkMeta(NS, BlockHash(key), 16, "float16", (payload_bytes // 2,))
+    meta = ChunkMeta(namespace, BlockHash(key), 16, "float16", (payload_bytes // 2,))
     return bytes(ChunkFormat().encode_parts(meta, raw)[0])
 
 
