@@ -77,6 +77,21 @@ class _Paths:
     bulk: DataChannel | None = None     # the server's data channel
 
 
+def _busy_if_failed(call: Callable[[DataChannel], list], bulk: DataChannel, stale_raises: bool = False) -> list:
+    """``call(bulk)``, any failure of the data channel raised as `DataChannelBusy` (its chunks go over gRPC
+    streams) but a refused hello, and — with ``stale_raises`` — a kept connection found closed."""
+    try:
+        return call(bulk)
+    except (DataChannelRefused, DataChannelBusy):
+        raise
+    except StaleConnection as err:
+        if stale_raises:
+            raise
+        raise DataChannelBusy(f"the data channel failed again on a fresh connection ({err})") from err
+    except ConnectionError as err:
+        raise DataChannelBusy(f"the data channel failed ({err})") from err
+
+
 class GrpcTransport(RemoteTransport):
     def __init__(self, address: str, storage: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  timeout_s: float = 2.0, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
@@ -285,24 +300,15 @@ class GrpcTransport(RemoteTransport):
         (a server that is away fails there too, and that is the outage). Raises grpc.RpcError from the
         server's Health, and `DataChannelRefused`."""
         try:
-            return call(bulk)
+            return _busy_if_failed(call, bulk, stale_raises=True)
         except StaleConnection:
             self.reconnects += 1
-        except DataChannelRefused:
-            raise
-        except ConnectionError as err:
-            raise DataChannelBusy(f"the data channel failed ({err})") from err
         if self._server.health().data_port != bulk.address[1]:
             self._forget_paths()
             bulk = self._paths().bulk
             if bulk is None:
                 raise DataChannelBusy("the server no longer has a data channel")
-        try:
-            return call(bulk)
-        except DataChannelRefused:
-            raise
-        except ConnectionError as err:
-            raise DataChannelBusy(f"the data channel failed again on a fresh connection ({err})") from err
+        return _busy_if_failed(call, bulk)
 
     def _write_bulk(self, bulk: DataChannel, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
         """One ``PUT`` on the data channel: each chunk's header and payload sent as they are (a chunk the codec
