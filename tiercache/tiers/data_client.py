@@ -60,7 +60,7 @@ class DataChannel:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self._busy_until = 0.0      # monotonic: until then, a new connection is not tried
+        self._busy_until = 0.0      # monotonic, under _lock: until then, a new connection is not tried
 
     def close(self) -> None:
         """Close every thread's connection; a closed channel opens no new ones (the tier asks for another)."""
@@ -80,7 +80,8 @@ class DataChannel:
         try:
             return self._connect(where)
         except DataChannelBusy:
-            self._busy_until = time.monotonic() + BUSY_BACKOFF_S
+            with self._lock:            # the transfer threads share it: the latest busy answer wins
+                self._busy_until = time.monotonic() + BUSY_BACKOFF_S
             raise
 
     def _connect(self, where: str) -> tuple[socket.socket, StreamReader]:
