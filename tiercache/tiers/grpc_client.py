@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,8 +46,6 @@ import grpc
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.tiers.data_client import DataChannel, DataChannelBusy, DataChannelRefused, StaleConnection
-from tiercache.tiers.grpc_index import ServerChannel, busy
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.shared_dir import ABSENT, SharedDirectory
 from tiercache.transfer.plan import Failure, KeyFailures
@@ -54,7 +53,9 @@ from tiercache.wire import data_frames as dw
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecThreads, ReadBatch
+from tiercache.wire.data_channel import DataChannel, DataChannelBusy, DataChannelRefused, StaleConnection
 from tiercache.wire.grpc_messages import PART_BYTES, ChunkPieces, ChunkView, WireError, read_chunk, split_chunk
+from tiercache.wire.server_channel import ServerChannel, busy
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +109,12 @@ class GrpcTransport(RemoteTransport):
         self._token = auth_token
         self._server = ServerChannel(address, auth_token, timeout_s, retry_interval_s, max_message_bytes)
         self._use_local, self._use_bulk = local == "auto", bulk == "auto"
-        self._known_paths: _Paths | None = None     # None: not asked yet
-        self.busy = 0           # calls a busy server refused (RESOURCE_EXHAUSTED): failed, but not an outage
-        self.reconnects = 0     # kept data connections found closed and opened again (not an outage)
+        # The transfer threads share the paths: `_paths_lock` guards `_known_paths` (None: not asked yet), so
+        # that one thread asks the server and opens the one data channel the others then use.
+        self._paths_lock = threading.Lock()
+        self._known_paths: _Paths | None = None
+        self.busy = 0           # under `_lock`: calls a busy server refused (RESOURCE_EXHAUSTED), not an outage
+        self.reconnects = 0     # under `_lock`: kept data connections found closed and opened again
 
     def close(self) -> None:
         super().close()
@@ -155,7 +159,7 @@ class GrpcTransport(RemoteTransport):
         if busy(err):
             # The server is there and refused this call for room (stream slots, in-flight bytes): these
             # chunks fail, the tier stays up.
-            self.busy += 1
+            self._count("busy")
             self._warn.warning("busy", "grpc tier %s: %s refused by a busy server: %s", self.name, what,
                                err.details())
             return
@@ -163,23 +167,41 @@ class GrpcTransport(RemoteTransport):
         self._forget_paths()     # a restarted server may offer other paths, or none
 
     def _forget_paths(self) -> None:
-        paths, self._known_paths = self._known_paths, None
+        """Drop the known paths (the server is asked again on the next transfer) and close their data channel."""
+        with self._paths_lock:
+            paths, self._known_paths = self._known_paths, None
         if paths is not None and paths.bulk is not None:
             paths.bulk.close()
 
+    def _forget_bulk(self, stale: DataChannel) -> None:
+        """Drop the known paths when their data channel is still ``stale`` (another thread may have asked the
+        server again meanwhile, and that answer stays)."""
+        with self._paths_lock:
+            paths = self._known_paths
+            if paths is None or paths.bulk is not stale:
+                return
+            self._known_paths = None
+        stale.close()
+
     def _paths(self) -> _Paths:
         """Ask the server, once, for its data channel and its shared-memory directory, and keep what this
-        client can use. Raises grpc.RpcError when the server cannot be reached."""
-        if self._known_paths is not None:
+        client can use; threads that ask meanwhile wait for that answer. Raises grpc.RpcError when the server
+        cannot be reached."""
+        with self._paths_lock:
+            if self._known_paths is None:
+                local = self._local_dir() if self._use_local else None
+                port = self._server.health().data_port if self._use_bulk else 0
+                bulk = DataChannel(_host(self.address), port, self.storage, self._token, self.timeout_s) \
+                    if port else None
+                self._known_paths = _Paths(local, bulk)
             return self._known_paths
-        bulk = None
-        if self._use_bulk:
-            port = self._server.health().data_port
-            if port:
-                bulk = DataChannel(_host(self.address), port, self.storage, self._token, self.timeout_s)
-        paths = _Paths(self._local_dir() if self._use_local else None, bulk)
-        self._known_paths = paths
-        return paths
+
+    def _without_local(self, local: SharedDirectory) -> None:
+        """Stop writing chunk files to ``local`` (it failed) until the paths are asked for again."""
+        with self._paths_lock:
+            paths = self._known_paths
+            if paths is not None and paths.local is local:
+                self._known_paths = _Paths(None, paths.bulk)
 
     def _local_dir(self) -> SharedDirectory | None:
         """The server's shared-memory directory when this host sees it: None for a server without
@@ -275,9 +297,7 @@ class GrpcTransport(RemoteTransport):
         except OSError as err:     # no permission, tmpfs full, directory gone: the network until the next outage
             log.warning("grpc tier %s: writing chunk files to %s failed (%s); moving chunks over the network",
                         self.name, local.incoming, err)
-            paths = self._known_paths
-            if paths is not None:
-                self._known_paths = _Paths(None, paths.bulk)
+            self._without_local(local)
             return None
         request = pb.AdoptRequest(namespace=self.storage, keys=kept, files=names)
         reply = pb.PutReply()
@@ -302,9 +322,9 @@ class GrpcTransport(RemoteTransport):
         try:
             return _busy_if_failed(call, bulk, stale_raises=True)
         except StaleConnection:
-            self.reconnects += 1
+            self._count("reconnects")
         if self._server.health().data_port != bulk.address[1]:
-            self._forget_paths()
+            self._forget_bulk(bulk)
             bulk = self._paths().bulk
             if bulk is None:
                 raise DataChannelBusy("the server no longer has a data channel")
@@ -412,7 +432,7 @@ class GrpcTransport(RemoteTransport):
             return [Failure.UNAVAILABLE] * len(items)
         except WireError as err:   # a broken stream: what was placed stands, the rest are misses
             self._warn.warning("malformed", "grpc tier %s: malformed Get stream: %s", self.name, err)
-            self.errors += 1
+            self._count("errors")
         self._outage.succeeded()
         return out
 

@@ -41,13 +41,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from tiercache.codecs import ChunkLayout
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
+from tiercache.log_limits import ThrottledLog
 from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.outage import Outage
 from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, ReadBatch
 from tiercache.wire.values import ValueSource, receive_value
-from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,8 @@ class RemoteTransport(Transport):
         self._outage = Outage(name, retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
         self._codec = CodecPipeline(self.fmt, codec_threads, name)
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
-        self.errors = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # guards the counters, which every transfer thread of the rank bumps
+        self.errors = 0                 # under `_lock`
 
     @property
     def available(self) -> bool:
@@ -281,8 +281,12 @@ class RemoteTransport(Transport):
 
     def _failed(self, what: str, err: Exception) -> None:
         self._outage.failed(what, err)
+        self._count("errors")
+
+    def _count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of this transport's counters, under the lock every transfer thread takes for them."""
         with self._lock:
-            self.errors += 1
+            setattr(self, counter, getattr(self, counter) + n)
 
     def _busy(self, err: Exception) -> bool:
         """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
