@@ -268,7 +268,7 @@ def token_server(tmp_path):
 def engine_after_remote_outage(offload_cfg, stop_server):
     """Engine 1 computes a shared prefix; engine 2 hits it through the remote tier; then the server dies
     (``stop_server``) and engine 2 must keep producing the tokens a cache-less engine produces. Yields engine 2."""
-    from tests.test_engine import run_sequential, shared_prompts
+    from tests.support.engine_runs import run_sequential, shared_prompts
     from tiercache.engine import EngineConfig, LLMEngine
 
     prompts = shared_prompts(n=4)

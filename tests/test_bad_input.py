@@ -11,7 +11,6 @@ import io
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -226,7 +225,9 @@ def test_the_real_command_prints_one_line_and_no_traceback(tmp_path):
 def test_bench_codecs_without_transformers_names_the_extra_before_any_work(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     rc, lines = run_main(["bench", "codecs"])
     assert rc == 1 and len(lines) == 1, lines
     assert "transformers" in lines[0] and "tiercache[bench]" in lines[0] and "--model" not in lines[0].split(":")[1]

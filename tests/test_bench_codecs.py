@@ -4,7 +4,7 @@ import json
 import pytest
 
 from tests.conftest import SHARED_TRACE
-from tests.test_cli import tiercache
+from tests.support.cli import tiercache
 from tiercache.bench.codecs import accuracy_prompts, bench_accuracy
 from tiercache.engine import ModelConfig
 from tiercache.engine.weights import save_hf_model, seeded_model

@@ -1,9 +1,8 @@
 """L0 block bookkeeping: refcounts, copy-on-write, free-queue order, and a stateful property test."""
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-import pytest
 
 from tiercache.keys import BlockHash
 from tiercache.pool import BlockManager, BlockPool, FreeBlockQueue

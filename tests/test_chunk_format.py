@@ -2,12 +2,17 @@
 import numpy as np
 import pytest
 
-from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode
 from tiercache.codecs import checksums, codecs
 from tiercache.errors import (
-    ChecksumMismatchError, ChunkFormatError, CodecError, CorruptHeaderError, KeyMismatchError,
-    NamespaceMismatchError, TruncatedChunkError,
+    ChecksumMismatchError,
+    ChunkFormatError,
+    CodecError,
+    CorruptHeaderError,
+    KeyMismatchError,
+    NamespaceMismatchError,
+    TruncatedChunkError,
 )
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode
 
 NS = b"N" * 16
 KEY = b"K" * 32

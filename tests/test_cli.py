@@ -8,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import tiercache  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _cache_home(tmp_path, monkeypatch):
     """The demo's disk tier lives under the user's cache directory: a fresh one per test."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-def tiercache(*args: str) -> subprocess.CompletedProcess:
-    """The command in a process of its own. The timeout only ends a hang: a machine busy with other work
-    (both cores, several times over) stretches a demo several-fold."""
-    return subprocess.run([sys.executable, "-m", "tiercache.cli", *args], capture_output=True, text=True, timeout=900)
 
 
 def test_bench_tiers_cpu_writes_the_json_report(tmp_path):
@@ -161,7 +157,9 @@ def test_bench_tiers_redis_without_a_server_is_one_line(tmp_path):
 def test_cache_info_and_clear_take_the_demos_disk_tier_back_out(tmp_path):
     """The demo says where its disk tier lives, how big it may grow and how to empty it; `cache clear` removes
     the chunk files (nothing else in the directory) and the next demo starts cold."""
-    first = tiercache("demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "1.json"))
+    first = tiercache(
+        "demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "1.json")
+    )
     assert first.returncode == 0, first.stderr
     l2 = tmp_path / "cache" / "tiercache" / "l2"
     assert f"disk tier (L2) in {l2}, up to 10.0 GiB" in first.stderr and "tiercache cache clear" in first.stderr
@@ -172,7 +170,9 @@ def test_cache_info_and_clear_take_the_demos_disk_tier_back_out(tmp_path):
     assert cleared.returncode == 0 and f"removed {info['chunks']} chunk files" in cleared.stderr
     assert json.loads(tiercache("cache", "info").stdout)["chunks"] == 0
     assert (l2 / "notes.txt").read_text() == "mine"
-    again = tiercache("demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "2.json"))
+    again = tiercache(
+        "demo", "--quiet", "--requests", "2", "--prefix-tokens", "512", "--json", str(tmp_path / "2.json")
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "2.json").read_text())["request_sources"][0] == "cold"
 

@@ -7,11 +7,11 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import TOKEN, CacheServerProcess, eventually  # noqa: E402
-from tests.test_grpc_server import NS, Client, chunks, healthy, raw_call  # noqa: E402
+from tests.support.grpc_clients import NS, Client, chunks, healthy, raw_call  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
-from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
+from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
 
 
 def data_port(server) -> int:
@@ -217,8 +217,8 @@ def test_a_data_port_that_does_not_answer_the_hello_sends_the_next_calls_to_grpc
     """A port that accepts and never answers (a swamped server) costs one `HANDSHAKE_TIMEOUT_S`; for
     `BUSY_BACKOFF_S` after it the channel says busy without trying, and the tier moves its chunks over
     gRPC streams meanwhile."""
-    from tiercache.tiers import data_client
-    from tiercache.tiers.data_client import DataChannel, DataChannelBusy
+    from tiercache.wire import data_channel
+    from tiercache.wire.data_channel import DataChannel, DataChannelBusy
 
     listener = socket.create_server(("127.0.0.1", 0))
     channel = DataChannel("127.0.0.1", listener.getsockname()[1], NS, None, timeout_s=30.0)
@@ -234,7 +234,7 @@ def test_a_data_port_that_does_not_answer_the_hello_sends_the_next_calls_to_grpc
         channel._busy_until = 0.0                           # the backoff over (its length is not under test)
         with pytest.raises(DataChannelBusy, match="did not take the hello"):
             channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0)
-        assert data_client.HANDSHAKE_TIMEOUT_S < channel.timeout_s
+        assert data_channel.HANDSHAKE_TIMEOUT_S < channel.timeout_s
         silent.close()
     finally:
         channel.close()
@@ -255,7 +255,7 @@ def test_stop_ends_the_accept_thread_and_every_connection_at_once():
 
 
 def test_a_closed_channel_opens_no_new_connections(cache_server):
-    from tiercache.tiers.data_client import DataChannel
+    from tiercache.wire.data_channel import DataChannel
     channel = DataChannel("127.0.0.1", data_port(cache_server), NS, None, timeout_s=2.0)
     assert channel.get([(b"\xee" * 32, memoryview(bytearray(8)))], lambda *a: 0) == [Failure.MISS]   # a miss, connected
     channel.close()
@@ -272,7 +272,7 @@ def test_a_server_that_stalls_mid_value_times_the_request_out():
     import threading
     import time
 
-    from tiercache.tiers.data_client import DataChannel
+    from tiercache.wire.data_channel import DataChannel
     listener = socket.create_server(("127.0.0.1", 0))
     release = threading.Event()
 

@@ -3,10 +3,10 @@ import os
 
 import pytest
 
-from tests.test_disk_tier import FILE, NS, RAW, data, key, meta
-from tiercache.wire.chunk_format import HEADER_BYTES
+from tests.support.disk_chunks import FILE, NS, RAW, data, key, meta
 from tiercache.errors import ChecksumMismatchError
 from tiercache.tiers.disk import DiskTransport
+from tiercache.wire.chunk_format import HEADER_BYTES
 
 
 @pytest.fixture

@@ -1,53 +1,25 @@
 """The reference engine with and without tiercache: same greedy tokens, matching logits, no leaks."""
-import random
 
 import pytest
 import torch
 
+from tests.support.engine_runs import (  # noqa: E402
+    assert_back_to_baseline,
+    offload,
+    run_sequential,
+    shared_prompts,
+)
 from tiercache.bench.workloads import WorkloadSpec, multi_turn
-from tiercache.config import TierCacheConfig
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
-
-BLOCK = 16
-
-
-def offload(capacity="64MiB", **extra) -> TierCacheConfig:
-    return TierCacheConfig().replace(keys={"block_size": BLOCK, "chunk_tokens": 64},
-                                     cpu={"capacity": capacity, "prefault": False}, **extra)
-
-
-def shared_prompts(n=16, prefix=200, suffix=24, seed=0, systems=1):
-    rng = random.Random(seed)
-    heads = [[256] + [rng.randrange(32, 127) for _ in range(prefix)] for _ in range(systems)]
-    return [heads[i % systems] + [rng.randrange(32, 127) for _ in range(suffix)] for i in range(n)]
-
-
-def run_sequential(engine: LLMEngine, prompts, max_tokens=6):
-    """One request at a time: each later request can hit what earlier ones cached."""
-    seqs = []
-    for p in prompts:
-        seqs.append(engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-        engine.run()
-    return seqs
-
-
-def assert_back_to_baseline(engine: LLMEngine):
-    stats = engine.pool.stats()
-    assert stats.used == 0 and stats.pinned == 0, stats
-    assert not engine.scheduler.held and not engine.blocks.tables
-    if engine.connector is not None:
-        manager = engine.connector.scheduler.manager
-        assert manager.num_in_flight == 0
-        for tier in manager.tiers:
-            if tier.indexed:                  # a remote tier keeps no pins (its server does the counting)
-                assert all(e.pins == 0 and e.ready for e in tier.entries.values())
 
 
 @pytest.fixture(scope="module")
 def reference_outputs():
     """Greedy tokens with every cache off: no tiers and no L0 prefix caching."""
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as engine:
-        return {tuple(p): s.output_token_ids for p, s in zip(shared_prompts(), run_sequential(engine, shared_prompts()))}
+        return {
+            tuple(p): s.output_token_ids for p, s in zip(shared_prompts(), run_sequential(engine, shared_prompts()))
+        }
 
 
 def test_shared_prefix_hits_in_l0_give_identical_tokens(reference_outputs):
@@ -107,7 +79,9 @@ def test_logits_on_the_hit_path_match_a_full_recompute():
     prompts = shared_prompts(n=2, prefix=300, suffix=10, seed=5)
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), record_logits=True) as engine:
         full = run_sequential(engine, prompts[1:])[0]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload(), record_logits=True) as engine:
+    with LLMEngine(
+        engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload(), record_logits=True
+    ) as engine:
         _, hit = run_sequential(engine, prompts)
     assert hit.metrics.external_hit_tokens == 256
     assert len(hit.logits) == len(full.logits) == 6

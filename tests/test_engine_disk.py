@@ -2,7 +2,7 @@
 import errno
 import os
 
-from tests.test_engine import assert_back_to_baseline, offload, run_sequential, shared_prompts
+from tests.support.engine_runs import assert_back_to_baseline, offload, run_sequential, shared_prompts
 from tiercache.engine import EngineConfig, LLMEngine
 
 

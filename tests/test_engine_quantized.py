@@ -3,7 +3,7 @@ and from a real `tiercache serve` at half the bytes; raw and quantized deploymen
 or one server never serve each other's chunks; a damaged quantized file is a miss."""
 import pytest
 
-from tests.test_engine import assert_back_to_baseline, offload, run_sequential, shared_prompts
+from tests.support.engine_runs import assert_back_to_baseline, offload, run_sequential, shared_prompts
 from tiercache.engine import EngineConfig, LLMEngine, ModelConfig
 
 PROMPTS = shared_prompts(n=3)

@@ -9,7 +9,7 @@ once and read by both ranks.
 import torch
 
 from tests.conftest import BLOCK, CHUNK, SMALL
-from tests.test_engine import assert_back_to_baseline, offload, run_sequential, shared_prompts
+from tests.support.engine_runs import assert_back_to_baseline, offload, run_sequential, shared_prompts
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
 from tiercache.keys import chunk_keys
 

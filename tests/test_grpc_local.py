@@ -7,11 +7,11 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import CacheServerProcess  # noqa: E402
-from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tests.support.grpc_clients import NS, Client, chunks, raw_call  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
-from tiercache.wire.chunk_format import HEADER_BYTES  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.chunk_files import chunk_path  # noqa: E402
+from tiercache.wire.chunk_format import HEADER_BYTES  # noqa: E402
 
 
 def stats(server) -> pb.StatsReply:
@@ -131,8 +131,8 @@ def test_without_shm_dir_the_server_offers_no_local_path(cache_server):
 
 
 def test_the_shared_memory_tier_is_rebuilt_from_its_files_and_trimmed_to_its_capacity(tmp_path):
-    from tiercache.wire.chunk_format import ChunkFormat
     from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
+    from tiercache.wire.chunk_format import ChunkFormat
     from tiercache.wire.grpc_messages import split_chunk
     shm = str(tmp_path / "shm")
     store = ChunkStore(StoreConfig(8 << 20, shm_path=shm))

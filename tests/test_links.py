@@ -6,8 +6,8 @@ import pytest
 
 from tiercache.tiers.base import Medium, link_name
 from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.links import LinkLimits, LinkSet
-from tiercache.transfer.plan import JobId, Priority, TransferPlan
+from tiercache.transfer.links import LinkSet
+from tiercache.transfer.plan import JobId, LinkLimits, Priority, TransferPlan
 
 MB = 1_000_000
 

@@ -178,7 +178,7 @@ def test_priorities_loads_before_stores():
 
 
 def test_the_most_served_chunks_are_reported_with_their_load_counts(stack):
-    from tests.test_hierarchy import load, put
+    from tests.support.stack_ops import load, put
     a, _ = put(stack, "a", seed=1)
     b, _ = put(stack, "b", seed=2, chunks=1)
     for hashes, times in ((a, 3), (b, 1)):

@@ -4,7 +4,7 @@ import urllib.request
 
 import pytest
 
-from tests.test_engine import offload, run_sequential, shared_prompts
+from tests.support.engine_runs import offload, run_sequential, shared_prompts
 from tiercache.engine import EngineConfig, LLMEngine
 
 

@@ -59,7 +59,9 @@ def dist(tmp_path_factory) -> Path:
 
 def test_every_package_has_its_init_file():
     files = set(source_files())
-    missing = sorted({f.rsplit("/", 1)[0] for f in files} - {f.rsplit("/", 1)[0] for f in files if f.endswith("/__init__.py")})
+    missing = sorted(
+        {f.rsplit("/", 1)[0] for f in files} - {f.rsplit("/", 1)[0] for f in files if f.endswith("/__init__.py")}
+    )
     assert not missing, f"directories of modules without __init__.py: {missing}"
 
 

@@ -8,7 +8,7 @@ import redis
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack, eventually
-from tests.test_hierarchy import load, lookup, put
+from tests.support.stack_ops import load, lookup, put
 from tiercache.tiers.redis import RedisIndex, RedisTransport
 from tiercache.transfer.plan import Failure
 
@@ -137,7 +137,7 @@ def test_redis_config_errors_name_the_field():
 
 def test_two_engines_share_prefixes_through_redis_and_survive_its_death(redis_server):
     from tests.conftest import engine_after_remote_outage
-    from tests.test_engine import offload
+    from tests.support.engine_runs import offload
 
     cfg = offload(redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 0.5})
     with engine_after_remote_outage(cfg, redis_server.stop):
@@ -266,8 +266,8 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
 def _chunk(ns: bytes, i: int, nbytes: int = 1 << 20):
     import hashlib
 
-    from tiercache.wire.chunk_format import ChunkMeta
     from tiercache.keys import BlockHash
+    from tiercache.wire.chunk_format import ChunkMeta
     key = BlockHash(hashlib.sha256(b"direct%d" % i).digest())
     raw = torch.arange(nbytes // 2, dtype=torch.float16).add_(i).numpy().tobytes()
     return ChunkMeta(ns, key, 256, "float16", (nbytes // 2,)), raw
@@ -514,7 +514,7 @@ def test_one_bad_value_costs_one_failed_load_not_a_retry_storm(redis_server):
     once (an integrity failure, the value deleted); the index then answers "absent" for that chunk at once
     — it no longer re-plans the same promotion every step while a cached "present" lasts — and the engine
     recomputes, writes the chunk through again, and the next request hits it. Outputs never change."""
-    from tests.test_engine import offload, run_sequential, shared_prompts
+    from tests.support.engine_runs import offload, run_sequential, shared_prompts
     from tiercache.engine import EngineConfig, LLMEngine
     from tiercache.keys import chunk_keys
 

@@ -21,8 +21,7 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 pytestmark = pytest.mark.slow     # real servers under hostile load: tens of seconds
 
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
-
-from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tests.support.grpc_clients import NS, Client, chunks, raw_call  # noqa: E402
 from tiercache.bench import hostile  # noqa: E402
 from tiercache.bench.demo import run_workload  # noqa: E402
 from tiercache.bench.hostile import RssSampler, rss_mib  # noqa: E402

@@ -8,10 +8,10 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import CacheServerProcess  # noqa: E402
-from tests.test_grpc_server import NS, Client, chunks, raw_call  # noqa: E402
+from tests.support.grpc_clients import NS, Client, chunks, raw_call  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
-from tiercache.wire.grpc_messages import AUTH_HEADER, split_chunk  # noqa: E402
 from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
+from tiercache.wire.grpc_messages import AUTH_HEADER, split_chunk  # noqa: E402
 
 TOKENS = {"acme": "acme-token-0123456789", "rival": "rival-token-0123456789", "public": "public-token-012345678",
           "reader": "reader-token-012345678"}

@@ -4,7 +4,7 @@ import pytest
 import redis
 
 from tests.conftest import Stack
-from tests.test_hierarchy import load, put
+from tests.support.stack_ops import load, put
 from tiercache.errors import ChecksumMismatchError, SignatureError
 from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, SIGNED, ChunkFormat, ChunkMeta, ChunkSigner, decode, read_header

@@ -142,7 +142,7 @@ def test_request_slots_go_from_a_silent_request_to_a_newcomer_of_the_same_tenant
     watch = StreamWatch(limit=2, stall_s=3600.0, clock=clock, share_silent_s=0.1, take_back_own=True)
     try:
         silent, working = Call(), Call()
-        s, w = watch.admit(silent, "A"), watch.admit(working, "A")
+        s, _w = watch.admit(silent, "A"), watch.admit(working, "A")
         watch.waiting(s)                                     # its request never comes
         assert watch.admit(Call(), "A") is None              # silent for 0 s: not yet
         clock.now = 0.2

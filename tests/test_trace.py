@@ -71,7 +71,9 @@ def test_bench_trace_writes_json_markdown_and_png(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "trace.json").read_text())
-    assert report["ceiling_token_hit_ratio"] == pytest.approx((2 * 512 + 2 * 512) / (3 * 512 + 3 * 512 + 512 + 2 * 512), abs=1e-3)
+    assert report["ceiling_token_hit_ratio"] == pytest.approx(
+        (2 * 512 + 2 * 512) / (3 * 512 + 3 * 512 + 512 + 2 * 512), abs=1e-3
+    )
     assert {(r["policy"], r["capacity_tokens"]) for r in report["results"]} == {
         ("lru", 1024), ("lru", 4000), ("fifo", 1024), ("fifo", 4000)}   # 4K = 4000 tokens
     assert "token hit ratio" in (out / "trace.md").read_text()

@@ -336,7 +336,10 @@ def test_a_model_with_several_kv_cache_groups_is_refused_at_start_not_offloaded_
     window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=512)
     _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                                          kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], full)]))
-    for groups in ([KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)], [KVCacheGroupSpec(["l0"], window)]):
+    for groups in (
+        [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)],
+        [KVCacheGroupSpec(["l0"], window)],
+    ):
         with pytest.raises(ValueError, match="KV-cache group"):
             _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
 
