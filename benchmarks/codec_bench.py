@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, decode
 from tiercache.codecs import codecs
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, decode
 
 
 def main() -> None:

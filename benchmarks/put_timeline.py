@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from shaped_links import in_shaped_namespace    # beside this file: the script's directory is on sys.path
+from shaped_links import in_shaped_namespace  # beside this file: the script's directory is on sys.path
 
 
 def traced_bench(bench_args: list[str], out: Path) -> None:

@@ -57,16 +57,20 @@ import torch
 import vllm
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1, KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorRole, KVConnectorWorkerMetadata,
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiercache.build import check_config
 from tiercache.config import TierCacheConfig, load_config
-from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.connector.api import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
 from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
+from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.errors import ConfigError
 from tiercache.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.pool.layer_tensors import LayerTensorsKV

@@ -51,8 +51,11 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         self._tier = {name: self._counter_cls(name=f"vllm:tiercache_tier_{name}",
                                               documentation=f"tiercache chunks {name} per tier",
                                               labelnames=[*labelnames, "tier"]) for name in TIER_COUNTERS}
-        self._link = self._counter_cls(name="vllm:tiercache_link_bytes", documentation="bytes moved per link, all ranks",
-                                       labelnames=[*labelnames, "link"])
+        self._link = self._counter_cls(
+            name="vllm:tiercache_link_bytes",
+            documentation="bytes moved per link, all ranks",
+            labelnames=[*labelnames, "link"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]

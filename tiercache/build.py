@@ -28,8 +28,8 @@ from tiercache.codecs import ChunkLayout, codecs
 from tiercache.config import TierCacheConfig, read_secret, read_token
 from tiercache.connector.api import WorkerHandshake
 from tiercache.errors import ConfigError, RegistryError
-from tiercache.machine import physical_memory
 from tiercache.keys import BlockHash, KVShard, Namespace
+from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
@@ -129,7 +129,9 @@ def _redis_call(config: TierCacheConfig, build):
     try:
         return build()
     except ImportError:
-        raise ConfigError("redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'") from None
+        raise ConfigError(
+            "redis.enabled", True, "the redis package is missing: pip install 'tiercache[redis]'"
+        ) from None
     except ConfigError:
         raise
     except Exception as err:  # redis-py raises several types for a bad URL or an unreachable cluster
@@ -143,8 +145,16 @@ class RedisTierBuilder(LowerTier):
         from tiercache.tiers.redis import RedisIndex
 
         r = config.redis
-        return _redis_call(config, lambda: RedisIndex(r.url, chunk_format(config), lookup_timeout_s=min(r.lookup_timeout, r.timeout),
-                                              retry_interval_s=r.retry_interval, cluster=r.cluster))
+        return _redis_call(
+            config,
+            lambda: RedisIndex(
+                r.url,
+                chunk_format(config),
+                lookup_timeout_s=min(r.lookup_timeout, r.timeout),
+                retry_interval_s=r.retry_interval,
+                cluster=r.cluster,
+            ),
+        )
 
     @staticmethod
     def transport(config: TierCacheConfig, storage: bytes, writer: bool, codec: CodecThreads | None) -> Transport:
@@ -188,10 +198,20 @@ class GrpcTierBuilder(LowerTier):
         from tiercache.tiers.grpc_client import GrpcTransport
 
         g = config.grpc
-        transport = GrpcTransport(g.address, storage, chunk_format(config), auth_token=_grpc_token(config),
-                                  timeout_s=g.timeout, retry_interval_s=g.retry_interval, max_message_bytes=g.max_message,
-                                  local=g.local, bulk=g.bulk, writer=writer, probe_timeout_s=g.lookup_timeout,
-                                  codec_threads=codec)
+        transport = GrpcTransport(
+            g.address,
+            storage,
+            chunk_format(config),
+            auth_token=_grpc_token(config),
+            timeout_s=g.timeout,
+            retry_interval_s=g.retry_interval,
+            max_message_bytes=g.max_message,
+            local=g.local,
+            bulk=g.bulk,
+            writer=writer,
+            probe_timeout_s=g.lookup_timeout,
+            codec_threads=codec,
+        )
         transport.check_health()
         return transport
 
@@ -203,7 +223,9 @@ def enabled_lower_tiers(config: TierCacheConfig) -> list[str]:
 def check_config(config: TierCacheConfig) -> None:
     """Every named choice resolved and every enabled tier's settings checked; raises `ConfigError`."""
     if not config.cpu.enabled:
-        raise ConfigError("cpu.enabled", False, "L1 stages every transfer to and from L0; run without the connector instead")
+        raise ConfigError(
+            "cpu.enabled", False, "L1 stages every transfer to and from L0; run without the connector instead"
+        )
     _named(eviction_policies, config.cpu.eviction, "cpu.eviction")
     _named(eviction_policies, config.disk.eviction, "disk.eviction")
     _named(admission_policies, config.disk.admission, "disk.admission")
@@ -301,7 +323,9 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
         raise ValueError(f"expected one handshake from each rank, got ranks {sorted(h.rank for h in handshakes)}")
     block_bytes = max(h.block_bytes for h in handshakes)
     writers = [h for h in handshakes if h.writer]
-    l1 = CpuIndex(min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction)
+    l1 = CpuIndex(
+        min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction
+    )
     lower: list[LowerIndex] = []
     try:
         for name in enabled_lower_tiers(config):

@@ -105,7 +105,9 @@ def _policy_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in eviction_policies]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown policy {unknown or text!r}; known: {', '.join(eviction_policies.names())}")
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {unknown or text!r}; known: {', '.join(eviction_policies.names())}"
+        )
     return names
 
 
@@ -220,7 +222,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tiercache.engine import EngineConfig, LLM, SamplingParams
+    from tiercache.engine import LLM, EngineConfig, SamplingParams
 
     offload = _offload_config(args)
     engine_cfg = EngineConfig(block_size=args.block_size)
@@ -332,9 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workload", choices=["docs", "shared-prefix", "multi-turn", "long-doc", "no-reuse"],
                    default="docs", help="docs (default): several documents, some asked about again soon, some long "
                                         "after; shared-prefix: one system prompt; ...")
-    d.add_argument("--tiers", type=_tier_list, default=["cpu", "disk"],
-                   help="tiers below L0 (default cpu,disk): cpu, cpu,disk, cpu,redis, cpu,grpc, cpu,disk,grpc ... or none")
-    d.add_argument("--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2, kept across runs)")
+    d.add_argument(
+        "--tiers",
+        type=_tier_list,
+        default=["cpu", "disk"],
+        help="tiers below L0 (default cpu,disk): cpu, cpu,disk, cpu,redis, cpu,grpc, cpu,disk,grpc ... or none",
+    )
+    d.add_argument(
+        "--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2, kept across runs)"
+    )
     d.add_argument("--redis-url", help="L3 Redis server for --tiers cpu,redis (default: redis.url)")
     d.add_argument("--grpc-address", help="L3 `tiercache serve` host:port for --tiers cpu,grpc (default: grpc.address)")
     d.add_argument("--requests", type=_positive, default=16)
@@ -359,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_finite, default=0.0, help="0: greedy")
     g.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
     g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
-    g.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu, cpu,disk, cpu,grpc ... (default none)")
+    g.add_argument(
+        "--tiers", type=_tier_list, default=[], help="tiers below L0: cpu, cpu,disk, cpu,grpc ... (default none)"
+    )
     g.add_argument("--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2)")
     g.add_argument("--redis-url", help="L3 Redis server (default: redis.url)")
     g.add_argument("--grpc-address", help="L3 `tiercache serve` host:port (default: grpc.address)")
@@ -378,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--shm-dir", metavar="DIR", default="",
                    help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
                         "which clients on this host read and write directly")
-    v.add_argument("--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)")
+    v.add_argument(
+        "--disk", metavar="DIR", default="", help="spill evicted chunks to files here (kept across restarts)"
+    )
     v.add_argument("--disk-capacity", type=_size, default=None, help="bytes of chunk files, e.g. 100GiB (default "
                                                                      "100GiB; with --disk only)")
     v.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' on every call")

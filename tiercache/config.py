@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tiercache.errors import ConfigError
 from tiercache.policies.eviction import DEFAULT_EVICTION
 
-from tiercache.errors import ConfigError
-
 if TYPE_CHECKING:
-    from tiercache.transfer.links import LinkLimits
+    from tiercache.transfer.plan import LinkLimits
 
 ENV_PREFIX = "TIERCACHE_"
 _SIZE_UNITS = {
@@ -186,7 +185,9 @@ class GrpcTierConfig:
         _check(self.local in ("auto", "off"), "local", self.local, "expected auto or off")
         _check(self.bulk in ("auto", "off"), "bulk", self.bulk, "expected auto or off")
         _check(is_host_port(self.address), "address", self.address, "expected host:port")
-        _check(1 << 16 <= self.max_message <= 1 << 30, "max_message", self.max_message, "must be between 64 KiB and 1 GiB")
+        _check(
+            1 << 16 <= self.max_message <= 1 << 30, "max_message", self.max_message, "must be between 64 KiB and 1 GiB"
+        )
         _remote_checks(self)
 
 
@@ -207,7 +208,9 @@ class TransferConfig:
     codec_threads: int = _opt(2, "threads encoding and decoding chunks (format.codec) beside the transfers' I/O, "
                                  "each keeping to one core; 0: in line on the transfer threads")
     layerwise: bool = _opt(True, "loads land layer by layer, so layer l computes while l+1 copies")
-    inline_host_copies: str = _opt("auto", "L0<->L1 copies on the engine's thread: auto (when L0 is on the CPU) | on | off")
+    inline_host_copies: str = _opt(
+        "auto", "L0<->L1 copies on the engine's thread: auto (when L0 is on the CPU) | on | off"
+    )
     device_host_rate: int = _size(0, "device<->host (PCIe) bytes/s")
     device_host_burst: int = _size(0, "device<->host bucket size (0: 0.1 s at the rate)")
     device_host_max_in_flight: int = _size(0, "device<->host bytes running at once")
@@ -231,7 +234,7 @@ class TransferConfig:
                 _check(getattr(self, f.name) >= 0, f.name, getattr(self, f.name), "must be >= 0")
 
     def link_limits(self) -> dict[str, LinkLimits]:
-        from tiercache.transfer.links import LinkLimits
+        from tiercache.transfer.plan import LinkLimits
         return {
             link: LinkLimits(getattr(self, f"{link}_rate"), getattr(self, f"{link}_burst"),
                              getattr(self, f"{link}_max_in_flight"), getattr(self, f"{link}_max_queued_stores"))

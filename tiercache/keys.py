@@ -172,7 +172,9 @@ class BlockHasher:
         return out  # type: ignore[return-value]
 
 
-def chunk_keys(block_hashes: Sequence[BlockHash], blocks_per_chunk: int, include_partial: bool = False) -> list[BlockHash]:
+def chunk_keys(
+    block_hashes: Sequence[BlockHash], blocks_per_chunk: int, include_partial: bool = False
+) -> list[BlockHash]:
     """Key of each chunk: the hash of its last block."""
     n = len(block_hashes)
     keys = [block_hashes[i] for i in range(blocks_per_chunk - 1, n, blocks_per_chunk)]

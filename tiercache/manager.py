@@ -55,8 +55,16 @@ from tiercache.policies import AdmissionPolicy
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
-from tiercache.transfer.plan import (DEVICE, ChunkCopy, Failure, JobId, JobOutcome, Priority, TransferPlan,
-                                     WriteBackOrder)
+from tiercache.transfer.plan import (
+    DEVICE,
+    ChunkCopy,
+    Failure,
+    JobId,
+    JobOutcome,
+    Priority,
+    TransferPlan,
+    WriteBackOrder,
+)
 
 
 class JobKind(Enum):
@@ -210,7 +218,9 @@ class CacheManager:
         self._in_flight[plan.job_id] = _InFlight(plan, kind, lower, private)
         return plan
 
-    def plan_load(self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None) -> list[TransferPlan]:
+    def plan_load(
+        self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None
+    ) -> list[TransferPlan]:
         """Plans that load ``lookup``'s hit (all of it in L1: see `in_l1`) into the request's table ``block_ids``.
 
         Loads blocks ``lookup.num_computed_blocks .. upto_blocks`` (default:
@@ -240,7 +250,9 @@ class CacheManager:
             plans.append(self._plan(JobKind.LOAD, self.l1, None, Priority.LOAD, chunks))
         return plans
 
-    def plan_store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0) -> TransferPlan | None:
+    def plan_store(
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0
+    ) -> TransferPlan | None:
         """Plan storing a request's chunks (from ``first_chunk`` on) that L1 lacks.
 
         ``block_hashes`` are the hashes of the request's full blocks and

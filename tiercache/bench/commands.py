@@ -85,7 +85,9 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
     from tiercache.bench.tiers import SHAPES, CpuBenchSpec, bench_cpu
 
     codecs = args.codecs or [cfg.format.codec]
-    total = (len(layouts) if "cpu" in args.tiers else 0) + ((1 if "disk" in args.tiers else 0) + len(remotes)) * len(codecs)
+    total = (len(layouts) if "cpu" in args.tiers else 0) + ((1 if "disk" in args.tiers else 0) + len(remotes)) * len(
+        codecs
+    )
     report: dict = {"tiers": {}, "runs": []}
     with tqdm(total=total * args.reps, desc="bench tiers", file=sys.stderr, disable=args.quiet) as bar:
         if "cpu" in args.tiers:
@@ -96,7 +98,9 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
                 runs.append(bench_cpu(spec, progress=lambda: bar.update(1)))
             headline = dict(runs[0])
             if len(runs) > 1:
-                headline["scattered"] = {k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")}
+                headline["scattered"] = {
+                    k: runs[1][k] for k in ("put_gbps", "get_gbps", "raw_gbps", "put_ratio", "get_ratio")
+                }
             report["tiers"]["cpu"] = headline
             report["runs"] += runs
         transfer = dataclasses.asdict(cfg.transfer)    # the transfer threads and link limits as configured
@@ -121,13 +125,31 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
     if args.out:
         _tier_reports(Path(args.out), report)
     table = Table(title=f"tier throughput, {args.shape} ({SHAPES[args.shape].dtype}), medians of {args.reps}")
-    for col in ("tier", "variant", "chunk", "put GB/s", "get GB/s", "raw put GB/s", "raw get GB/s", "put/raw", "get/raw"):
+    for col in (
+        "tier",
+        "variant",
+        "chunk",
+        "put GB/s",
+        "get GB/s",
+        "raw put GB/s",
+        "raw get GB/s",
+        "put/raw",
+        "get/raw",
+    ):
         table.add_column(col, justify="right")
     if "cpu" in report["tiers"]:
         for r in report["runs"][:len(layouts)]:
-            table.add_row("cpu", f"{r['block_layout']} blocks", f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
-                          f"{r['get_gbps']:.2f}", f"{r['raw_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
-                          f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+            table.add_row(
+                "cpu",
+                f"{r['block_layout']} blocks",
+                f"{r['chunk_bytes'] / 2**20:.1f} MiB",
+                f"{r['put_gbps']:.2f}",
+                f"{r['get_gbps']:.2f}",
+                f"{r['raw_gbps']:.2f}",
+                f"{r['raw_gbps']:.2f}",
+                f"{r['put_ratio']:.2f}",
+                f"{r['get_ratio']:.2f}",
+            )
     for kind in remotes:
         r = report["tiers"][kind]
         table.add_row(kind, REMOTE_VARIANTS[kind], f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}",
@@ -137,8 +159,17 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
         r = report["tiers"]["disk"]
         variant = ("O_DIRECT" if r["o_direct"] else "fsync" if r["fsync"] else "buffered") \
             + (", cold reads" if r["reads"].startswith("cold") else ", cached reads")
-        table.add_row("disk", variant, f"{r['chunk_bytes'] / 2**20:.1f} MiB", f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
-                      f"{r['raw_write_gbps']:.2f}", f"{r['raw_read_gbps']:.2f}", f"{r['put_ratio']:.2f}", f"{r['get_ratio']:.2f}")
+        table.add_row(
+            "disk",
+            variant,
+            f"{r['chunk_bytes'] / 2**20:.1f} MiB",
+            f"{r['put_gbps']:.2f}",
+            f"{r['get_gbps']:.2f}",
+            f"{r['raw_write_gbps']:.2f}",
+            f"{r['raw_read_gbps']:.2f}",
+            f"{r['put_ratio']:.2f}",
+            f"{r['get_ratio']:.2f}",
+        )
     console = Console(width=max(110, Console().width))
     console.print(table)
     if len(codecs) > 1:
@@ -192,8 +223,16 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
               "command": "tiercache " + " ".join(sys.argv[1:])}
     by_bytes = args.capacity_bytes is not None
     lead = ("codec", "capacity (bytes)") if by_bytes else ()
-    rows = [(*((r["codec"], f"{r['capacity_bytes'] / 2**30:g} GiB") if by_bytes else ()), r["policy"], r["capacity_tokens"],
-             r["token_hit_ratio"], r["request_hit_ratio"]) for r in results]
+    rows = [
+        (
+            *((r["codec"], f"{r['capacity_bytes'] / 2**30:g} GiB") if by_bytes else ()),
+            r["policy"],
+            r["capacity_tokens"],
+            r["token_hit_ratio"],
+            r["request_hit_ratio"],
+        )
+        for r in results
+    ]
     headers = (*lead, "policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
     if args.out:
         out = Path(args.out)

@@ -77,12 +77,23 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
                transfer_cfg: dict | None = None) -> dict[str, object]:
     root = Path(tempfile.mkdtemp(prefix="tiercache-bench-", dir=directory))
     try:
-        filled = filled_stack(shape, chunk_tokens, total_bytes, "bench-disk", {
-            "format": {"codec": codec},
-            "transfer": transfer_cfg or {},      # threads and link limits as the run is configured
-            "disk": {"enabled": True, "path": str(root / "l2"), "capacity": 1 << 40,   # the disk, not the tier, is the bound
-                     "fsync": fsync, "o_direct": o_direct},
-        })
+        filled = filled_stack(
+            shape,
+            chunk_tokens,
+            total_bytes,
+            "bench-disk",
+            {
+                "format": {"codec": codec},
+                "transfer": transfer_cfg or {},  # threads and link limits as the run is configured
+                "disk": {
+                    "enabled": True,
+                    "path": str(root / "l2"),
+                    "capacity": 1 << 40,  # the disk, not the tier, is the bound
+                    "fsync": fsync,
+                    "o_direct": o_direct,
+                },
+            },
+        )
         stack, keys = filled.stack, filled.keys
         chunk_bytes, nbytes, num_chunks = filled.chunk_bytes, filled.nbytes, len(filled.keys)
         manager = stack.scheduler.manager

@@ -5,7 +5,8 @@ setup (``none`` = L0 prefix caching only, ``cpu``, ``cpu+disk``, and with a
 remote tier: ``cpu+redis`` / ``cpu+disk+redis`` against ``redis.url``,
 ``cpu+grpc`` / ``cpu+disk+grpc`` against a `tiercache serve` the benchmark
 starts), requests sent one after another. Every run starts empty: its own L2
-directory, and its own namespace (a fresh tenant salt) on the shared servers. Reported per run: TTFT p50/p99, throughput (prompt +
+directory, and its own namespace (a fresh tenant salt) on the shared servers.
+Reported per run: TTFT p50/p99, throughput (prompt +
 output tokens per second of wall time), request and token hit ratios, prefill
 tokens saved, hits split by where they came from, and whether every request's
 greedy tokens matched the baseline. The ``no-reuse`` workload measures what

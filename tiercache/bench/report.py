@@ -18,8 +18,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines) + "\n"
 
 
-def plot_lines(path: str | Path, title: str, xlabel: str, ylabel: str,
-               series: dict[str, tuple[Sequence[float], Sequence[float]]], hline: tuple[str, float] | None = None) -> bool:
+def plot_lines(
+    path: str | Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    hline: tuple[str, float] | None = None,
+) -> bool:
     """One line per series; False when matplotlib is missing (the JSON and Markdown still tell everything)."""
     try:
         import matplotlib

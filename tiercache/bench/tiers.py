@@ -118,7 +118,12 @@ def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
     get_gbps = _median_gbps(nbytes, times["get"])
     return {
         "shape": spec.shape,
-        "geometry": {"layers": geo.num_layers, "kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim, "dtype": geo.dtype},
+        "geometry": {
+            "layers": geo.num_layers,
+            "kv_heads": geo.num_kv_heads,
+            "head_dim": geo.head_dim,
+            "dtype": geo.dtype,
+        },
         "block_layout": "scattered" if spec.scattered else "allocated",
         "chunk_tokens": spec.chunk_tokens,
         "chunk_bytes": chunk_bytes,

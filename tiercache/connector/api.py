@@ -101,7 +101,9 @@ class SchedulerConnector(ABC):
         """Tokens after ``num_computed_tokens`` that the tiers can load; None means "ask again later"."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         """Blocks are allocated: plan loading ``num_external_tokens`` tokens into them."""
 
     @abstractmethod

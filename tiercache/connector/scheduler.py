@@ -139,7 +139,9 @@ class OffloadScheduler(SchedulerConnector):
             self._lookups.pop(rid, None)
         return num_new
 
-    def update_state_after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
         manager = self.manager
         if manager is None:
             return

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from tiercache.machine import physical_memory
 from tiercache.config import TierCacheConfig
 from tiercache.engine.config import EngineConfig, ModelConfig
 from tiercache.engine.runner import ModelRunner
@@ -24,8 +23,8 @@ from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tiercache.engine.weights import config_from_hf, load_hf_model, seeded_model
 from tiercache.errors import ConfigError
 from tiercache.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.machine import physical_memory
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +72,9 @@ class LLMEngine:
             model_cfg = model_cfg or ModelConfig()
             self.model = seeded_model(model_cfg, engine_cfg.seed)
         self.model_cfg = model_cfg
-        self.tokenizer: Tokenizer = HFTokenizer(tokenizer) if isinstance(tokenizer, str) else (tokenizer or ByteTokenizer())
+        self.tokenizer: Tokenizer = (
+            HFTokenizer(tokenizer) if isinstance(tokenizer, str) else (tokenizer or ByteTokenizer())
+        )
         if offload is not None and offload.keys.block_size != engine_cfg.block_size:
             raise ConfigError("keys.block_size", offload.keys.block_size,
                               f"must equal the engine's block size ({engine_cfg.block_size})")
@@ -108,7 +109,9 @@ class LLMEngine:
                 self._metrics = serve_metrics(self.stats, metrics_port)
             except (OSError, OverflowError) as err:
                 self.close()
-                raise ConfigError("metrics_port", metrics_port, f"cannot listen: {getattr(err, 'strerror', err)}") from None
+                raise ConfigError(
+                    "metrics_port", metrics_port, f"cannot listen: {getattr(err, 'strerror', err)}"
+                ) from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:

@@ -19,7 +19,6 @@ from torch import nn
 from tiercache.engine.config import ModelConfig
 from tiercache.pool.kv_cache import PagedKVCache
 
-
 ATTN_TILE_BYTES = 8 << 20
 
 
@@ -170,8 +169,15 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: PagedKVCache, hooks: LayerHooks | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv: PagedKVCache,
+        hooks: LayerHooks | None = None,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for ``logits_rows`` of the batch (default: every row)."""
         x = self.embed_tokens(input_ids)
         for layer in self.layers:

@@ -7,9 +7,9 @@ step's stores over, and samples.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Protocol
+
+import torch
 
 from tiercache.connector.api import ConnectorMetadata
 from tiercache.engine.model import AttentionBatch, LlamaModel, SeqSlice

@@ -28,7 +28,9 @@ class LayerTensorsKV:
         self.layers: list[torch.Tensor] = []
         for i, t in enumerate(tensors):
             if t.shape[block_dim] != num_blocks:
-                raise ValueError(f"KV tensor {i} has shape {tuple(t.shape)}: dim {block_dim} is not {num_blocks} blocks")
+                raise ValueError(
+                    f"KV tensor {i} has shape {tuple(t.shape)}: dim {block_dim} is not {num_blocks} blocks"
+                )
             if not t.is_contiguous():
                 raise ValueError(f"KV tensor {i} is not contiguous; its blocks cannot be copied as rows")
             planes = 1

@@ -23,17 +23,22 @@ from pathlib import Path
 import grpc
 
 from tiercache.errors import ConfigError, RegistryError
+from tiercache.machine import physical_memory
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
 from tiercache.server.collector import Collector
 from tiercache.server.data_server import DataServer
-from tiercache.server.service import CacheService
-from tiercache.server.store import StoreConfig, StoreDirectoryError
-from tiercache.machine import physical_memory
-from tiercache.server.tenants import Tenancy, load_tenants
 from tiercache.server.fair import InflightBytes
 from tiercache.server.limits import (
-    IDLE_TIMEOUT_S, MAX_CALLS, MAX_CALLS_PER_CONNECTION, READ_TIMEOUT_S, ServerLimits, memory_bound,
+    IDLE_TIMEOUT_S,
+    MAX_CALLS,
+    MAX_CALLS_PER_CONNECTION,
+    READ_TIMEOUT_S,
+    ServerLimits,
+    memory_bound,
 )
+from tiercache.server.service import CacheService
+from tiercache.server.store import StoreConfig, StoreDirectoryError
+from tiercache.server.tenants import Tenancy, load_tenants
 
 log = logging.getLogger("tiercache.server")
 
@@ -118,7 +123,9 @@ class JsonLogFormatter(logging.Formatter):
 
 def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonLogFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonLogFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -202,7 +209,9 @@ class CacheServer:
             try:
                 self._metrics = serve_metrics(self.service.stats_dict, self.config.metrics_port, self.config.host)
             except OSError as err:
-                raise ConfigError("--metrics-port", self.config.metrics_port, f"cannot listen: {err.strerror}") from None
+                raise ConfigError(
+                    "--metrics-port", self.config.metrics_port, f"cannot listen: {err.strerror}"
+                ) from None
         self._on_loop(self._server.start())
         if self.data is not None:
             self.data.start()

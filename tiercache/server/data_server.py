@@ -38,15 +38,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
-from tiercache.wire import data_frames as dw
 from tiercache.log_limits import ThrottledLog
 from tiercache.server.fair import InflightBytes
 from tiercache.server.limits import ServerLimits
 from tiercache.server.store import PutOutcome
 from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
+from tiercache.wire import data_frames as dw
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.wire.grpc_messages import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
 from tiercache.wire.streams import ProtocolError, StreamReader
 

@@ -45,17 +45,24 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
-from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
-from tiercache.wire import tiercache_pb2 as pb
 from tiercache.server.fair import Hold, InflightBytes
 from tiercache.server.limits import ServerLimits, StreamWatch, end_call
 from tiercache.server.store import PutOutcome
 from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
+from tiercache.wire import tiercache_pb2 as pb
+from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.wire.grpc_messages import (
-    AUTH_HEADER, MAX_KEY_BYTES, MAX_KEYS_PER_CALL, SERVICE, ChunkView, WireError, encode_chunk, read_chunk,
+    AUTH_HEADER,
+    MAX_KEY_BYTES,
+    MAX_KEYS_PER_CALL,
+    SERVICE,
+    ChunkView,
+    WireError,
+    encode_chunk,
+    read_chunk,
 )
 
 log = logging.getLogger("tiercache.server")
@@ -333,7 +340,9 @@ class CacheService:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
                             f"namespace must be {NAMESPACE_DIGEST_BYTES} bytes, got {len(namespace)}")
         if len(keys) > MAX_KEYS_PER_CALL:
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call, limit {MAX_KEYS_PER_CALL}")
+            raise _Rejected(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{len(keys)} keys in one call, limit {MAX_KEYS_PER_CALL}"
+            )
         for key in keys:
             if not 0 < len(key) <= MAX_KEY_BYTES:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"key of {len(key)} bytes (1..{MAX_KEY_BYTES})")

@@ -38,19 +38,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from tiercache.wire.chunk_format import HEADER_BYTES, SIGNED, check_payload
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
 from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.tiers import DiskChunks, MemoryChunks, ShmChunks
 from tiercache.server.values import (
-    BufferPool, Messages, Spill, Stored, StoreKey, as_messages, check_value, store_key, value_parts, value_pieces,
+    BufferPool,
+    Messages,
+    Spill,
+    Stored,
+    StoreKey,
+    as_messages,
+    check_value,
+    store_key,
+    value_parts,
+    value_pieces,
     value_size,
 )
-from tiercache.wire.chunk_files import write_chunk_file
 from tiercache.tiers.index import IndexedTier
-from tiercache.log_limits import ThrottledLog
+from tiercache.wire.chunk_files import write_chunk_file
+from tiercache.wire.chunk_format import HEADER_BYTES, SIGNED, check_payload
 
 log = logging.getLogger(__name__)
 

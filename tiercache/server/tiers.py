@@ -27,8 +27,8 @@ from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.values import BufferPool, Spill, Stored, StoreKey, store_key, value_size
 from tiercache.tiers.base import Medium
-from tiercache.wire.chunk_files import chunk_path, scan_chunk_files
 from tiercache.tiers.index import Entry, IndexedTier
+from tiercache.wire.chunk_files import chunk_path, scan_chunk_files
 
 INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients
 INSTANCE_FILE = ".instance"
@@ -106,7 +106,9 @@ class DiskChunks(IndexedTier):
     """The server's disk tier: one chunk file per key, the index rebuilt from the files at start."""
     medium = Medium.DISK
 
-    def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk") -> None:
+    def __init__(
+        self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk"
+    ) -> None:
         super().__init__(eviction)
         self.name = name
         self.root = Path(root)

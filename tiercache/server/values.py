@@ -14,9 +14,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.wire.chunk_format import HEADER_BYTES, ParsedHeader, check_header
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
+from tiercache.wire.chunk_format import HEADER_BYTES, ParsedHeader, check_header
 from tiercache.wire.grpc_messages import parse_chunk, split_chunk
 
 StoreKey = bytes          # namespace digest + chunk key

@@ -61,7 +61,9 @@ class CpuIndex(IndexedTier):
         return self.slots.num_slots * self.slot_bytes
 
     # -- stores --------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False) -> list[int | None]:
+    def prepare_store(
+        self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False
+    ) -> list[int | None]:
         """Reserve a slot per key; ``None`` where the key is present already or no room can be made."""
         out: list[int | None] = []
         for key, size in zip(keys, nbytes, strict=True):
@@ -87,7 +89,9 @@ class CpuIndex(IndexedTier):
             out.append(slot)
         return out
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] | Sequence[BlockHash] = ()) -> None:
+    def complete_store(
+        self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] | Sequence[BlockHash] = ()
+    ) -> None:
         self.publish(keys, failed)
 
     def complete_promotion(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None:

@@ -36,17 +36,24 @@ from pathlib import Path
 from tiercache.codecs import Buffer, ChunkLayout
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
+from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.transfer.plan import Failure, KeyFailures
-from tiercache.wire.chunk_files import (ALIGN, WRITE_PIECE, ChunkFileBatch, ScanResult, chunk_path, scan_chunk_files,
-                                        write_chunk_file)
+from tiercache.wire.chunk_files import (
+    ALIGN,
+    WRITE_PIECE,
+    ChunkFileBatch,
+    ScanResult,
+    chunk_path,
+    scan_chunk_files,
+    write_chunk_file,
+)
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
-from tiercache.wire.grpc_messages import ChunkPieces
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, Encoded, ReadBatch
+from tiercache.wire.grpc_messages import ChunkPieces
 from tiercache.wire.values import FileSource, receive_value
-from tiercache.log_limits import ThrottledLog
 
 log = logging.getLogger(__name__)
 

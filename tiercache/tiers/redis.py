@@ -33,8 +33,16 @@ from collections.abc import Callable, Sequence
 from tiercache.codecs import Buffer, copy_into
 from tiercache.keys import BlockHash
 from tiercache.tiers.remote import RemoteIndex, RemoteTransport
-from tiercache.tiers.resp import (ProtocolError, RangedReads, RangedValue, ReplyError, ReplyReader, ValueChanged,
-                                  command, set_command)
+from tiercache.tiers.resp import (
+    ProtocolError,
+    RangedReads,
+    RangedValue,
+    ReplyError,
+    ReplyReader,
+    ValueChanged,
+    command,
+    set_command,
+)
 from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecThreads, ReadBatch

@@ -22,6 +22,20 @@ JobId = NewType("JobId", int)
 DEVICE = "device"   # the engine's L0 pool, as a plan's source or destination
 
 
+@dataclass(frozen=True, slots=True)
+class LinkLimits:
+    """One physical link's limits, set in the config and enforced by every rank's transfer engine."""
+    rate: float = 0.0            # bytes per second; 0 = unlimited
+    burst: int = 0               # bucket size in bytes; 0 = a tenth of a second at ``rate``
+    max_in_flight: int = 0       # bytes running at once; 0 = unlimited
+    max_queued_stores: int = 0   # store bytes waiting before new stores are dropped; 0 = never drop
+
+    def __post_init__(self) -> None:
+        for name in ("rate", "burst", "max_in_flight", "max_queued_stores"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LinkLimits.{name} must be >= 0, got {getattr(self, name)}")
+
+
 class Priority(IntEnum):
     """Lower runs first: loads are on the critical path, stores are best effort."""
     LOAD = 0

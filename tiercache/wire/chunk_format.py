@@ -19,10 +19,22 @@ import zlib
 from dataclasses import dataclass
 
 from tiercache.codecs import (
-    Buffer, ChunkLayout, Codec, EncodeJob, checksum_by_code, checksums, codecs, decoder, encode_job,
+    Buffer,
+    ChunkLayout,
+    Codec,
+    EncodeJob,
+    checksum_by_code,
+    checksums,
+    codecs,
+    decoder,
+    encode_job,
 )
 from tiercache.errors import (
-    ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, NamespaceMismatchError, SignatureError,
+    ChecksumMismatchError,
+    CorruptHeaderError,
+    KeyMismatchError,
+    NamespaceMismatchError,
+    SignatureError,
     TruncatedChunkError,
 )
 from tiercache.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
@@ -151,7 +163,9 @@ class ChunkFormat:
         `header` seals the payload the job finishes with."""
         raw_view = memoryview(raw).cast("B")
         if len(raw_view) != meta.raw_len:
-            raise ValueError(f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}")
+            raise ValueError(
+                f"chunk data is {len(raw_view)} bytes, meta {meta.shape} {meta.dtype} needs {meta.raw_len}"
+            )
         codec = self.codec_for(meta.layout)
         return codec, encode_job(codec, raw_view, meta.layout, parts)
 

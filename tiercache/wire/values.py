@@ -20,7 +20,11 @@ from typing import Protocol
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureError, TruncatedChunkError
 from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import (
-    HEADER_BYTES, SIGNED, ChunkSigner, check_header, payload_sum,
+    HEADER_BYTES,
+    SIGNED,
+    ChunkSigner,
+    check_header,
+    payload_sum,
 )
 from tiercache.wire.codec_pipeline import ReadBatch
 

@@ -1,0 +1,105 @@
+"""The import graph: every module lives on a floor and imports only from its own room or from floors below.
+
+Floors, bottom to top (a module belongs to the longest prefix listed; the rooms of one floor do not import
+each other). `KNOWN_UPWARD` lists the imports that still break the rule, each one the next thing to move;
+the test fails on any other, and on a listed one that is gone (so the list stays true).
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FLOORS: list[dict[str, list[str]]] = [
+    {"foundation": ["tiercache", "tiercache.errors", "tiercache.registry", "tiercache.log_limits",
+                    "tiercache.machine", "tiercache.metrics"]},
+    # the plain data both sides share: keys and layouts of the KV, plans, jobs, reports, failures, link limits
+    {"contracts": ["tiercache.keys", "tiercache.transfer.plan"]},
+    {"codecs": ["tiercache.codecs", "tiercache.kv_quant"], "policies": ["tiercache.policies"],
+     "pool": ["tiercache.pool"], "kernels": ["tiercache.kernels"], "hot_chunks": ["tiercache.hot_chunks"]},
+    # formats on disk and on the network, and the channels that speak them
+    {"wire": ["tiercache.wire", "tiercache.cache_dir"]},
+    {"config": ["tiercache.config"]},
+    # what crosses the connector's two sides (requests, metadata, handshakes, reports) and its interfaces
+    {"connector_api": ["tiercache.connector.api"]},
+    # the index base the client tiers and the server's stores share
+    {"index": ["tiercache.tiers.base", "tiercache.tiers.index"]},
+    {"client_tiers": ["tiercache.tiers"], "server": ["tiercache.server"]},
+    {"transfer": ["tiercache.transfer"], "scheduler": ["tiercache.manager", "tiercache.lookup",
+                                                       "tiercache.tier_events"]},
+    {"build": ["tiercache.build"]},
+    {"connector": ["tiercache.connector"]},
+    {"connectors": ["tiercache.connectors"]},
+    {"engine": ["tiercache.engine"]},
+    {"bench": ["tiercache.bench"]},
+    {"cli": ["tiercache.cli"]},
+]
+
+# (importer's room, imported room): upward or sideways imports still to remove (none left).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+SOURCES = {"tiercache": ROOT / "tiercache", "tiercache.connectors": ROOT / "connectors",
+           "tiercache.kernels": ROOT / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, directory in SOURCES.items():
+        for path in directory.rglob("*.py"):
+            parts = path.relative_to(directory).with_suffix("").parts
+            name = ".".join((package, *parts[:-1]) if parts[-1] == "__init__" else (package, *parts))
+            out[name] = path
+    return out
+
+
+def _place(module: str) -> tuple[int, str] | None:
+    """(floor, room) of the longest prefix that names ``module``."""
+    best = None
+    for level, rooms in enumerate(FLOORS):
+        for room, prefixes in rooms.items():
+            for prefix in prefixes:
+                if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
+                    best = (len(prefix), level, room)
+    return None if best is None else best[1:]
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)
+    return {name for name in out if name.startswith("tiercache")}
+
+
+def _breaches() -> dict[tuple[str, str], list[str]]:
+    modules = _modules()
+    found: dict[tuple[str, str], list[str]] = {}
+    for module, path in modules.items():
+        here = _place(module)
+        assert here is not None, f"{module} is on no floor: add it to FLOORS"
+        for target in _imports(module, path):
+            if target not in modules:      # `from package import name` also yields package.name
+                continue
+            there = _place(target)
+            if there[0] > here[0] or (there[0] == here[0] and there[1] != here[1]):
+                found.setdefault((here[1], there[1]), []).append(f"{module} -> {target}")
+    return found
+
+
+def test_every_module_imports_only_its_own_room_and_the_floors_below():
+    found = _breaches()
+    new = {pair: found[pair] for pair in found.keys() - KNOWN_UPWARD}
+    assert not new, f"imports above their floor (move the shared part down): {new}"
+    gone = KNOWN_UPWARD - found.keys()
+    assert not gone, f"these upward imports are gone: take them off KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_the_floors_see_a_module_by_its_longest_prefix():
+    assert _place("tiercache.tiers.index") == (6, "index")
+    assert _place("tiercache.tiers.redis") == (7, "client_tiers")
+    assert _place("tiercache.transfer.plan") == (1, "contracts")
+    assert _place("tiercache.transfer.links") == (8, "transfer")
