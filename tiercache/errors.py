@@ -1,7 +1,7 @@
 """Exceptions raised at tiercache's API edges.
 
 Inside the transfer path these are caught and turned into failed results or
-misses (see DESIGN §1); callers outside it see a specific type that names the
+misses (docs/architecture.md); callers outside it see a specific type that names the
 offending value.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Namespaces, chained block hashes and chunk keys (DESIGN §2).
+"""Namespaces, chained block hashes and chunk keys.
 
 Runs anywhere (scheduler or worker side): pure functions over token ids.
 

@@ -38,7 +38,7 @@ the engine delays freeing a finished request whose store is in flight — so
 the manager needs no per-block pins on the hot path.
 
 Chunks: chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and
-is keyed by the hash of its last block (DESIGN §2).
+is keyed by the hash of its last block (`tiercache.keys`).
 """
 from __future__ import annotations
 

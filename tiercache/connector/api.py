@@ -1,4 +1,4 @@
-"""The engine-agnostic KV connector API, split like vLLM's KVConnectorBase_V1 (DESIGN §1, §6).
+"""The engine-agnostic KV connector API, split like vLLM's KVConnectorBase_V1 (docs/architecture.md).
 
 The **scheduler side** (one per engine) decides: how many tokens beyond the
 engine's own L0 hits a request can load (`get_num_new_matched_tokens`), what

@@ -1,4 +1,4 @@
-"""A tier is two objects: an index on the scheduler side and a transport on each worker (DESIGN §3).
+"""A tier is two objects: an index on the scheduler side and a transport on each worker (docs/architecture.md).
 
 `TierIndex` (scheduler side, one thread, plain data): which chunks the tier
 holds — a leading-run `contains`, capacity and usage, the two-phase

@@ -67,8 +67,8 @@ def fast_client(url: str, cluster: bool = False, **kwargs):
     """A redis-py client (a cluster client with ``cluster``) packing commands with redis-py's Python serializer.
 
     With hiredis installed redis-py packs commands through hiredis, which
-    copies every value: a 2 MiB SET ran at 0.69 GB/s that way and 2.74 GB/s
-    with the Python packer on these machines (MACHINE_NOTES). Replies are
+    copies every value: several times slower for large values than the Python
+    packer (benchmarks/RESULTS.md, the Redis rows). Replies are
     still parsed by hiredis.
     """
     import redis

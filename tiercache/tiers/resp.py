@@ -2,7 +2,7 @@
 
 redis-py (with hiredis) turns every bulk reply into a fresh ``bytes``: for a
 32 MiB chunk that is a 32 MiB allocation whose pages fault in on first touch
-(1.5–5 GB/s here, MACHINE_NOTES), then the tier's copy into the L1 slot.
+(a first touch runs at a fraction of a warm copy's rate), then the tier's copy into the L1 slot.
 `ReplyReader` parses RESP itself on a `StreamReader`: reply lines go through
 a small buffer, and a bulk string's bytes are received with ``recv_into``
 wherever the caller says — the L1 slot itself for a raw chunk — so they are

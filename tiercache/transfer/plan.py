@@ -1,4 +1,4 @@
-"""The plain data that crosses between the two sides: plans down, per-rank job reports up (DESIGN §1).
+"""The plain data that crosses between the two sides: plans down, per-rank job reports up (docs/architecture.md).
 
 A `TransferPlan` is made by the scheduler side (`tiercache.manager`) and run
 by every rank's worker side (`tiercache.transfer.engine`). Plans name tiers,

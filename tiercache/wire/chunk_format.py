@@ -1,4 +1,4 @@
-"""The self-describing stored chunk: header + payload (DESIGN §4).
+"""The self-describing stored chunk: header + payload (docs/architecture.md, wire formats).
 
 Worker side. Every read from L2/L3 goes through `ChunkFormat.decode`, which
 verifies the header's own CRC, magic, version, namespace, key, lengths and the

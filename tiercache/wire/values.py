@@ -1,4 +1,4 @@
-"""Taking one stored chunk in: the one verification path of every L2 and L3 read (DESIGN §4).
+"""Taking one stored chunk in: the one verification path of every L2 and L3 read.
 
 Worker side. A value — a chunk file, a Redis reply, a data-channel value,
 gRPC message pieces, a file in a co-located server's directory — is read
