@@ -1,5 +1,5 @@
-"""The gRPC client tier's shared state under several transfer threads: one data channel at a time, none leaked,
-no count lost — while the server restarts under them (connect, fail, reconnect)."""
+"""The gRPC client tier's shared state under several transfer threads: one data channel at a time and none
+leaked, while the server restarts under them (connect, fail, reconnect)."""
 import threading
 
 import pytest
@@ -70,4 +70,3 @@ def test_transfer_threads_share_one_data_channel_and_leak_none_across_a_server_r
         tier.close()
         server.stop()
     assert _open_channels() == []
-

@@ -73,12 +73,11 @@ def raw_call(server, name: str, request: bytes | list[bytes], metadata=()):
     """One call with raw bytes, as a foreign or broken client would make it."""
     channel = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 << 20)])
     try:
-        ident = _ident
         if name == "Put":
-            return channel.stream_unary(method(name), ident, ident)(iter(request), timeout=5, metadata=metadata)
+            return channel.stream_unary(method(name), _ident, _ident)(iter(request), timeout=5, metadata=metadata)
         if name == "Get":
-            return list(channel.unary_stream(method(name), ident, ident)(request, timeout=5, metadata=metadata))
-        return channel.unary_unary(method(name), ident, ident)(request, timeout=5, metadata=metadata)
+            return list(channel.unary_stream(method(name), _ident, _ident)(request, timeout=5, metadata=metadata))
+        return channel.unary_unary(method(name), _ident, _ident)(request, timeout=5, metadata=metadata)
     finally:
         channel.close()
 
