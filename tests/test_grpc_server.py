@@ -607,7 +607,7 @@ def test_a_lookup_refused_by_a_busy_server_is_a_miss_and_the_tier_stays_up(cache
 def test_a_slow_lookup_is_a_miss_and_only_lookups_that_keep_timing_out_take_the_tier_down(cache_server):
     """A loaded server may answer one lookup past ``lookup_timeout`` and the next in time: that lookup is a
     miss (``lookups_slow``), the tier stays up. `SLOW_LOOKUPS_DOWN` in a row are a hung server: an outage."""
-    from tiercache.tiers.remote import SLOW_LOOKUPS_DOWN
+    from tiercache.tiers.remote_index import SLOW_LOOKUPS_DOWN
 
     client, keys, real = _stored_one(cache_server, seed=9)
     try:

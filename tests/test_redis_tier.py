@@ -329,7 +329,8 @@ def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_st
         assert tier.write_chunks(chunks) == ()
         rkeys = [tier._rkey(m.key) for m, _ in chunks]
         lengths_read = []
-        strlen = tier._strlen
+        channel = tier._channels()[0]          # the raw-socket channel of a standalone server
+        strlen = channel._strlen
 
         def strlen_then_meddle(reader, key):
             n = strlen(reader, key)
@@ -344,7 +345,7 @@ def test_a_value_changed_between_its_ranges_is_a_miss_and_the_stream_stays_in_st
                 client.set(rkeys[3], bytes(value))                                   # same length, other bytes
             return n
 
-        monkeypatch.setattr(tier, "_strlen", strlen_then_meddle)
+        monkeypatch.setattr(channel, "_strlen", strlen_then_meddle)
         bufs = [memoryview(bytearray(1 << 20)) for _ in chunks]
         keys = [m.key for m, _ in chunks]
 

@@ -1,267 +1,50 @@
-"""What the remote tiers (Redis, `tiercache serve`) share, on both sides.
+"""What the remote tiers (Redis, `tiercache serve`) share on the worker side: `RemoteTransport`.
 
-The server owns the data, so a remote tier keeps no index and cannot pin: a
-chunk evicted between lookup and read is a failed read, hence a miss.
+One rank's connections to a remote store. Its bytes move through the
+store's value channels (`tiercache.tiers.channels`), tried in the order the
+subclass gives (`_channels`): a channel that is busy hands the batch to the
+next, and a chunk a channel cannot see is asked of the next. This class is
+the one error path of every channel: a call that raises one of the
+transport's ``transport_errors`` marks the tier down on this rank (`Outage`), and from
+then on every call answers `Failure.UNAVAILABLE` at once, without touching
+the network, while a background thread probes the server every
+``retry_interval`` and brings it back on the first answer. The scheduler's
+half (`tiercache.tiers.remote_index.RemoteIndex`) probes on its own.
 
-`RemoteIndex` (scheduler side) answers lookups from a thread of its own:
-`contains` hands a query to that thread and answers None ("ask again") until
-the reply is in, so the scheduler's thread never waits on the network; a
-query that takes longer than ``lookup_timeout`` is a miss, and
-``SLOW_LOOKUPS_DOWN`` of them in a row (a hung server, not a loaded one) mark
-the tier down, as any other failure of a query does at once. A reply
-serves the same lookup for ``ANSWER_TTL_S``; a chunk that went meanwhile is a
-failed promotion, hence a miss — and then *absent*: a chunk whose load failed
-on any rank (corrupt, gone, unreachable), or that was deleted, is a negative
-entry for ``ABSENT_TTL_S`` or until it is stored again, and every answer is
-cut at the first such key, cached replies included. So one bad value costs
-one failed load, not a promotion re-planned every step while a cached
-"present" lasts (a retry storm any writer to the store could set off). A chunk
-is present only when every writing rank's value is (each rank stores its own
-share of the KV under its own storage digest). Deletes of values found
-corrupt are background work: `take_deletes` hands them to the workers.
-
-`RemoteTransport` (worker side) is one rank's connections. A failed call
-marks its tier down (`Outage`) on that rank: from then on it answers
-`Failure.UNAVAILABLE` at once, without touching the network, while a
-background thread probes the server every ``retry_interval`` and brings it
-back on the first answer. Both sides probe on their own. Its chunks are
-encoded and decoded on the worker's codec threads beside the socket I/O
-(`tiercache.wire.codec_pipeline`).
+Its chunks are encoded and decoded on the worker's codec threads beside the
+socket I/O (`tiercache.wire.codec_pipeline`), and every value read is
+verified by the one path (`tiercache.wire.values.receive_value`) before a
+byte of it is served.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-import time
 from abc import abstractmethod
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 
-from tiercache.codecs import ChunkLayout
+from tiercache.codecs import Buffer
 from tiercache.errors import ChunkFormatError
 from tiercache.keys import BlockHash
 from tiercache.log_limits import ThrottledLog
-from tiercache.tiers.base import LowerIndex, Medium, Transport
+from tiercache.tiers.base import Medium, Transport
+from tiercache.tiers.channels import ELSEWHERE, ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
 from tiercache.tiers.outage import Outage
-from tiercache.transfer.plan import Failure
-from tiercache.wire.chunk_format import ChunkFormat
+from tiercache.transfer.plan import Failure, KeyFailures
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, ReadBatch
 from tiercache.wire.values import ValueSource, receive_value
 
 log = logging.getLogger(__name__)
 
-MAX_ANSWERS = 1024        # lookups answered or in flight (oldest dropped first)
-ANSWER_TTL_S = 1.0        # an answer serves the same lookup for this long, then it is asked again
-ABSENT_TTL_S = 10.0       # a chunk that failed to load, or was deleted, is absent this long (or until stored)
-SLOW_LOOKUPS_DOWN = 3     # lookups in a row past the lookup timeout before the tier counts as down
-MAX_ABSENT = 65536        # negative entries kept (oldest dropped first): a few MiB
-
-
-class RemoteIndex(LowerIndex):
-    medium = Medium.REMOTE
-    indexed = False
-
-    def __init__(self, name: str, fmt: ChunkFormat | None, retry_interval_s: float, where: str = "") -> None:
-        super().__init__()
-        self.name = name
-        self.fmt = fmt or ChunkFormat()
-        # one outage line per tier and server between this and the transports' guards of the same process
-        self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
-        self._storage: tuple[bytes, ...] = ()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
-        self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
-        self._absent: OrderedDict[BlockHash, float] = OrderedDict()   # negative entries: key → until (monotonic)
-        self._deletes: list[BlockHash] = []
-        self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
-        self.lookups_busy = 0       # lookups a busy server refused: misses, not errors
-        self.lookups_slow = 0       # lookups past the lookup timeout: misses; `SLOW_LOOKUPS_DOWN` in a row, down
-        self._slow_in_row = 0
-
-    def attach(self, storage_digests: Sequence[bytes]) -> None:
-        self._storage = tuple(dict.fromkeys(storage_digests))
-        self._pool.submit(self._warm_up)    # connect now, on the lookup thread, not on the first lookup
-
-    def _warm_up(self) -> None:
-        try:
-            self._probe()
-        except Exception as err:   # down at start: an outage, probed in the background (and counted,
-            self.lookup_errors += 1    # whether this or a first lookup is what finds the server away)
-            self._outage.failed("connect", err)
-
-    # -- availability --------------------------------------------------------
-    @property
-    def available(self) -> bool:
-        return self._outage.available
-
-    def stats(self) -> dict[str, object]:
-        out = super().stats()
-        out["errors"] = self.counters.errors + self.lookup_errors
-        out["outages"] = self._outage.outages
-        out["lookups_busy"] = self.lookups_busy
-        out["lookups_slow"] = self.lookups_slow
-        return out
-
-    def _busy(self, err: Exception) -> bool:
-        """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
-        return False
-
-    def _slow(self, err: Exception) -> bool:
-        """Whether ``err`` is a lookup that outlasted its timeout (a loaded server may answer the next)."""
-        return False
-
-    @abstractmethod
-    def _probe(self) -> None:
-        """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
-
-    @abstractmethod
-    def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
-        """How many leading ``keys`` have a value under every digest in ``storage``; raises on a transport
-        error. Runs on the lookup thread."""
-
-    def close(self) -> None:
-        self._outage.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    # -- lookups -------------------------------------------------------------
-    def _query(self, keys: Sequence[BlockHash]) -> int:
-        """One query (on the lookup thread); a failure marks the tier down and counts as a miss."""
-        try:
-            n = self._present(keys, self._storage)
-        except Exception as err:   # whatever the client raises while the server is away or slow
-            if self._busy(err):    # there, and refused this one for room: a miss, the tier stays up
-                self.lookups_busy += 1
-                return 0
-            if self._slow(err):    # a miss; the tier is down only when lookups keep timing out (a hung server)
-                self.lookups_slow += 1
-                self._slow_in_row += 1
-                if self._slow_in_row < SLOW_LOOKUPS_DOWN:
-                    return 0
-            self._slow_in_row = 0
-            self.lookup_errors += 1
-            self._outage.failed("lookup", err)
-            return 0
-        self._slow_in_row = 0
-        self._outage.succeeded()
-        return n
-
-    def present(self, keys: Sequence[BlockHash]) -> int:
-        """One query, now, on the calling thread (what the lookup thread does); 0 while the tier is down."""
-        keys = keys[:self._before_absent(keys)]
-        if not keys or not self._storage or not self.available:
-            return 0
-        return self._query(keys)
-
-    def contains(self, keys: Sequence[BlockHash]) -> int | None:
-        usable = self._before_absent(keys)
-        if not usable or not self._storage or not self.available:
-            return self.count_lookup(len(keys), 0)
-        query = tuple(keys[:usable])
-        asked = self._answers.get(query)
-        now = time.monotonic()
-        if asked is not None and asked[0].done() and now - asked[1] > ANSWER_TTL_S:
-            del self._answers[query]
-            asked = None
-        if asked is None:
-            self._answers[query] = (self._pool.submit(self._query, query), now)
-            while len(self._answers) > MAX_ANSWERS:
-                self._answers.popitem(last=False)
-            return None
-        future = asked[0]
-        if not future.done():
-            return None
-        return self.count_lookup(len(keys), future.result())
-
-    # -- negative entries (scheduler thread) ------------------------------------
-    def _before_absent(self, keys: Sequence[BlockHash]) -> int:
-        """How many leading ``keys`` are not known absent (expired entries are dropped on the way)."""
-        if not self._absent:
-            return len(keys)
-        now = time.monotonic()
-        for i, key in enumerate(keys):
-            until = self._absent.get(key)
-            if until is not None:
-                if until > now:
-                    return i
-                del self._absent[key]
-        return len(keys)
-
-    def _mark_absent(self, keys: Sequence[BlockHash]) -> None:
-        until = time.monotonic() + ABSENT_TTL_S
-        for key in keys:
-            self._absent[key] = until
-            self._absent.move_to_end(key)
-        while len(self._absent) > MAX_ABSENT:
-            self._absent.popitem(last=False)
-
-    def wait_for_answer(self, timeout: float) -> None:
-        running = [future for future, _ in self._answers.values() if not future.done()]
-        if running:
-            wait(running, timeout, return_when=FIRST_COMPLETED)
-
-    def has(self, key: BlockHash) -> bool:
-        return False   # no local index; asking would be a network round trip on the scheduler's thread
-
-    def delete(self, keys: Sequence[BlockHash]) -> int:
-        """Forget ``keys``; every writing rank deletes its value in the background (`take_deletes`)."""
-        self._mark_absent(keys)
-        self._deletes.extend(keys)
-        self.counters.deleted += len(keys)
-        self._removed(keys)
-        return len(keys)
-
-    def take_deletes(self) -> list[BlockHash]:
-        out, self._deletes = self._deletes, []
-        return out
-
-    # -- lifecycle (no index: counts only) -----------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        return 0   # bounded by the server (maxmemory, --capacity), not by this client
-
-    @property
-    def used_bytes(self) -> int:
-        return 0
-
-    @property
-    def num_chunks(self) -> int:
-        return 0
-
-    def reserve_bytes(self, layout: ChunkLayout) -> int:
-        return self.fmt.max_stored_len(layout)
-
-    def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
-        ok = self.available
-        if not ok:
-            self.counters.store_rejected += len(keys)
-        return [ok] * len(keys)
-
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
-        self.counters.stored += len(keys) - len(failed)
-        self.counters.errors += len(failed)
-        if self._absent:
-            for key in keys:
-                if key not in failed:
-                    self._absent.pop(key, None)       # stored whole again on every rank: present
-
-    def prepare_load(self, keys: Sequence[BlockHash]) -> None:
-        return None   # no pins on a server: a chunk gone meanwhile is a failed read, hence a miss
-
-    def complete_load(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
-        """Only values that failed their own checks are integrity failures, and deleted; the rest were plain
-        misses — evicted or deleted between lookup and read, changed under a ranged read, or the server
-        unreachable — and what is there now is left be."""
-        bad = [key for key, why in failed.items() if why is Failure.CORRUPT]
-        self.counters.loaded += len(keys) - len(failed)
-        self.counters.load_misses += len(failed) - len(bad)
-        self._mark_absent(list(failed))        # whatever the reason, not worth asking again at once
-        if bad:
-            self.counters.integrity_failures += len(bad)
-            self.delete(bad)
-
 
 class RemoteTransport(Transport):
+    """Worker side, one per rank and remote tier."""
+
     medium = Medium.REMOTE
+    # What a channel (or `_channels`) raises when the store is unreachable or broke the protocol: an outage.
+    transport_errors: tuple[type[BaseException], ...] = (ConnectionError, OSError)
 
     def __init__(self, name: str, storage: bytes, fmt: ChunkFormat | None, retry_interval_s: float,
                  writer: bool = True, where: str = "", codec_threads: CodecThreads | None = None) -> None:
@@ -273,13 +56,23 @@ class RemoteTransport(Transport):
         self._codec = CodecPipeline(self.fmt, codec_threads, name)
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))   # one line per kind and 10 s
         self._lock = threading.Lock()   # guards the counters, which every transfer thread of the rank bumps
-        self.errors = 0                 # under `_lock`
+        self.errors = 0                 # under `_lock`: calls that failed on a transport error
 
     @property
     def available(self) -> bool:
         return self._outage.available
 
-    def _failed(self, what: str, err: Exception) -> None:
+    @abstractmethod
+    def _channels(self) -> Sequence[ValueChannel]:
+        """The channels to try, best first; the last one should not answer `ChannelBusy`. May raise one of
+        ``transport_errors`` (asking the server which paths it offers)."""
+
+    @abstractmethod
+    def _probe(self) -> None:
+        """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
+
+    def _failed(self, what: str, err: BaseException) -> None:
+        """The one error path: a call failed on a transport error; the tier is down on this rank."""
         self._outage.failed(what, err)
         self._count("errors")
 
@@ -288,17 +81,81 @@ class RemoteTransport(Transport):
         with self._lock:
             setattr(self, counter, getattr(self, counter) + n)
 
-    def _busy(self, err: Exception) -> bool:
-        """Whether ``err`` is the server refusing one call for room (it is there, and answering)."""
-        return False
-
-    @abstractmethod
-    def _probe(self) -> None:
-        """One cheap round trip to the server (on the outage's prober thread); raises while it is away."""
+    def _after_read(self, keys: Sequence[BlockHash]) -> None:
+        """Hook: ``keys`` were read whole and verified (Redis gives them a full TTL again)."""
 
     def close(self) -> None:
         self._outage.close()
 
+    # -- the one path of every store and load --------------------------------
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
+        """Each chunk stored by the first channel that takes the batch; the keys not stored, and why."""
+        if not items or not self.writer:
+            return ()
+        batch = OutgoingBatch(items, self._codec)
+        if not self.available:
+            return batch.unavailable()
+        try:
+            for channel in self._channels():
+                try:
+                    failed = channel.put(batch)
+                except ChannelBusy as err:
+                    self._moving_on(channel, err)
+                    continue
+                self._outage.succeeded()
+                return failed
+        except self.transport_errors as err:
+            self._failed("store", err)
+            return batch.unavailable()
+        return batch.unavailable()        # every channel was busy: these chunks fail, the tier stays up
+
+    def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
+        """Each chunk verified and decoded into its buffer, asked of each channel in turn until one has it
+        (a chunk none has is a miss); with the chunks read whole, `_after_read`."""
+        if not items:
+            return []
+        if not self.available:
+            return [Failure.UNAVAILABLE] * len(items)
+        out: list[int | Failure] = [Failure.MISS] * len(items)
+        with self._codec.reads() as reads:
+            self._read(items, functools.partial(self.receive, reads), out)
+        out = reads.settled(items, out, self._corrupt)
+        hits = [key for (key, _), got in zip(items, out) if not isinstance(got, Failure)]
+        if hits:
+            self._after_read(hits)
+        return out
+
+    def _read(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive, out: list[int | Failure]) -> None:
+        """Fill ``out`` channel by channel: each is asked for the items no channel before it settled; on a
+        transport error those still pending are `Failure.UNAVAILABLE` (what was read stands)."""
+        pending = list(range(len(items)))
+        try:
+            for channel in self._channels():
+                try:
+                    got: list[Got] = channel.get([items[i] for i in pending], receive)
+                except ChannelBusy as err:
+                    self._moving_on(channel, err)
+                    continue
+                self._outage.succeeded()
+                elsewhere = []
+                for i, answer in zip(pending, got):
+                    if answer is ELSEWHERE:
+                        elsewhere.append(i)
+                    else:
+                        out[i] = answer       # type: ignore[assignment]
+                pending = elsewhere
+                if not pending:
+                    return
+        except self.transport_errors as err:
+            self._failed("load", err)
+            for i in pending:
+                out[i] = Failure.UNAVAILABLE
+
+    def _moving_on(self, channel: ValueChannel, err: ChannelBusy) -> None:
+        self._warn.warning(f"busy {channel.name}", "%s tier: %s; moving these chunks by the next path", self.name,
+                           err)
+
+    # -- taking one value in ---------------------------------------------------
     def receive(self, reads: ReadBatch, source: ValueSource, n: int, key: BlockHash,
                 buf: memoryview) -> int | Failure:
         """One value from ``source`` into ``buf``, verified (`receive_value`, its decode in ``reads``): its raw
@@ -312,3 +169,4 @@ class RemoteTransport(Transport):
     def _corrupt(self, key: BlockHash, err: ChunkFormatError) -> Failure:
         self._warn.warning("corrupt", "%s tier: chunk %s… failed verification: %s", self.name, key.hex()[:16], err)
         return Failure.CORRUPT
+

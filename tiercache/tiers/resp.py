@@ -174,7 +174,7 @@ class RangedReads:
 
 
 class RangedValue:
-    """One value's bytes across its ``GETRANGE`` replies, read like a stream (`tiercache.tiers.remote.ValueSource`)."""
+    """One value's bytes across its ``GETRANGE`` replies, read like a stream (`tiercache.wire.values.ValueSource`)."""
 
     def __init__(self, ranges: RangedReads, reader: ReplyReader, pieces: int, nbytes: int) -> None:
         self._ranges, self._reader = ranges, reader

@@ -8,7 +8,7 @@ holds the token the server gave over gRPC — the proof that this host sees
 the server's directory, not a stale or foreign one.
 
 Reads verify every chunk (`tiercache.wire.values.receive_value`); a file that is not
-there, or that changes while it is read, is `ABSENT` (ask the server over the
+there, or that changes while it is read, is `ELSEWHERE` (ask the server over the
 network instead) — never a chunk served wrong. Writes create files the
 server renames into place, so a file is never modified once readers can see
 it.
@@ -19,12 +19,12 @@ import contextlib
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tiercache.codecs import Buffer
 from tiercache.keys import BlockHash
-from tiercache.transfer.plan import Failure
+from tiercache.tiers.channels import ELSEWHERE, Got, Receive
 from tiercache.wire.chunk_files import chunk_path, write_all
 from tiercache.wire.values import FileSource
 
@@ -32,9 +32,6 @@ log = logging.getLogger(__name__)
 
 INSTANCE_FILE = ".instance"
 INCOMING = "incoming"
-ABSENT = object()      # no such chunk file here: ask the server
-
-Receive = Callable[[FileSource, int, BlockHash, memoryview], "int | Failure"]
 
 
 class SharedDirectory:
@@ -56,18 +53,18 @@ class SharedDirectory:
         log.info("chunks move through %s on this host", path)
         return cls(path / namespace.hex())
 
-    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> int | Failure | object:
-        """``receive(source, n, key, buf)`` takes the chunk's file in; `ABSENT` when there is no such file
+    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> Got:
+        """``receive(source, n, key, buf)`` takes the chunk's file in; `ELSEWHERE` when there is no such file
         (or it went away mid-read)."""
         try:
             f = open(chunk_path(self.root, key), "rb", buffering=0)
         except OSError:
-            return ABSENT
+            return ELSEWHERE
         with f:
             try:
                 return receive(FileSource(f), os.fstat(f.fileno()).st_size, key, buf)
             except (OSError, ConnectionError):
-                return ABSENT
+                return ELSEWHERE
 
     def write(self, chunks: Iterable[tuple[Buffer, Buffer]]) -> list[str]:
         """Write each (header, payload) as a new file in ``incoming/``; returns their names, for ``Adopt``.
