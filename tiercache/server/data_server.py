@@ -12,9 +12,12 @@ closes that connection; the server and its other connections go on.
 Bounds (`tiercache.server.limits`): a value's bytes are reserved from the
 server's in-flight budget before any is received (a value that gets no room
 in time is read past and answered ``PUT_REJECTED``: a busy server, not a
-broken one); every read has the server's deadline — the
+broken one); every read and write has the server's deadline — the
 hello, each request once begun, each value at the minimum rate — and a
 connection idle between requests longer than the idle timeout is closed.
+Those timeouts are kept by the kernel (`kernel_timeouts`, `send_by`): a
+value moves in one blocking receive or send while its peer keeps up, where
+a Python socket timeout costs a ``poll`` and a wakeup per partial receive.
 A connection that has not said its hello yet holds no thread: the accept thread
 reads every hello, from all of them at once (`selectors`), and gives a
 connection its thread only once its token names a tenant. Those waiting are
@@ -48,7 +51,7 @@ from tiercache.server.values import check_value
 from tiercache.wire import data_frames as dw
 from tiercache.wire.chunk_format import HEADER_BYTES
 from tiercache.wire.grpc_messages import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
-from tiercache.wire.streams import ProtocolError, StreamReader
+from tiercache.wire.streams import ProtocolError, StreamReader, kernel_timeouts, send_by
 
 log = logging.getLogger("tiercache.server")
 
@@ -292,7 +295,7 @@ class DataServer:
             while True:
                 if state is not None:
                     state.idle_since = time.monotonic()
-                conn.settimeout(self.limits.idle_timeout_s)
+                kernel_timeouts(conn, self.limits.idle_timeout_s)
                 try:
                     head = reader.exactly(dw.REQUEST.size)
                 except TimeoutError:
@@ -302,7 +305,7 @@ class DataServer:
                     return      # the client closed between requests (or we closed it as the oldest idle)
                 if state is not None:
                     state.idle_since = None
-                conn.settimeout(self.limits.read_timeout_s)
+                kernel_timeouts(conn, self.limits.read_timeout_s)
                 op, namespace, count = dw.REQUEST.unpack(head)
                 if count > MAX_KEYS_PER_CALL:
                     raise _Refused(f"{count} chunks in one request, limit {MAX_KEYS_PER_CALL}")
@@ -342,9 +345,7 @@ class DataServer:
                 conn.sendall(dw.U64.pack(0))
                 continue
             total = sum(len(p) for p in pieces)
-            conn.sendall(dw.U64.pack(total))
-            for piece in pieces:
-                conn.sendall(piece)
+            send_by(conn, [dw.U64.pack(total), *pieces], time.monotonic() + self.limits.value_deadline_s(total))
             self.counters["data_get_chunks"] += 1
             self.counters["bytes_out"] += total
 

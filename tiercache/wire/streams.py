@@ -13,10 +13,19 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from tiercache.codecs import Buffer
 
 LINE_BUFFER_BYTES = 64 << 10
+PROGRESS_STEP_S = 0.25    # a receive under a deadline waits at most this long, so progress is seen that often
 _CRLF = b"\r\n"
+_TIMEVAL = struct.Struct("ll")
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return _TIMEVAL.pack(whole, max(1 if not whole else 0, int((seconds - whole) * 1e6)))
 
 
 def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
@@ -26,13 +35,34 @@ def kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     ``poll`` before every ``recv``: two system calls and a wakeup per partial
     read of a large value. ``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` bound a blocking
     call the same way in one; a call that runs out raises `BlockingIOError`
-    (an `OSError`, like `TimeoutError`).
+    (`StreamReader` raises `TimeoutError` for it, as for a Python timeout).
     """
-    whole = int(timeout_s)
-    limit = struct.pack("ll", whole, int((timeout_s - whole) * 1e6))
+    limit = _timeval(timeout_s)
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+
+
+def send_by(sock: socket.socket, pieces: Sequence[Buffer], deadline: float) -> None:
+    """Send ``pieces`` in order on a blocking socket with kernel-kept timeouts (`kernel_timeouts`), all of
+    them by ``deadline`` (``time.monotonic()``) however slowly the peer reads, else `TimeoutError`. While the
+    peer keeps up, each piece is one ``send``."""
+    kept = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL.size)
+    try:
+        for piece in pieces:
+            view = memoryview(piece).cast("B")
+            pos = 0
+            while pos < len(view):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(view) - pos} of {len(view)} bytes not taken by the deadline")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(min(left, PROGRESS_STEP_S)))
+                try:
+                    pos += sock.send(view[pos:])
+                except BlockingIOError:     # nothing taken in this step: the deadline decides
+                    continue
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, kept)
 
 
 class ProtocolError(Exception):
@@ -68,7 +98,10 @@ class StreamReader:
             self._lo = self._hi = 0
         elif self._hi == len(self._buf):
             self._compact()
-        got = self._sock.recv_into(self._view[self._hi:])
+        try:
+            got = self._sock.recv_into(self._view[self._hi:])
+        except BlockingIOError:        # a kernel-kept timeout (SO_RCVTIMEO) ran out with nothing received
+            raise TimeoutError("no bytes within the socket's timeout") from None
         if got == 0:
             raise ConnectionError("the peer closed the connection mid-reply")
         self._hi += got
@@ -86,32 +119,52 @@ class StreamReader:
 
     def read_into(self, dest: memoryview, deadline: float | None = None,
                   progress: Callable[[], None] | None = None) -> None:
-        """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream; with a
+        """Fill ``dest`` (a writable byte view) with the next ``len(dest)`` bytes of the stream. With a
         ``deadline`` (``time.monotonic()``), raise `TimeoutError` once it passes, however the bytes trickle
-        in (the socket must have a timeout: each receive waits at most until the deadline). ``progress`` is
-        called after each receive that brought bytes."""
+        in: the socket must be blocking, its timeouts kept by the kernel (`kernel_timeouts`), and each receive
+        then waits at most `PROGRESS_STEP_S` (or until the deadline). ``progress`` is called after each
+        receive that brought bytes — at least that often while they keep coming."""
         n = len(dest)
         have = min(n, self._hi - self._lo)
         dest[:have] = self._view[self._lo:self._lo + have]
         self._lo += have
-        pos = have
-        step_timeout = self._sock.gettimeout() if deadline is not None else None
-        try:
+        if deadline is None:
+            pos = have
             while pos < n:
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"{n - pos} of {n} bytes had not arrived by the deadline")
-                    self._sock.settimeout(min(left, step_timeout or left))
-                got = self._sock.recv_into(dest[pos:], 0, self._bulk_flags)
-                if got == 0:
-                    raise ConnectionError("the peer closed the connection mid-value")
-                pos += got
+                pos += self._recv_into(dest[pos:])
                 if progress is not None:
                     progress()
+            return
+        kept = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.size)
+        try:
+            self._read_by(dest, have, deadline, progress)
         finally:
-            if deadline is not None:
-                self._sock.settimeout(step_timeout)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, kept)
+
+    def _read_by(self, dest: memoryview, pos: int, deadline: float, progress: Callable[[], None] | None) -> None:
+        n = len(dest)
+        while pos < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{n - pos} of {n} bytes had not arrived by the deadline")
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(min(left, PROGRESS_STEP_S)))
+            try:
+                pos += self._recv_into(dest[pos:])
+            except TimeoutError:
+                continue          # nothing in this step: the deadline decides
+            if progress is not None:
+                progress()
+
+    def _recv_into(self, dest: memoryview) -> int:
+        """One receive into ``dest``, waiting for all of it on a blocking socket (until its timeout, which
+        raises `TimeoutError` when nothing came)."""
+        try:
+            got = self._sock.recv_into(dest, 0, self._bulk_flags)
+        except BlockingIOError:        # a kernel-kept timeout (SO_RCVTIMEO) ran out with nothing received
+            raise TimeoutError("no bytes within the socket's timeout") from None
+        if got == 0:
+            raise ConnectionError("the peer closed the connection mid-value")
+        return got
 
     def exactly(self, n: int) -> bytes:
         """The next ``n`` bytes: a small field (a length, a key), taken through the buffer."""
