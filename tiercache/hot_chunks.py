@@ -18,6 +18,8 @@ from tiercache.keys import BlockHash
 
 
 class HotChunks:
+    """Scheduler side (and the server): the most read chunks, bounded."""
+
     def __init__(self, keep: int = 1024) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")

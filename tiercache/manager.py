@@ -85,6 +85,8 @@ class _InFlight:
 
 
 class CacheManager:
+    """Scheduler side: every tier index, every decision; its plans go to the workers as plain data."""
+
     def __init__(
         self,
         l1: CpuIndex,

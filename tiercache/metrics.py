@@ -48,6 +48,8 @@ def _labelled(label: str, items: dict[str, dict], gauges: tuple[str, ...], count
 
 
 class StatsCollector(Collector):
+    """Either process: turns one object's ``stats()`` into metric families at scrape time."""
+
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
 

@@ -23,6 +23,8 @@ class TierEvent:
 
 
 class EventJournal:
+    """Scheduler side: arrivals and removals of every tier, in order."""
+
     def __init__(self, tiers: Sequence[TierIndex]) -> None:
         self.tiers = list(tiers)
         self._events: list[TierEvent] = []

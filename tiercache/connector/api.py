@@ -96,6 +96,8 @@ class ConnectorOutput:
 
 
 class SchedulerConnector(ABC):
+    """What an engine's scheduler side calls (one per engine)."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:
         """Tokens after ``num_computed_tokens`` that the tiers can load; None means "ask again later"."""
@@ -142,6 +144,8 @@ class SchedulerConnector(ABC):
 
 
 class WorkerConnector(ABC):
+    """What each of an engine's workers calls (one per rank)."""
+
     @abstractmethod
     def register_kv_caches(self, kv) -> WorkerHandshake:
         """This rank's L0 (a `PagedKVCache` or `LayerTensorsKV`): build the rank's transports and report."""

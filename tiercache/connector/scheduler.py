@@ -77,6 +77,8 @@ class JobTracker:
 
 
 class OffloadScheduler(SchedulerConnector):
+    """The scheduler side of the connector (one per engine: vLLM's engine core): indexes and plans, no bytes."""
+
     def __init__(self, config: TierCacheConfig, block_size: int, swap_salt: bytes = b"") -> None:
         check_config(config)
         self.config = config

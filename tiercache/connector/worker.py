@@ -42,6 +42,8 @@ WRITE_DOWN_JOB = JobId(0)   # the rank's shutdown write-down: job ids 0, -1, …
 
 
 class OffloadWorker(WorkerConnector):
+    """The worker side of the connector (one per rank): executes plans on this rank's bytes, reports per job."""
+
     def __init__(self, config: TierCacheConfig, namespace: Namespace, shard: KVShard) -> None:
         check_config(config)
         self.config = config

@@ -110,7 +110,7 @@ class Attention(nn.Module):
             new = s.end - s.start
             # Query rows in tiles, so the score matrix stays small enough for the allocator to
             # reuse: a 2K-token prefill in one call page-faults ~140 MB of fresh temporaries
-            # per layer, which made attention 2x slower on these machines.
+            # per layer, which made attention much slower (benchmarks/RESULTS.md, "Reference engine").
             tile = max(1, ATTN_TILE_BYTES // (ctx * self.num_heads * q.element_size()))
             for lo in range(0, new, tile):
                 hi = min(new, lo + tile)

@@ -21,6 +21,8 @@ from tiercache.keys import KVGeometry
 
 
 class LayerTensorsKV:
+    """Worker side, one per rank: the engine's registered KV tensors, addressed by block."""
+
     def __init__(self, tensors: Sequence[torch.Tensor], num_blocks: int, block_size: int, geometry: KVGeometry,
                  block_dim: int = 0) -> None:
         if not tensors:

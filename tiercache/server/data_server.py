@@ -114,6 +114,8 @@ def _end_connection(conn: socket.socket) -> None:
 
 
 class DataServer:
+    """Server: the data channel's listener, its accept thread and a thread per admitted connection."""
+
     def __init__(self, tenancy: Tenancy, host: str, port: int, limits: ServerLimits,
                  inflight: InflightBytes, counters: Counter[str], hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
         self.tenancy = tenancy

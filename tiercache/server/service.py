@@ -155,6 +155,8 @@ async def _uncancelled(operation) -> Any:
 
 
 class CacheService:
+    """Server: the gRPC methods, on grpc.aio's event loop, their work on the handler pool."""
+
     def __init__(self, tenancy: Tenancy, max_message_bytes: int, limits: ServerLimits,
                  inflight: InflightBytes, pool: Executor) -> None:
         self.tenancy = tenancy

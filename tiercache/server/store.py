@@ -88,6 +88,8 @@ class StoreConfig:
 
 
 class ChunkStore:
+    """Server: one store's tiers (memory, disk) and the one lock over them."""
+
     def __init__(self, config: StoreConfig) -> None:
         self._warn = ThrottledLog(log)     # failing files, hostile clients: one line per kind and 10 s
         self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle

@@ -48,6 +48,8 @@ _KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
+    """Server: one tenant's name, rights and read grants."""
+
     name: str
     token: str | None                    # None: the server asks for no token (one tenant, every right)
     memory: int = 0                      # bytes of --capacity; 0: an equal share of what quotas leave

@@ -41,6 +41,8 @@ MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on 
 
 
 class CpuIndex(IndexedTier):
+    """Scheduler side: L1's index and slot numbers (the bytes are each rank's `HostSlab`)."""
+
     medium = Medium.CPU
 
     def __init__(self, num_slots: int, slot_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "cpu") -> None:

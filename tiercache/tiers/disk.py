@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 
 class DiskIndex(IndexedTier, LowerIndex):
+    """Scheduler side: the disk tier's index, rebuilt from every rank's scan at start."""
+
     medium = Medium.DISK
 
     def __init__(self, capacity_bytes: int, fmt: ChunkFormat | None = None, eviction: str = DEFAULT_EVICTION,
@@ -138,6 +140,8 @@ class DiskIndex(IndexedTier, LowerIndex):
 
 
 class DiskTransport(Transport):
+    """Worker side, one per rank: this rank's chunk files."""
+
     medium = Medium.DISK
 
     def __init__(self, root: str | os.PathLike[str], storage: bytes, fmt: ChunkFormat | None = None,

@@ -62,6 +62,8 @@ class _Paths:
 
 
 class GrpcTransport(RemoteTransport):
+    """Worker side, one per rank: this rank's chunks on a `tiercache serve`, through its value channels."""
+
     transport_errors = (grpc.RpcError, ConnectionError)
 
     def __init__(self, address: str, storage: bytes, fmt: ChunkFormat | None = None, auth_token: str | None = None,

@@ -19,6 +19,8 @@ from tiercache.wire.server_channel import ServerChannel, busy
 
 
 class GrpcIndex(RemoteIndex):
+    """Scheduler side: lookups on a `tiercache serve`, off the scheduler's thread."""
+
     def __init__(self, address: str, fmt: ChunkFormat | None = None, auth_token: str | None = None,
                  lookup_timeout_s: float = 0.25, retry_interval_s: float = 1.0, max_message_bytes: int = 128 << 20,
                  name: str = "grpc", local: str = "auto", bulk: str = "auto") -> None:
@@ -32,8 +34,9 @@ class GrpcIndex(RemoteIndex):
         """The server's health at start, or None — and the tier down, probed until it answers — when it is away.
 
         A server with a data channel or a shared-memory directory moves bytes with the GIL released, so its
-        jobs are split across transfer workers (two read 10 GB/s from files where one reads 5.6); one gRPC
-        stream at a time otherwise (two contend for the GIL: 2.4 GB/s for one, 1.45 for two here).
+        jobs are split across transfer workers (two read files nearly twice as fast as one); one gRPC
+        stream at a time otherwise (two contend for the GIL and move less than one; benchmarks/RESULTS.md,
+        "Co-located clients" and "L3 history").
         """
         try:
             reply = self._server.health()

@@ -35,6 +35,8 @@ class Entry:
 
 
 class IndexedTier(TierIndex):
+    """The index base the client tiers (scheduler side) and the server's stores share."""
+
     def __init__(self, eviction: str) -> None:
         super().__init__()
         self.policy = eviction_policies.get(eviction)()

@@ -16,6 +16,8 @@ from tiercache.transfer.plan import Failure
 
 
 class MetadataIndex(IndexedTier, LowerIndex):
+    """Scheduler side only, with no worker: the index a trace replay runs through."""
+
     def __init__(self, capacity_chunks: int, eviction: str = DEFAULT_EVICTION, name: str = "meta",
                  medium: Medium = Medium.DISK) -> None:
         super().__init__(eviction)

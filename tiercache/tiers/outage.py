@@ -37,6 +37,8 @@ def _mark(tier: str, down: bool) -> bool:
 
 
 class Outage:
+    """Either side: one guard of one tier's availability, with its prober thread."""
+
     def __init__(self, name: str, retry_interval_s: float, probe: Callable[[], object], tier: str = "") -> None:
         self.name = name
         self.tier = tier or name        # guards of one tier log one outage between them

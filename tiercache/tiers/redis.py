@@ -75,6 +75,8 @@ def transport_errors() -> tuple[type[BaseException], ...]:
 
 
 class RedisIndex(RemoteIndex):
+    """Scheduler side: lookups on Redis, off the scheduler's thread."""
+
     def __init__(self, url: str, fmt: ChunkFormat | None = None, lookup_timeout_s: float = 0.25,
                  retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis") -> None:
         super().__init__(name, fmt, retry_interval_s, where=url)

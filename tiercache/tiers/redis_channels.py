@@ -10,7 +10,7 @@ one of them and is their one error path.
   a reader); a load asks each value's length (``STRLEN``), then reads it in
   ``GETRANGE`` pieces straight into its L1 slot, verified as it lands (a
   whole-value ``GET`` makes redis-server build the reply in fresh memory
-  first, at a third of the rate).
+  first: benchmarks/RESULTS.md, "L3 Redis now").
 - `PipelinedValues` (a cluster): redis-py's cluster pipeline, which routes
   each command to its node; values are staged in reusable per-thread buffers.
 """
@@ -47,6 +47,8 @@ PIPELINE_BYTES = 256 << 20   # cluster path: values staged per pipelined batch (
 
 
 class RawSocketValues(ValueChannel):
+    """Worker side: a standalone Redis's values over a raw socket borrowed from redis-py's pool."""
+
     name = "raw socket"
 
     def __init__(self, client, rkey: Callable[[BlockHash], bytes], ttl_s: int, warn: ThrottledLog,
@@ -132,6 +134,8 @@ class RawSocketValues(ValueChannel):
 
 
 class PipelinedValues(ValueChannel):
+    """Worker side: a Redis Cluster's values through redis-py's cluster pipeline."""
+
     name = "redis-py pipeline"
 
     def __init__(self, client, rkey: Callable[[BlockHash], bytes], ttl_s: int) -> None:

@@ -43,6 +43,8 @@ MAX_ABSENT = 65536        # negative entries kept (oldest dropped first): a few 
 
 
 class RemoteIndex(LowerIndex):
+    """Scheduler side: a remote tier's lookups, negative entries and counters (the store keeps the data)."""
+
     medium = Medium.REMOTE
     indexed = False
 

@@ -12,7 +12,7 @@ A large value is read as a run of ``GETRANGE`` pieces (`RangedReads`),
 never with one ``GET``: redis-server builds a reply whole in its output
 buffer before sending it, so a 32 MiB ``GET`` costs the server a fresh
 32 MiB of page-faulted memory and a copy into it on every read (a third of
-its time in a profile here; 1.5 GB/s). Asked for in 256 KiB ranges with a
+its time in a profile: benchmarks/RESULTS.md, "L3 Redis now"). Asked for in 256 KiB ranges with a
 few in flight, its reply buffers stay small, reused and in cache.
 
 Writes go the same way: ``SET``'s framing around a value sent with

@@ -65,6 +65,8 @@ def when_room(call: Callable[[], T]) -> T:
 
 
 class SharedDirValues(ValueChannel):
+    """Worker side: chunks as files in a co-located server's shared-memory directory."""
+
     name = "the shared directory"
 
     def __init__(self, directory: SharedDirectory, server: ServerChannel, storage: bytes, timeout_s: float,
@@ -113,6 +115,8 @@ class SharedDirValues(ValueChannel):
 
 
 class DataChannelValues(ValueChannel):
+    """Worker side: chunk values over the server's data channel."""
+
     name = "the data channel"
 
     def __init__(self, bulk: DataChannel, renew: Callable[[DataChannel], DataChannel | None],
@@ -167,6 +171,8 @@ def _busy_if_failed(call: Callable[[DataChannel], T], bulk: DataChannel, stale_r
 
 
 class StreamValues(ValueChannel):
+    """Worker side: chunk values over gRPC ``Put`` and ``Get`` streams."""
+
     name = "gRPC streams"
 
     def __init__(self, server: ServerChannel, storage: bytes, timeout_s: float, part_bytes: int,

@@ -35,6 +35,8 @@ INCOMING = "incoming"
 
 
 class SharedDirectory:
+    """Worker side: one namespace's part of a co-located server's directory."""
+
     def __init__(self, root: Path) -> None:
         self.root = root                      # <directory>/<namespace hex>
         self.incoming = root / INCOMING

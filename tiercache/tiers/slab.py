@@ -4,8 +4,8 @@
 chunks mostly contiguous; the scheduler's L1 index owns it, and every rank
 uses the same slot for the same chunk. `HostSlab` is one rank's buffer of
 those slots, allocated once (pinned when CUDA is present) and pre-faulted:
-first-touch page faults cut copy throughput 3–10× on these machines, so no
-allocation or pinning happens on the hot path.
+first-touch page faults cut copy throughput several-fold, so no allocation or
+pinning happens on the hot path.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ PAGE_BYTES = 4096
 
 
 class SlotHeap:
+    """Scheduler side: L1's free slot numbers, lowest first."""
+
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
             raise ValueError(f"need at least one slot, got {num_slots}")
@@ -35,6 +37,8 @@ class SlotHeap:
 
 
 class HostSlab:
+    """Worker side, one per rank: L1's bytes, one buffer carved into slots."""
+
     def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool = False, prefault: bool = True) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError(f"need positive slots and slot size, got {num_slots} × {slot_bytes}")

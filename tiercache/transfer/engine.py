@@ -57,6 +57,8 @@ Handler = Callable[[TransferPlan, LayerProgress | None], KeyFailures | None]
 
 
 class TransferEngine:
+    """Worker side, one per rank: runs plans on its transfer threads, per link."""
+
     def __init__(self, workers: int = 2, limits: Mapping[str, LinkLimits] | None = None,
                  clock: Callable[[], float] = time.monotonic, name: str = "tiercache-xfer") -> None:
         self._handlers: dict[Route, Handler] = {}

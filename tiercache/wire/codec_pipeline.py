@@ -48,10 +48,9 @@ class CodecThreads:
     """One worker's codec threads (``transfer.codec_threads``), shared by its transports and transfer
     threads, each keeping its torch ops to one core (`keep_torch_to_one_core`): the I/O they overlap with
     needs a core too, and a torch op split across every core waits for its slowest part — the one sharing a
-    core with the I/O. On this 2-core machine an encode beside a thread writing files ran at 1.1–1.5 GB/s
-    with torch's team (1.8–2.1 alone), at 1.4–1.8 kept to one core, alone or not
-    (`benchmarks/codec_beside_io.py`); two such threads work side by side, and the engine's threads keep
-    every core."""
+    core with the I/O. Beside a thread writing files, an encode kept to one core ran faster than one on
+    torch's whole team (`benchmarks/codec_beside_io.py`; benchmarks/RESULTS.md, "KV quantization"); two
+    such threads work side by side, and the engine's threads keep every core."""
 
     def __init__(self, threads: int, name: str = "tiercache-codec") -> None:
         if threads < 1:

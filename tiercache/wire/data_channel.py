@@ -51,6 +51,8 @@ class StaleConnection(ConnectionError):
 
 
 class DataChannel:
+    """Worker side (the client of `tiercache serve`'s data channel): one connection per transfer thread."""
+
     def __init__(self, host: str, port: int, namespace: bytes, token: str | None, timeout_s: float) -> None:
         self.address = (host, port)
         self.namespace = namespace

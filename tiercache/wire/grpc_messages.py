@@ -3,9 +3,10 @@
 A `Chunk` carries one stored chunk (tens of MiB for a large model), split
 into pieces of `PART_BYTES` (`split_chunk`): gRPC Python wants each message
 as one fresh ``bytes``, and a 32 MiB one costs first-touch page faults every
-time (0.8 GB/s through a bare stream here) where 4 MiB pieces reuse warm heap
-memory (3 GB/s). Building a message with protobuf would copy the value at ~1
-GB/s again; here each piece is one ``join`` (memcpy speed), and parsing gives
+time where 4 MiB pieces reuse warm heap memory (about 4× the rate through a
+bare stream: benchmarks/RESULTS.md, "L3 history"). Building a message with
+protobuf would copy the value once more; here each piece is one ``join``
+(memcpy speed), and parsing gives
 zero-copy views of the received bytes. The bytes are exactly the
 protobuf encoding of ``tiercache.v1.Chunk`` (tests check both directions
 against the generated class), so any protobuf client can talk to the server.
