@@ -1,14 +1,15 @@
 """The gRPC client tier's shared state under several transfer threads: one data channel at a time and none
-leaked, while the server restarts under them (connect, fail, reconnect)."""
+leaked, while the server restarts under them (connect, fail, reconnect); and counters that lose no count."""
+import sys
 import threading
 
 import pytest
 
-pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
 from tests.support.grpc_clients import NS, Client, chunks  # noqa: E402
-from tiercache.tiers import grpc_client  # noqa: E402
+from tiercache.tiers import grpc_client, serve_channels  # noqa: E402
 from tiercache.transfer.plan import Failure  # noqa: E402
 
 THREADS = 6
@@ -70,3 +71,62 @@ def test_transfer_threads_share_one_data_channel_and_leak_none_across_a_server_r
         tier.close()
         server.stop()
     assert _open_channels() == []
+
+
+class _Refused(grpc.RpcError):
+    """A server at its tenant's share answering a call: RESOURCE_EXHAUSTED (injected at the gRPC boundary)."""
+
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return "injected: no room for this tenant"
+
+
+def test_counters_bumped_by_every_transfer_thread_lose_no_count(tmp_path, monkeypatch):
+    """Several transfer threads fail calls side by side, each failure counted by the thread that saw it: every
+    store refused for room is one `busy` (its retries are not counted again), every broken Get stream one
+    `errors` — neither is an outage, so every call counts, exactly once. Threads switch as often as CPython
+    lets them; under its GIL an unguarded ``+=`` still seldom loses a count (this run did not catch one
+    without the lock), so what guarantees the totals is `RemoteTransport._count`'s lock, and what this
+    checks is that every failure reaches it once."""
+    monkeypatch.setattr(serve_channels, "BUSY_PAUSE_S", 0.0)
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
+    tier = Client(server.address, NS, bulk="off", local="off")        # gRPC streams: the one channel
+    calls, seen = 300, []
+
+    def refused(*args, **kwargs):
+        raise _Refused()
+
+    def broken(*args, **kwargs):
+        return iter([b"\xff" * 8])              # not a Chunk message: a malformed Get stream
+
+    def transfers(seed: int) -> None:
+        items = chunks(1, seed=seed)
+        buf = memoryview(bytearray(1 << 16))
+        for _ in range(calls):
+            stored = tier.write_chunks(items)
+            got = tier.read_chunks_into([(items[0][0].key, buf)])
+            seen.append((stored, got))
+
+    try:
+        assert tier.transport.check_health() is not None
+        monkeypatch.setattr(tier.transport._server, "put", refused)
+        monkeypatch.setattr(tier.transport._server, "get", broken)
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            threads = [threading.Thread(target=transfers, args=(20 + i,)) for i in range(THREADS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            sys.setswitchinterval(old)
+        assert len(seen) == THREADS * calls
+        assert all(stored[0][1] is Failure.UNAVAILABLE and got == [Failure.MISS] for stored, got in seen)
+        assert tier.transport.available
+        assert (tier.transport.busy, tier.transport.errors) == (THREADS * calls, THREADS * calls)
+    finally:
+        tier.close()
+        server.stop()
