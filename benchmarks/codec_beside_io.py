@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tiercache.codecs import ChunkLayout
+from tiercache.contracts.layout import ChunkLayout
 from tiercache.kv_quant import Int8Codec
 from tiercache.machine import keep_torch_to_one_core
 

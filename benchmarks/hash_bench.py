@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from tiercache.keys import BlockHasher, KVGeometry, Namespace, hash_functions
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace, hash_functions
 
 
 def main() -> None:

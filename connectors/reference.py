@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 
 from tiercache.config import TierCacheConfig
-from tiercache.connector.api import ConnectorMetadata, ConnectorOutput, WorkerReport
 from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
-from tiercache.keys import KVShard, Namespace
+from tiercache.contracts.connector import ConnectorMetadata, ConnectorOutput, WorkerReport
+from tiercache.contracts.keys import KVShard, Namespace
+from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
-from tiercache.transfer.plan import JobOutcome, TransferPlan
 
 log = logging.getLogger(__name__)
 

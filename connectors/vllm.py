@@ -67,12 +67,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from tiercache.build import check_config
 from tiercache.config import TierCacheConfig, load_config
-from tiercache.connector.api import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
 from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
 from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
+from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
+from tiercache.contracts.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.errors import ConfigError
-from tiercache.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
 if TYPE_CHECKING:

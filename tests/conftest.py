@@ -9,7 +9,7 @@ import torch
 
 from tiercache.config import TierCacheConfig
 from tiercache.connectors.reference import ReferenceConnector
-from tiercache.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 
 SMALL = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")

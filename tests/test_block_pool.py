@@ -4,7 +4,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.pool import BlockManager, BlockPool, FreeBlockQueue
 from tiercache.pool.block_pool import Block
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.tiers.disk import DiskTransport
-from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads
 

@@ -1,7 +1,7 @@
 """L1's index (scheduler side): two-phase lifecycle, capacity bound, eviction order and pins."""
 import pytest
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.tiers.cpu import CpuIndex
 
 

@@ -8,7 +8,7 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 
 from tests.conftest import TOKEN, CacheServerProcess, eventually  # noqa: E402
 from tests.support.grpc_clients import NS, Client, chunks, healthy, raw_call  # noqa: E402
-from tiercache.transfer.plan import Failure  # noqa: E402
+from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402

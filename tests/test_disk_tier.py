@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.support.disk_chunks import FILE, NS, RAW, data, key, meta  # noqa: E402
+from tiercache.contracts.plan import Failure
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError
 from tiercache.tiers.disk import DiskIndex, DiskTransport
-from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat
 
 

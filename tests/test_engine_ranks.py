@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import BLOCK, CHUNK, SMALL
 from tests.support.engine_runs import assert_back_to_baseline, offload, run_sequential, shared_prompts
+from tiercache.contracts.keys import chunk_keys
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
-from tiercache.keys import chunk_keys
 
 
 def reference(prompts):
@@ -163,7 +163,7 @@ def test_replicated_kv_is_stored_once_and_read_by_every_rank(tmp_path):
     ranks read that one copy back."""
     from tiercache.config import TierCacheConfig
     from tiercache.connectors.reference import ReferenceConnector
-    from tiercache.keys import BlockHasher, Namespace
+    from tiercache.contracts.keys import BlockHasher, Namespace
     from tiercache.pool import PagedKVCache
 
     kvs = [PagedKVCache(SMALL, 64, BLOCK, "cpu") for _ in range(2)]

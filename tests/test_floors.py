@@ -12,14 +12,15 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORS: list[dict[str, list[str]]] = [
     {"foundation": ["tiercache", "tiercache.errors", "tiercache.registry", "tiercache.log_limits",
                     "tiercache.machine", "tiercache.metrics"]},
-    # the plain data both sides share: keys and layouts of the KV, plans, jobs, reports, failures, link limits
-    {"contracts": ["tiercache.keys", "tiercache.transfer.plan"]},
+    # the plain data both sides share: keys and KV layouts, plans, jobs, reports, failures, link limits, scan
+    # results, what crosses the connector's sides
+    {"contracts": ["tiercache.contracts"]},
     {"codecs": ["tiercache.codecs", "tiercache.kv_quant"], "policies": ["tiercache.policies"],
      "pool": ["tiercache.pool"], "kernels": ["tiercache.kernels"], "hot_chunks": ["tiercache.hot_chunks"]},
     # formats on disk and on the network, and the channels that speak them
     {"wire": ["tiercache.wire", "tiercache.cache_dir"]},
     {"config": ["tiercache.config"]},
-    # what crosses the connector's two sides (requests, metadata, handshakes, reports) and its interfaces
+    # the connector's two interfaces (what crosses between them is in contracts)
     {"connector_api": ["tiercache.connector.api"]},
     # the index base the client tiers and the server's stores share
     {"index": ["tiercache.tiers.base", "tiercache.tiers.index"]},
@@ -101,5 +102,5 @@ def test_every_module_imports_only_its_own_room_and_the_floors_below():
 def test_the_floors_see_a_module_by_its_longest_prefix():
     assert _place("tiercache.tiers.index") == (6, "index")
     assert _place("tiercache.tiers.redis") == (7, "client_tiers")
-    assert _place("tiercache.transfer.plan") == (1, "contracts")
+    assert _place("tiercache.contracts.plan") == (1, "contracts")
     assert _place("tiercache.transfer.links") == (8, "transfer")

@@ -1,14 +1,13 @@
 """The local data path: `tiercache serve --shm-dir` keeps its memory tier as chunk files that co-located
 clients read and hand in themselves, with gRPC for everything else (a real server in a subprocess)."""
-import time
 
 import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.conftest import CacheServerProcess, eventually  # noqa: E402
 from tests.support.grpc_clients import NS, Client, chunks, raw_call  # noqa: E402
-from tiercache.transfer.plan import Failure  # noqa: E402
+from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.chunk_files import chunk_path  # noqa: E402
 from tiercache.wire.chunk_format import HEADER_BYTES  # noqa: E402
@@ -67,11 +66,9 @@ def test_local_chunks_spill_to_disk_are_fetched_over_grpc_and_survive_a_restart(
         assert got == [len(raw) for _, raw in items] and data == [raw for _, raw in items]
         assert server.stop(graceful=True) == 0
         server.start()                                    # a new instance: the client asks again
-        for _ in range(30):
-            got, data = read_all(tier, items)
-            if got == [len(raw) for _, raw in items]:
-                break
-            time.sleep(0.1)
+        whole = [len(raw) for _, raw in items]
+        eventually(lambda: read_all(tier, items)[0] == whole, 10, "reads from the new instance")
+        got, data = read_all(tier, items)
         assert got == [len(raw) for _, raw in items] and data == [raw for _, raw in items]
     finally:
         tier.close()

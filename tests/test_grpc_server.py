@@ -14,9 +14,9 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 from tests.conftest import TOKEN, CacheServerProcess, Stack, eventually, free_port  # noqa: E402
 from tests.support.grpc_clients import NS, Client, chunks, healthy, raw_call  # noqa: E402
 from tests.support.stack_ops import load, lookup, put  # noqa: E402
-from tiercache.keys import BlockHash, KVGeometry  # noqa: E402
+from tiercache.contracts.keys import BlockHash, KVGeometry  # noqa: E402
+from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.tiers.grpc_index import GrpcIndex  # noqa: E402
-from tiercache.transfer.plan import Failure  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta  # noqa: E402
 from tiercache.wire.grpc_messages import (  # noqa: E402
@@ -158,11 +158,12 @@ def test_a_corrupted_chunk_file_on_the_server_is_a_miss(tmp_path, bulk):
         target.write_bytes(bytes(data))
         server.start()
         buf = memoryview(bytearray(1 << 16))
-        for _ in range(20):
-            got = tier.read_chunks_into([(items[0][0].key, buf)])
-            if tier.available:
-                break
-            time.sleep(0.1)
+        got = []
+
+        def read_with_the_tier_up() -> bool:
+            got[:] = tier.read_chunks_into([(items[0][0].key, buf)])
+            return tier.available
+        eventually(read_with_the_tier_up, 10, "a read with the tier back")
         assert got == [Failure.MISS]
         assert not target.exists() and tier.contains([items[0][0].key]) == 0
         stats = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
@@ -500,8 +501,8 @@ def test_one_bad_chunk_on_the_server_costs_one_failed_load_not_a_retry_storm(tmp
     answers "absent" for the chunk at once instead of re-planning the promotion every step, the engine
     recomputes and writes the chunk through again, and the next request hits the whole prefix."""
     from tests.support.engine_runs import BLOCK, offload, run_sequential, shared_prompts
+    from tiercache.contracts.keys import chunk_keys
     from tiercache.engine import EngineConfig, LLMEngine
-    from tiercache.keys import chunk_keys
 
     disk = tmp_path / "server-l2"
     server = CacheServerProcess(tmp_path, "--capacity", "8MiB", "--disk", str(disk))   # memory goes down at stop

@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from tiercache.keys import BlockHasher, KVGeometry, Namespace, chunk_keys, hash_functions
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace, chunk_keys, hash_functions
 
 GEO = KVGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 NS = Namespace("meta-llama/Llama-3.1-8B", GEO, block_size=16, revision="main")
@@ -61,7 +61,7 @@ def test_token_ids_must_fit_uint32():
 def test_same_hashes_in_a_fresh_process():
     """No per-process seed: another interpreter (another PYTHONHASHSEED) computes identical keys."""
     script = (
-        "from tiercache.keys import *\n"
+        "from tiercache.contracts.keys import *\n"
         "ns = Namespace('meta-llama/Llama-3.1-8B', KVGeometry(32, 8, 128, 'bfloat16'), 16, 'main')\n"
         "for name in ('sha256', 'blake3', 'xxh3_128'):\n"
         "    print(BlockHasher(ns, name).hash_blocks(list(range(100)))[-1].hex())\n"

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tiercache.build import lossy_codec
-from tiercache.codecs import ChunkLayout, codecs
+from tiercache.codecs import codecs
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.keys import KVGeometry, KVShard, Namespace
+from tiercache.contracts.layout import ChunkLayout
 from tiercache.errors import ChecksumMismatchError, CodecError, NonFiniteKVError
-from tiercache.keys import KVGeometry, KVShard, Namespace
 from tiercache.kv_quant import group_size
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat, ChunkMeta, decode, read_header
 

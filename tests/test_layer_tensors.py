@@ -4,7 +4,7 @@ import torch
 
 from tiercache.config import TierCacheConfig
 from tiercache.connectors.reference import ReferenceConnector
-from tiercache.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
 BLOCK, NUM_BLOCKS, LAYERS, HEADS, HEAD = 32, 16, 3, 2, 8

@@ -4,10 +4,11 @@ import time
 
 import pytest
 
+from tests.conftest import eventually
+from tiercache.contracts.plan import JobId, LinkLimits, Priority, TransferPlan
 from tiercache.tiers.base import Medium, link_name
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.links import LinkSet
-from tiercache.transfer.plan import JobId, LinkLimits, Priority, TransferPlan
 
 MB = 1_000_000
 
@@ -108,9 +109,13 @@ def test_engine_drops_stores_as_failed_results_and_counts_them():
     engine.register("cpu", "disk", lambda p, progress=None: gate.wait() and None)
     try:
         ids = [engine.submit(plan(i, MB, Priority.STORE, Medium.CPU, Medium.DISK)) for i in range(4)]
-        time.sleep(0.05)
-        dropped = [r for r in engine.poll() if r.error == "dropped"]
-        assert len(dropped) >= 2 and all(not r.ok for r in dropped)
+        dropped = []
+
+        def two_dropped() -> bool:
+            dropped.extend(r for r in engine.poll() if r.error == "dropped")
+            return len(dropped) >= 2
+        eventually(two_dropped, 10, "two of the queued stores dropped")
+        assert all(not r.ok for r in dropped)
         gate.set()
         rest = engine.wait([i for i in ids if i not in {r.job_id for r in dropped}], timeout=10)
         assert all(r.ok for r in rest)

@@ -5,7 +5,7 @@ import random
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
-from tiercache.transfer.plan import Failure, Priority
+from tiercache.contracts.plan import Failure, Priority
 
 BPC = CHUNK // BLOCK
 
@@ -148,16 +148,17 @@ def test_l1_capacity_bounds_stores_and_evicts_tails_first():
 
 def test_priorities_loads_before_stores():
     import threading
-    import time
 
+    from tiercache.contracts.plan import JobId, TransferPlan
     from tiercache.transfer.engine import TransferEngine
-    from tiercache.transfer.plan import JobId, TransferPlan
 
     engine = TransferEngine(workers=1)
     gate = threading.Event()
     order = []
+    running = threading.Event()
 
     def handler(plan, progress=None):
+        running.set()
         gate.wait()
         order.append(plan.priority)
 
@@ -165,7 +166,7 @@ def test_priorities_loads_before_stores():
     try:
         first = TransferPlan(JobId(1), "device", "cpu", "device_host", Priority.STORE, (), 0)
         engine.submit(first)        # occupies the single worker
-        time.sleep(0.05)
+        assert running.wait(10)
         plans = [TransferPlan(JobId(2 + i), "device", "cpu", "device_host", p, (), 0)
                  for i, p in enumerate((Priority.STORE, Priority.PREFETCH, Priority.LOAD))]
         for p in plans:

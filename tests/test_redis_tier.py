@@ -9,8 +9,8 @@ import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack, eventually
 from tests.support.stack_ops import load, lookup, put
+from tiercache.contracts.plan import Failure
 from tiercache.tiers.redis import RedisIndex, RedisTransport
-from tiercache.transfer.plan import Failure
 
 BPC = CHUNK // BLOCK
 
@@ -266,7 +266,7 @@ def test_a_tls_server_through_a_rediss_url(tmp_path):
 def _chunk(ns: bytes, i: int, nbytes: int = 1 << 20):
     import hashlib
 
-    from tiercache.keys import BlockHash
+    from tiercache.contracts.keys import BlockHash
     from tiercache.wire.chunk_format import ChunkMeta
     key = BlockHash(hashlib.sha256(b"direct%d" % i).digest())
     raw = torch.arange(nbytes // 2, dtype=torch.float16).add_(i).numpy().tobytes()
@@ -478,7 +478,7 @@ def test_a_server_that_hangs_never_holds_the_scheduler_and_costs_a_rank_one_time
     import socket
     import time
 
-    from tiercache.keys import BlockHash
+    from tiercache.contracts.keys import BlockHash
     hole = socket.create_server(("127.0.0.1", 0), backlog=64)     # connects, never answers
     url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
     index = RedisIndex(url, lookup_timeout_s=0.3, retry_interval_s=0.05)
@@ -516,8 +516,8 @@ def test_one_bad_value_costs_one_failed_load_not_a_retry_storm(redis_server):
     — it no longer re-plans the same promotion every step while a cached "present" lasts — and the engine
     recomputes, writes the chunk through again, and the next request hits it. Outputs never change."""
     from tests.support.engine_runs import offload, run_sequential, shared_prompts
+    from tiercache.contracts.keys import chunk_keys
     from tiercache.engine import EngineConfig, LLMEngine
-    from tiercache.keys import chunk_keys
 
     cfg = offload(redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 2.0})
     prompts = shared_prompts(n=3)

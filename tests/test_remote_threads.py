@@ -9,8 +9,8 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 
 from tests.conftest import CacheServerProcess, eventually  # noqa: E402
 from tests.support.grpc_clients import NS, Client, chunks  # noqa: E402
+from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.tiers import grpc_client, serve_channels  # noqa: E402
-from tiercache.transfer.plan import Failure  # noqa: E402
 
 THREADS = 6
 

@@ -27,8 +27,8 @@ from tiercache.bench.demo import run_workload  # noqa: E402
 from tiercache.bench.hostile import RssSampler, rss_mib  # noqa: E402
 from tiercache.bench.workloads import WorkloadSpec  # noqa: E402
 from tiercache.config import TierCacheConfig  # noqa: E402
+from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.engine import EngineConfig  # noqa: E402
-from tiercache.transfer.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 from tiercache.wire.grpc_messages import encode_chunk, method  # noqa: E402

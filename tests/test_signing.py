@@ -5,8 +5,8 @@ import redis
 
 from tests.conftest import Stack
 from tests.support.stack_ops import load, put
+from tiercache.contracts.keys import BlockHash
 from tiercache.errors import ChecksumMismatchError, SignatureError
-from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, SIGNED, ChunkFormat, ChunkMeta, ChunkSigner, decode, read_header
 
 NS = b"n" * 16

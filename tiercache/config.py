@@ -23,7 +23,7 @@ from tiercache.errors import ConfigError
 from tiercache.policies.eviction import DEFAULT_EVICTION
 
 if TYPE_CHECKING:
-    from tiercache.transfer.plan import LinkLimits
+    from tiercache.contracts.plan import LinkLimits
 
 ENV_PREFIX = "TIERCACHE_"
 _SIZE_UNITS = {
@@ -71,7 +71,7 @@ class KeysConfig:
     store_partial_chunks: bool = _opt(False, "also offload a trailing chunk with fewer than chunk_tokens tokens")
 
     def __post_init__(self) -> None:
-        from tiercache.keys import hash_functions
+        from tiercache.contracts.keys import hash_functions
 
         _check(self.block_size > 0, "block_size", self.block_size, "must be positive")
         _check(self.chunk_tokens > 0 and self.chunk_tokens % self.block_size == 0, "chunk_tokens",
@@ -234,7 +234,7 @@ class TransferConfig:
                 _check(getattr(self, f.name) >= 0, f.name, getattr(self, f.name), "must be >= 0")
 
     def link_limits(self) -> dict[str, LinkLimits]:
-        from tiercache.transfer.plan import LinkLimits
+        from tiercache.contracts.plan import LinkLimits
         return {
             link: LinkLimits(getattr(self, f"{link}_rate"), getattr(self, f"{link}_burst"),
                              getattr(self, f"{link}_max_in_flight"), getattr(self, f"{link}_max_queued_stores"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 
 
 class HotChunks:

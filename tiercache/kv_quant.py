@@ -4,7 +4,7 @@ Worker side, inside transfer handlers: a chunk is encoded on its way from L1
 down to disk or a remote tier, and decoded straight into its L1 slot when it
 comes back up, so L0 and L1 hold the engine's own dtype and only the tiers
 below hold 8-bit codes. Both codecs are lossy: opt-in (``format.codec``), named
-in the storage digest (`tiercache.keys.Namespace.storage_digest`), and
+in the storage digest (`tiercache.contracts.keys.Namespace.storage_digest`), and
 measured by ``tiercache bench codecs``.
 
 Payload: one code byte per value, in the chunk's own order, then one bf16
@@ -34,7 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from tiercache.codecs import Buffer, ChunkLayout, EncodeJob
+from tiercache.codecs import Buffer, EncodeJob
+from tiercache.contracts.layout import ChunkLayout
 from tiercache.errors import CodecError, NonFiniteKVError
 
 GROUP = 64                 # values per scale where the innermost axis allows: 2 B of scale per 64 B of codes

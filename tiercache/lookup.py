@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash, chunk_keys
+from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.tiers.base import TierIndex
 
 

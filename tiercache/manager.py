@@ -38,7 +38,7 @@ the engine delays freeing a finished request whose store is in flight — so
 the manager needs no per-block pins on the hot path.
 
 Chunks: chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and
-is keyed by the hash of its last block (`tiercache.keys`).
+is keyed by the hash of its last block (`tiercache.contracts.keys`).
 """
 from __future__ import annotations
 
@@ -47,15 +47,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 
-from tiercache.codecs import ChunkLayout
-from tiercache.hot_chunks import HotChunks
-from tiercache.keys import BlockHash, chunk_keys
-from tiercache.lookup import PrefixFinder, PrefixLookup
-from tiercache.policies import AdmissionPolicy
-from tiercache.tier_events import EventJournal, TierEvent
-from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
-from tiercache.tiers.cpu import CpuIndex
-from tiercache.transfer.plan import (
+from tiercache.contracts.keys import BlockHash, chunk_keys
+from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.plan import (
     DEVICE,
     ChunkCopy,
     Failure,
@@ -65,6 +59,12 @@ from tiercache.transfer.plan import (
     TransferPlan,
     WriteBackOrder,
 )
+from tiercache.hot_chunks import HotChunks
+from tiercache.lookup import PrefixFinder, PrefixLookup
+from tiercache.policies import AdmissionPolicy
+from tiercache.tier_events import EventJournal, TierEvent
+from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
+from tiercache.tiers.cpu import CpuIndex
 
 
 class JobKind(Enum):

@@ -1,7 +1,7 @@
 """Small chunks for the disk tier's tests: keys, metas and payloads by index."""
 import numpy as np
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, ChunkMeta
 
 NS = b"n" * 16

@@ -4,7 +4,7 @@ import torch
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
-from tiercache.keys import BlockHash  # noqa: E402
+from tiercache.contracts.keys import BlockHash  # noqa: E402
 from tiercache.tiers.grpc_client import GrpcTransport  # noqa: E402
 from tiercache.tiers.grpc_index import GrpcIndex  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402

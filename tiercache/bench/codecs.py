@@ -22,8 +22,9 @@ import torch
 
 from tiercache.bench.disk import drop_page_cache, time_file_reads, time_file_writes
 from tiercache.bench.tiers import SHAPES
-from tiercache.codecs import ChunkLayout, codecs
+from tiercache.codecs import codecs
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.layout import ChunkLayout
 from tiercache.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from tiercache.wire.chunk_format import ChunkFormat
 

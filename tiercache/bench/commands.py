@@ -299,7 +299,7 @@ def _trace_points(args: argparse.Namespace) -> list[dict]:
         return [{"capacity_tokens": c} for c in args.capacity_tokens]
     from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
     from tiercache.bench.trace import TRACE_BLOCK_TOKENS
-    from tiercache.codecs import ChunkLayout
+    from tiercache.contracts.layout import ChunkLayout
     from tiercache.wire.chunk_format import ChunkFormat
 
     geo = SHAPES[args.shape]

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from tiercache.bench.workloads import WORKLOADS, WorkloadSpec
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.plan import DEVICE
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
 from tiercache.engine.sequence import Sequence
-from tiercache.transfer.plan import DEVICE
 
 WARMUP_TOKEN = 7  # a control byte that no workload prompt contains
 SOURCES = ("cold", "L0", "cpu", "disk", "redis", "grpc")   # where a request's prefix came from, slowest last

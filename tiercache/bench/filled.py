@@ -9,7 +9,7 @@ from typing import Any
 from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
 from tiercache.config import TierCacheConfig
 from tiercache.connectors.reference import ReferenceConnector
-from tiercache.keys import BlockHash, BlockHasher, Namespace
+from tiercache.contracts.keys import BlockHash, BlockHasher, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 from tiercache.tiers.base import TierIndex
 

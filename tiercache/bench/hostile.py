@@ -29,8 +29,8 @@ import numpy as np
 from tiercache.bench.demo import run_workload
 from tiercache.bench.workloads import WorkloadSpec
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.keys import BlockHash
 from tiercache.engine import EngineConfig
-from tiercache.keys import BlockHash
 from tiercache.wire import data_frames as dw
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.grpc_messages import AUTH_HEADER, encode_chunk, method

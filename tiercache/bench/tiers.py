@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tiercache.config import TierCacheConfig
-from tiercache.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 
 SHAPES = {

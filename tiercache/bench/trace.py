@@ -19,12 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.manager import CacheManager
 from tiercache.policies import DEFAULT_EVICTION, admission_policies
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.metadata import MetadataIndex
-from tiercache.transfer.plan import JobOutcome, TransferPlan
 
 TRACE_BLOCK_TOKENS = 512
 

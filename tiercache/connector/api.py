@@ -12,7 +12,7 @@ tensors (answering with a `WorkerHandshake`), starts a step's loads, waits for
 a layer's KV before attention reads it, hands stores over after the forward,
 and reports what finished (`WorkerReport`).
 
-Only the plain data below crosses between the sides, in the engine's own
+Only plain data (`tiercache.contracts.connector`) crosses between the sides, in the engine's own
 channels: a `WorkerHandshake` per rank once at start, `ConnectorMetadata`
 down every step, a `WorkerReport` per rank up every step. Engines (the
 reference engine, vLLM) talk only to these classes; the tiers stay behind
@@ -21,78 +21,10 @@ them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from tiercache.codecs import ChunkLayout
-from tiercache.keys import BlockHash
-from tiercache.transfer.plan import JobId, JobOutcome, JobReport, TransferPlan, WriteBackOrder
-from tiercache.wire.chunk_files import ScanResult
-
-
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """What a connector needs to know about a request."""
-    request_id: str
-    num_tokens: int                       # tokens the request holds (prompt + generated so far)
-    block_hashes: Sequence[BlockHash]     # chained hashes of its full blocks
-
-
-@dataclass(frozen=True, slots=True)
-class StepRequest:
-    """One request in a scheduled step: its table and how many tokens will be cached after the step."""
-    request: RequestView
-    block_ids: Sequence[int]
-    num_computed_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerHandshake:
-    """Worker → scheduler, once per rank after its KV is registered: what the scheduler's indexes must know."""
-    rank: int
-    num_ranks: int
-    block_bytes: int                      # this rank's bytes of one block, all its layers
-    num_slots: int                        # L1 slots this rank allocated (its share of cpu.capacity)
-    storage: bytes                        # the digest this rank's stored chunks are filed under
-    writer: bool                          # writes lower tiers (False: replicated KV another rank writes)
-    stored: Mapping[str, ScanResult] = field(default_factory=dict)   # what persistent tiers hold, per tier
-    copies_in_step: bool = False          # L0 ↔ L1 copies complete within the step that asked for them
-    block_layout: ChunkLayout | None = None   # dtype and shape of a one-block chunk (sizes quantized chunks)
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorMetadata:
-    """Scheduler → every worker, once per step: the plans to run and whom they serve."""
-    loads: tuple[TransferPlan, ...] = ()
-    stores: tuple[TransferPlan, ...] = ()
-    background: tuple[TransferPlan, ...] = ()   # promotions, spills, copies down, deletes: no request waits
-    owners: dict[JobId, str] = field(default_factory=dict)
-    delayed: tuple[str, ...] = ()        # finished requests whose blocks the engine keeps until their stores end
-    preempted: tuple[str, ...] = ()      # requests whose blocks the engine took back this step
-    write_back: WriteBackOrder | None = None   # what to write down at a clean shutdown (write-back tiers only)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerReport:
-    """One worker → scheduler, once per step. ``(rank, seq)`` names a report: an engine that delivers one twice
-    (vLLM 0.33 replays failed workers' outputs) has it applied once."""
-    rank: int
-    jobs: tuple[JobReport, ...] = ()
-    finished_sending: frozenset[str] = frozenset()   # delayed requests with no store left on this rank
-    failed_loads: frozenset[str] = frozenset()       # requests with a load that failed on this rank
-    failed_block_ids: frozenset[int] = frozenset()
-    stats: Mapping[str, int] = field(default_factory=dict)   # this rank's counter deltas since the last report
-    seq: int = 0                                     # this rank's reports so far, this one included
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorOutput:
-    """What every rank reported for one step, aggregated for the engine: a request finished sending when
-    every rank says so, a load failed when any rank's did."""
-    jobs: tuple[JobReport, ...] = ()
-    finished_sending: frozenset[str] = frozenset()
-    failed_loads: frozenset[str] = frozenset()
-    failed_block_ids: frozenset[int] = frozenset()
+from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
+from tiercache.contracts.plan import JobOutcome, JobReport
 
 
 class SchedulerConnector(ABC):

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from tiercache.build import build_scheduler_side, check_config
 from tiercache.config import TierCacheConfig
-from tiercache.connector.api import ConnectorMetadata, RequestView, SchedulerConnector, StepRequest, WorkerHandshake
-from tiercache.keys import BlockHash, chunk_keys
+from tiercache.connector.api import SchedulerConnector
+from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake
+from tiercache.contracts.keys import BlockHash, chunk_keys
+from tiercache.contracts.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 from tiercache.lookup import PrefixLookup
 from tiercache.manager import CacheManager
-from tiercache.transfer.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 
 IDLE_WAIT_S = 0.010   # a step with nothing to compute waits up to this long for a remote lookup's answer
 

@@ -30,10 +30,11 @@ from collections import defaultdict
 
 from tiercache.build import L1, WorkerStack, build_worker_side, check_config
 from tiercache.config import TierCacheConfig
-from tiercache.connector.api import ConnectorMetadata, WorkerConnector, WorkerHandshake, WorkerReport
-from tiercache.keys import BlockHash, KVShard, Namespace
+from tiercache.connector.api import WorkerConnector
+from tiercache.contracts.connector import ConnectorMetadata, WorkerHandshake, WorkerReport
+from tiercache.contracts.keys import BlockHash, KVShard, Namespace
+from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, JobId, Priority, TransferPlan, TransferResult
 from tiercache.transfer.engine import LayerProgress
-from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, JobId, Priority, TransferPlan, TransferResult
 
 log = logging.getLogger(__name__)
 

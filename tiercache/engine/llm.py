@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.engine.config import EngineConfig, ModelConfig
 from tiercache.engine.runner import ModelRunner
 from tiercache.engine.scheduler import Scheduler
@@ -22,7 +23,6 @@ from tiercache.engine.sequence import SamplingParams, Sequence
 from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tiercache.engine.weights import config_from_hf, load_hf_model, seeded_model
 from tiercache.errors import ConfigError
-from tiercache.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.machine import physical_memory
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 

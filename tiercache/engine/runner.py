@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from tiercache.connector.api import ConnectorMetadata
+from tiercache.contracts.connector import ConnectorMetadata
 from tiercache.engine.model import AttentionBatch, LlamaModel, SeqSlice
 from tiercache.engine.sampler import sample
 from tiercache.engine.scheduler import SchedulerOutput

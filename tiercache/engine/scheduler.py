@@ -13,10 +13,11 @@ from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tiercache.connector.api import ConnectorMetadata, ConnectorOutput, SchedulerConnector, StepRequest
+from tiercache.connector.api import SchedulerConnector
+from tiercache.contracts.connector import ConnectorMetadata, ConnectorOutput, StepRequest
+from tiercache.contracts.keys import BlockHasher
 from tiercache.engine.config import EngineConfig
 from tiercache.engine.sequence import Sequence, SequenceStatus
-from tiercache.keys import BlockHasher
 from tiercache.pool.block_manager import BlockCopy, BlockManager
 from tiercache.pool.block_pool import Block
 

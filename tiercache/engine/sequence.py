@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from tiercache.connector.api import RequestView
-from tiercache.keys import BlockHash, BlockHasher
+from tiercache.contracts.connector import RequestView
+from tiercache.contracts.keys import BlockHash, BlockHasher
 
 
 class SequenceStatus(Enum):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.pool.block_pool import Block, BlockPool
 
 RequestId = Hashable

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 
 
 class Block:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from tiercache.keys import KVGeometry
+from tiercache.contracts.keys import KVGeometry
 
 
 def resolve_device(name: str) -> torch.device:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiercache.keys import KVGeometry
+from tiercache.contracts.keys import KVGeometry
 
 
 class LayerTensorsKV:

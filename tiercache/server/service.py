@@ -45,8 +45,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server.fair import Hold, InflightBytes
 from tiercache.server.limits import ServerLimits, StreamWatch, end_call
 from tiercache.server.store import PutOutcome

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.tiers import DiskChunks, MemoryChunks, ShmChunks

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiercache.config import parse_size, read_secret, read_token
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.errors import ConfigError
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
 from tiercache.server.values import Messages, Stored
 

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.values import BufferPool, Spill, Stored, StoreKey, store_key, value_size
 from tiercache.tiers.base import Medium

@@ -14,8 +14,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiercache.contracts.keys import BlockHash
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, ParsedHeader, check_header
 from tiercache.wire.grpc_messages import parse_chunk, split_chunk
 

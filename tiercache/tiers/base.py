@@ -19,10 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-from tiercache.codecs import Buffer, ChunkLayout
-from tiercache.keys import BlockHash
-from tiercache.transfer.plan import Failure, KeyFailures
-from tiercache.wire.chunk_files import ScanResult
+from tiercache.codecs import Buffer
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.plan import Failure, KeyFailures
+from tiercache.contracts.scan import ScanResult
 from tiercache.wire.chunk_format import ChunkMeta
 
 

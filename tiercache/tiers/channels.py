@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from tiercache.codecs import Buffer
-from tiercache.keys import BlockHash
-from tiercache.transfer.plan import Failure, KeyFailures
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.wire.chunk_format import ChunkMeta
 from tiercache.wire.codec_pipeline import CodecPipeline, Encoded
 from tiercache.wire.values import ValueSource

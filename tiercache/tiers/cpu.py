@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import Medium
 from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.tiers.slab import SlotHeap
-from tiercache.transfer.plan import Failure
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,14 +33,15 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tiercache.codecs import Buffer, ChunkLayout
+from tiercache.codecs import Buffer
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import BlockHash
 from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import LowerIndex, Medium, Transport
 from tiercache.tiers.index import Entry, IndexedTier
-from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_files import (
     ALIGN,
     WRITE_PIECE,

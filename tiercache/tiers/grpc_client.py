@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.tiers.channels import ValueChannel
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.serve_channels import DataChannelValues, SharedDirValues, StreamValues

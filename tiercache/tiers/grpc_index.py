@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.tiers.remote_index import RemoteIndex
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat

@@ -19,7 +19,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.policies import eviction_policies
 from tiercache.tiers.base import TierIndex
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tiercache.codecs import ChunkLayout
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.plan import Failure
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.tiers.base import LowerIndex, Medium
 from tiercache.tiers.index import Entry, IndexedTier
-from tiercache.transfer.plan import Failure
 
 
 class MetadataIndex(IndexedTier, LowerIndex):

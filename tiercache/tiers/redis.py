@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.tiers.channels import ValueChannel
 from tiercache.tiers.redis_channels import PipelinedValues, RawSocketValues
 from tiercache.tiers.remote import RemoteTransport

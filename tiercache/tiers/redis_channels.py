@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from tiercache.codecs import copy_into
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.log_limits import ThrottledLog
 from tiercache.tiers.channels import Got, OutgoingBatch, Receive, ValueChannel
 from tiercache.tiers.resp import (
@@ -36,7 +37,6 @@ from tiercache.tiers.resp import (
     command,
     set_command,
 )
-from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_format import ChunkMeta
 from tiercache.wire.grpc_messages import ChunkPieces
 

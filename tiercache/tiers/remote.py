@@ -25,13 +25,13 @@ from abc import abstractmethod
 from collections.abc import Sequence
 
 from tiercache.codecs import Buffer
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import BlockHash
 from tiercache.log_limits import ThrottledLog
 from tiercache.tiers.base import Medium, Transport
 from tiercache.tiers.channels import ELSEWHERE, ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
 from tiercache.tiers.outage import Outage
-from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, ReadBatch
 from tiercache.wire.values import ValueSource, receive_value

@@ -28,11 +28,11 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from tiercache.codecs import ChunkLayout
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.plan import Failure
 from tiercache.tiers.base import LowerIndex, Medium
 from tiercache.tiers.outage import Outage
-from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat
 
 MAX_ANSWERS = 1024        # lookups answered or in flight (oldest dropped first)

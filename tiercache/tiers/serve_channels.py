@@ -31,11 +31,11 @@ from typing import TypeVar
 
 import grpc
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.log_limits import ThrottledLog
 from tiercache.tiers.channels import ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
 from tiercache.tiers.shared_dir import SharedDirectory
-from tiercache.transfer.plan import Failure, KeyFailures
 from tiercache.wire import data_frames as dw
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.data_channel import DataChannel, DataChannelBusy, DataChannelRefused, StaleConnection

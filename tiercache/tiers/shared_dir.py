@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tiercache.codecs import Buffer
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 from tiercache.tiers.channels import ELSEWHERE, Got, Receive
 from tiercache.wire.chunk_files import chunk_path, write_all
 from tiercache.wire.values import FileSource

@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from tiercache.contracts.plan import Failure, JobId, KeyFailures, LinkLimits, TransferPlan, TransferResult
 from tiercache.transfer.links import LinkSet
-from tiercache.transfer.plan import Failure, JobId, KeyFailures, LinkLimits, TransferPlan, TransferResult
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, KeyFailures, TransferPlan
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.kernels.cuda import make_copier
-from tiercache.keys import BlockHash
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.tiers.base import Transport
 from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import LayerProgress, TransferEngine
-from tiercache.transfer.plan import DEVICE, ChunkCopy, Failure, KeyFailures, TransferPlan
 from tiercache.wire.chunk_format import ChunkMeta
 
 

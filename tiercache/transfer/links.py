@@ -22,7 +22,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from tiercache.transfer.plan import LinkLimits, Priority, TransferPlan
+from tiercache.contracts.plan import LinkLimits, Priority, TransferPlan
 
 
 class TokenBucket:

@@ -12,32 +12,17 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from pathlib import Path
 
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.scan import ScanResult, StoredChunk
 from tiercache.errors import ChunkFormatError
-from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import HEADER_BYTES, check_header
 
 SUFFIX = ".chunk"
 TEMP_SUFFIX = ".tmp"     # a chunk file being written, renamed into place once whole
 ALIGN = 4096
 WRITE_PIECE = 4 << 20   # page-cache writes in one 32 MiB syscall ran at about half the rate of 4 MiB ones here
-
-
-@dataclass(frozen=True, slots=True)
-class StoredChunk:
-    """A chunk file found on disk (plain data: a worker reports these to the scheduler's index)."""
-    key: BlockHash
-    nbytes: int        # file size, header included
-    mtime_ns: int
-
-
-@dataclass(frozen=True, slots=True)
-class ScanResult:
-    found: tuple[StoredChunk, ...]   # oldest first
-    bad: int                         # damaged, foreign or wrong-sized files deleted
-    temp: int                        # leftover temp files of writers that died mid-chunk, deleted
 
 
 def chunk_path(directory: Path, key: bytes) -> Path:

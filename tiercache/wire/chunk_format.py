@@ -29,6 +29,7 @@ from tiercache.codecs import (
     decoder,
     encode_job,
 )
+from tiercache.contracts.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
 from tiercache.errors import (
     ChecksumMismatchError,
     CorruptHeaderError,
@@ -37,7 +38,6 @@ from tiercache.errors import (
     SignatureError,
     TruncatedChunkError,
 )
-from tiercache.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
 
 MAGIC = b"TCKV"
 VERSION = 1

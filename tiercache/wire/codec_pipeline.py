@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from tiercache.codecs import Buffer, Codec, EncodeJob
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.errors import ChunkFormatError, NonFiniteKVError
-from tiercache.keys import BlockHash
 from tiercache.log_limits import ThrottledLog
 from tiercache.machine import keep_torch_to_one_core
-from tiercache.transfer.plan import Failure
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner, ParsedHeader, verify_payload_into
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from tiercache.keys import BlockHash
-from tiercache.transfer.plan import Failure
+from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.wire import data_frames as dw
 from tiercache.wire.codec_pipeline import Encoded
 from tiercache.wire.streams import ProtocolError, StreamReader, kernel_timeouts

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import struct
 
-from tiercache.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 
 MAGIC = b"TCDATA" + (1).to_bytes(2, "little")
 HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED, HELLO_BUSY = 0, 1, 2, 3

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
+from tiercache.contracts.keys import BlockHash
 from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureError, TruncatedChunkError
-from tiercache.keys import BlockHash
 from tiercache.wire.chunk_format import (
     HEADER_BYTES,
     SIGNED,

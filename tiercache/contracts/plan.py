@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import NewType
 
-from tiercache.keys import BlockHash
+from tiercache.contracts.keys import BlockHash
 
 JobId = NewType("JobId", int)
 
