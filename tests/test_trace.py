@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tiercache.bench.trace import load_trace, replay, replay_hierarchy, unique_chunks
+from tiercache.bench.trace import load_trace, replay, replay_belady, replay_hierarchy, unique_chunks
+from tiercache.policies import eviction_policies
 
 
 def write_trace(path: Path, rows) -> Path:
@@ -37,6 +38,32 @@ def test_infinite_capacity_reproduces_the_ceiling_of_the_shared_trace(shared_tra
     assert 0.64 < ceiling.token_hit_ratio < 0.66
     small, large = replay(trace, 1_000_000), replay(trace, 3_000_000)
     assert small.token_hit_ratio < large.token_hit_ratio < ceiling.token_hit_ratio
+
+
+def test_the_offline_reference_keeps_what_comes_back_soonest_and_nothing_that_does_not(tmp_path):
+    """Two chunks of room. Chunk 2 is never asked for again, so it is never kept; chunk 3 comes back before
+    chunk 1, so both stay; chunk 3's last use frees its room, and 4 (never again) is not kept either."""
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [
+        req([1, 2]),     # miss: keeps 1 (asked for again at r2), not 2 (never again)
+        req([3]),        # miss: keeps 3 (asked for at r3)
+        req([1]),        # hit
+        req([3]),        # hit; its last use
+        req([4]),        # miss: never again, not kept
+        req([1]),        # hit
+    ]))
+    belady = replay_belady(trace, capacity_tokens=2 * 512)
+    assert (belady.hit_requests, belady.hit_tokens) == (3, 3 * 512)
+    assert replay(trace, 2 * 512, "lru").hit_requests < belady.hit_requests
+
+
+def test_the_offline_reference_bounds_every_policy_and_meets_the_ceiling(shared_trace):
+    trace = shared_trace[:2000]
+    for capacity in (500_000, 2_000_000):
+        best = replay_belady(trace, capacity).token_hit_ratio
+        for policy in eviction_policies.names():
+            assert replay(trace, capacity, policy).token_hit_ratio <= best, (policy, capacity)
+    everything = unique_chunks(trace) * 512
+    assert replay_belady(trace, everything).hit_tokens == replay(trace, everything).hit_tokens
 
 
 def test_hierarchy_admission_trades_hits_for_disk_writes(shared_trace):
@@ -75,7 +102,9 @@ def test_bench_trace_writes_json_markdown_and_png(tmp_path):
         (2 * 512 + 2 * 512) / (3 * 512 + 3 * 512 + 512 + 2 * 512), abs=1e-3
     )
     assert {(r["policy"], r["capacity_tokens"]) for r in report["results"]} == {
-        ("lru", 1024), ("lru", 4000), ("fifo", 1024), ("fifo", 4000)}   # 4K = 4000 tokens
+        ("lru", 1024), ("lru", 4000), ("fifo", 1024), ("fifo", 4000),   # 4K = 4000 tokens
+        ("belady (offline)", 1024), ("belady (offline)", 4000)}         # the reference row, always
+    assert all(r["vs_lru"] >= 1.0 for r in report["results"] if r["policy"] == "belady (offline)")
     assert "token hit ratio" in (out / "trace.md").read_text()
     assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -203,20 +203,22 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tiercache.bench.report import markdown_table, plot_lines, write_json
-    from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, unique_chunks
+    from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, replay_belady, unique_chunks
 
     trace = load_trace(args.trace)
     ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
     points = _trace_points(args)
     results = []
-    with tqdm(total=len(points) * len(args.policy), desc="bench trace", file=sys.stderr,
-              disable=args.quiet) as bar:
-        for policy in args.policy:
+    runs = [(policy, lambda cap, policy=policy: replay(trace, cap, policy)) for policy in args.policy]
+    runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always
+    with tqdm(total=len(points) * len(runs), desc="bench trace", file=sys.stderr, disable=args.quiet) as bar:
+        for policy, run in runs:
             for point in points:
-                r = replay(trace, point["capacity_tokens"], policy)
+                r = run(point["capacity_tokens"])
                 results.append({"policy": policy, **point, "token_hit_ratio": round(r.token_hit_ratio, 4),
                                 "request_hit_ratio": round(r.request_hit_ratio, 4)})
                 bar.update(1)
+    _against_lru(results)
     report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
               "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
               "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "results": results,
@@ -229,11 +231,12 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
             r["policy"],
             r["capacity_tokens"],
             r["token_hit_ratio"],
+            r.get("vs_lru", "-"),
             r["request_hit_ratio"],
         )
         for r in results
     ]
-    headers = (*lead, "policy", "capacity (tokens)", "token hit ratio", "request hit ratio")
+    headers = (*lead, "policy", "capacity (tokens)", "token hit ratio", "vs lru", "request hit ratio")
     if args.out:
         out = Path(args.out)
         write_json(out / "trace.json", report)
@@ -255,6 +258,18 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         table.add_row(*map(str, row))
     Console(width=max(80, Console().width)).print(table)
     return 0
+
+
+BELADY_ROW = "belady (offline)"   # `replay_belady`: reads the trace's future; the headroom every policy has
+
+
+def _against_lru(results: list[dict]) -> None:
+    """Give each row its token hit ratio over LRU's at the same capacity (and codec), where LRU was run."""
+    lru = {(r["capacity_tokens"], r.get("codec")): r["token_hit_ratio"] for r in results if r["policy"] == "lru"}
+    for r in results:
+        base = lru.get((r["capacity_tokens"], r.get("codec")))
+        if base:
+            r["vs_lru"] = round(r["token_hit_ratio"] / base, 3)
 
 
 def cmd_bench_codecs(args: argparse.Namespace) -> int:

@@ -6,6 +6,9 @@ run of its chunks the cache holds (prefix semantics), capped at its input
 length; then it touches what it hit and stores what it missed.
 
 - `replay`: one tier with an eviction policy at a capacity (in tokens).
+- `replay_belady`: the offline reference at a capacity — not a policy, it
+  reads the trace's future: it evicts the chunk asked for furthest ahead and
+  never keeps one nobody asks for again (Belady's MIN with bypass).
 - `replay_hierarchy`: L1 (`CpuIndex`, with 1-byte slots) over L2
   (`MetadataIndex`) driven by the real `CacheManager` — promotions, spills and
   the admission policy included — with every planned transfer completing at
@@ -14,6 +17,7 @@ length; then it touches what it hit and stores what it missed.
 from __future__ import annotations
 
 import gzip
+import heapq
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -98,6 +102,52 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
         reserved = [k for k, ok in zip(missing, tier.prepare_store(missing, [1] * len(missing))) if ok]
         tier.complete_store(reserved)
         tier.link([(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= hit])
+    return result
+
+
+def _next_uses(trace: Sequence[TraceRequest]) -> list[list[int]]:
+    """For each request, each of its chunks' next request (its index; ``len(trace)`` for never)."""
+    never = len(trace)
+    upcoming: dict[BlockHash, int] = {}
+    out: list[list[int]] = [[] for _ in trace]
+    for i in range(len(trace) - 1, -1, -1):
+        keys = trace[i].keys
+        out[i] = [upcoming.get(k, never) for k in keys]
+        for k in keys:
+            upcoming[k] = i
+    return out
+
+
+def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int) -> ReplayResult:
+    """The offline reference row of `bench trace`: requests hit their leading run of resident chunks, as in
+    `replay`; then every chunk of the request is kept when it comes back sooner than some resident chunk (that
+    one, asked for furthest ahead, makes room) and never when nobody asks for it again. O(log n) a chunk."""
+    capacity = max(1, capacity_tokens // TRACE_BLOCK_TOKENS)
+    never = len(trace)
+    resident: dict[BlockHash, int] = {}        # chunk → the request that next asks for it
+    furthest: list[tuple[int, BlockHash]] = []  # (-next use, chunk); entries whose use has moved on are stale
+    result = ReplayResult()
+    for request, next_uses in zip(trace, _next_uses(trace)):
+        keys = request.keys
+        hit = 0
+        while hit < len(keys) and keys[hit] in resident:
+            hit += 1
+        result.add(request, hit)
+        for key, next_use in zip(keys, next_uses):
+            if key not in resident:
+                if next_use == never:
+                    continue
+                if len(resident) >= capacity:
+                    while resident.get(furthest[0][1]) != -furthest[0][0]:
+                        heapq.heappop(furthest)           # stale: that chunk was asked for since
+                    if -furthest[0][0] <= next_use:
+                        continue                          # every resident chunk comes back sooner: bypass
+                    del resident[heapq.heappop(furthest)[1]]
+            elif next_use == never:
+                del resident[key]                         # its last use: the room is free now
+                continue
+            resident[key] = next_use
+            heapq.heappush(furthest, (-next_use, key))
     return result
 
 
