@@ -109,6 +109,23 @@ def test_bench_trace_writes_json_markdown_and_png(tmp_path):
     assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_trace_replays_l1_over_l2_and_counts_the_chunks_each_policy_writes(tmp_path):
+    """With --l1-tokens each capacity is an L2's under the real cache manager; each row says how many chunks
+    the (lowest) tier wrote, and the reference holds L1's and L2's room as one."""
+    trace = write_trace(tmp_path / "t.jsonl", [req([1, 2, 3]), req([1, 2, 4]), req([5]), req([1, 2]), req([6])])
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
+                           "--capacity-tokens", "1024", "--l1-tokens", "1024", "--policy", "lru", "--json", str(out),
+                           "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in report["results"]}
+    assert report["l1_tokens"] == 1024 and set(rows) == {"lru", "belady (offline)"}
+    assert rows["lru"]["written_chunks"] > 0                          # spills from L1 were written to L2
+    assert rows["belady (offline)"]["written_chunks"] < rows["lru"]["written_chunks"]   # one-offs never kept
+    assert rows["belady (offline)"]["token_hit_ratio"] >= rows["lru"]["token_hit_ratio"]
+
+
 def test_a_gzip_compressed_trace_reads_the_same(tmp_path):
     import gzip
     plain = write_trace(tmp_path / "t.jsonl", [req([1, 2], 600), req([1, 2, 3], 1100)])

@@ -288,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --capacity-bytes: the KV geometry whose chunks fill the bytes")
     t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
                    help="comma-separated eviction policies (default: lru,lfu-da,s3-fifo)")
+    t.add_argument("--l1-tokens", type=_size_list("--l1-tokens", "1M"), default=None,
+                   help="replay L1 of this many tokens over an L2 of each capacity through the real cache manager "
+                        "(promotions, write-back spills; the policy in both tiers) instead of one tier")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")

@@ -203,25 +203,39 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tiercache.bench.report import markdown_table, plot_lines, write_json
-    from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, replay_belady, unique_chunks
+    from tiercache.bench.trace import (
+        TRACE_BLOCK_TOKENS,
+        load_trace,
+        replay,
+        replay_belady,
+        replay_hierarchy,
+        unique_chunks,
+    )
 
     trace = load_trace(args.trace)
     ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
     points = _trace_points(args)
     results = []
-    runs = [(policy, lambda cap, policy=policy: replay(trace, cap, policy)) for policy in args.policy]
-    runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always
+    l1 = args.l1_tokens[0] if args.l1_tokens else None
+    if l1 is None:
+        runs = [(policy, lambda cap, policy=policy: replay(trace, cap, policy)) for policy in args.policy]
+        runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always
+    else:       # L1 over an L2 of each capacity; the reference holds L1's and L2's room as one
+        runs = [(policy, lambda cap, policy=policy: replay_hierarchy(trace, l1, cap, eviction=policy))
+                for policy in args.policy]
+        runs.append((BELADY_ROW, lambda cap: replay_belady(trace, l1 + cap)))
     with tqdm(total=len(points) * len(runs), desc="bench trace", file=sys.stderr, disable=args.quiet) as bar:
         for policy, run in runs:
             for point in points:
                 r = run(point["capacity_tokens"])
                 results.append({"policy": policy, **point, "token_hit_ratio": round(r.token_hit_ratio, 4),
-                                "request_hit_ratio": round(r.request_hit_ratio, 4)})
+                                "request_hit_ratio": round(r.request_hit_ratio, 4),
+                                "written_chunks": r.written_chunks})
                 bar.update(1)
     _against_lru(results)
     report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
               "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
-              "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "results": results,
+              "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "l1_tokens": l1, "results": results,
               "command": "tiercache " + " ".join(sys.argv[1:])}
     by_bytes = args.capacity_bytes is not None
     lead = ("codec", "capacity (bytes)") if by_bytes else ()
@@ -233,10 +247,13 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
             r["token_hit_ratio"],
             r.get("vs_lru", "-"),
             r["request_hit_ratio"],
+            r["written_chunks"],
         )
         for r in results
     ]
-    headers = (*lead, "policy", "capacity (tokens)", "token hit ratio", "vs lru", "request hit ratio")
+    capacity = "capacity (tokens)" if l1 is None else f"L2 tokens (L1 {l1})"
+    headers = (*lead, "policy", capacity, "token hit ratio", "vs lru", "request hit ratio",
+               "chunk writes" if l1 is None else "L2 chunk writes")
     if args.out:
         out = Path(args.out)
         write_json(out / "trace.json", report)
@@ -251,7 +268,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
                    "token hit ratio", series, ("infinite capacity", report["ceiling_token_hit_ratio"]))
     if args.json:
         write_json(args.json, report)
-    table = Table(title=f"trace replay: {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}")
+    where = "one tier" if l1 is None else f"L1 of {l1} tokens over L2"
+    table = Table(title=f"trace replay ({where}): {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}")
     for h in headers:
         table.add_column(h, justify="right")
     for row in rows:

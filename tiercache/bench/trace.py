@@ -13,6 +13,9 @@ length; then it touches what it hit and stores what it missed.
   (`MetadataIndex`) driven by the real `CacheManager` — promotions, spills and
   the admission policy included — with every planned transfer completing at
   once.
+
+Each result counts the chunks written into the tier (L2's, for a hierarchy):
+what a policy costs a disk.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class ReplayResult:
     hit_requests: int = 0
     input_tokens: int = 0
     hit_tokens: int = 0
+    written_chunks: int = 0     # chunks written into the (lowest) tier: what a disk pays for a policy
 
     def add(self, request: TraceRequest, hit_chunks: int) -> None:
         hit = min(hit_chunks * TRACE_BLOCK_TOKENS, request.input_length)
@@ -102,6 +106,7 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
         reserved = [k for k, ok in zip(missing, tier.prepare_store(missing, [1] * len(missing))) if ok]
         tier.complete_store(reserved)
         tier.link([(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= hit])
+    result.written_chunks = tier.counters.stored
     return result
 
 
@@ -146,6 +151,7 @@ def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int) -> Replay
             elif next_use == never:
                 del resident[key]                         # its last use: the room is free now
                 continue
+            result.written_chunks += key not in resident
             resident[key] = next_use
             heapq.heappush(furthest, (-next_use, key))
     return result
@@ -154,7 +160,10 @@ def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int) -> Replay
 @dataclass(slots=True)
 class HierarchyResult(ReplayResult):
     l2_hit_chunks: int = 0
-    l2_written_chunks: int = 0
+
+    @property
+    def l2_written_chunks(self) -> int:
+        return self.written_chunks
 
 
 def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> None:
@@ -185,5 +194,5 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
             _complete(manager, manager.plan_load(lookup, range(len(keys))))
         _complete(manager, [manager.plan_store_chunks(keys, range(len(keys)), len(keys), first_chunk=hit)])
         _complete(manager, manager.take_background())
-    result.l2_written_chunks = l2.counters.stored
+    result.written_chunks = l2.counters.stored
     return result
