@@ -11,7 +11,7 @@ from tests.support.grpc_clients import NS, Client, chunks, healthy, raw_call  # 
 from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
-from tiercache.wire.chunk_format import ChunkFormat  # noqa: E402
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkFormat  # noqa: E402
 
 
 def data_port(server) -> int:
@@ -156,8 +156,9 @@ def test_spare_buffers_are_reused_never_while_read_and_never_beyond_capacity():
     assert memory.used_bytes + pool.spare_bytes <= 4 << 20
 
 
-def data_server(**kwargs):
-    """A data channel server of its own in this process, on a free port, started."""
+def data_server(capacity: int = 1 << 20, limits: dict | None = None, **kwargs):
+    """A data channel server of its own in this process, on a free port, started (``limits`` overrides
+    fields of its `ServerLimits`)."""
     import collections
 
     from tiercache.server.data_server import DataServer
@@ -165,11 +166,83 @@ def data_server(**kwargs):
     from tiercache.server.limits import ServerLimits
     from tiercache.server.store import StoreConfig
     from tiercache.server.tenants import Tenancy, load_tenants
-    limits = ServerLimits.for_server(1 << 20, workers=4)
-    server = DataServer(Tenancy(load_tenants(""), StoreConfig(1 << 20)), "127.0.0.1", 0, limits,
-                        InflightBytes(limits.max_inflight_bytes), collections.Counter(), **kwargs)
+    bounds = ServerLimits.for_server(capacity, workers=4, **(limits or {}))
+    server = DataServer(Tenancy(load_tenants(""), StoreConfig(capacity)), "127.0.0.1", 0, bounds,
+                        InflightBytes(bounds.max_inflight_bytes), collections.Counter(), **kwargs)
     server.start()
     return server
+
+
+def _put_head(value_bytes: int, seed: int = 7) -> tuple[bytes, bytes]:
+    """A one-chunk ``PUT``'s frames up to its payload (a real header), and the payload."""
+    from tiercache.wire.chunk_format import ChunkMeta
+    payload = bytes([seed]) * value_bytes
+    meta = ChunkMeta(NS, bytes([seed]) * 32, 16, "uint8", (value_bytes,))
+    fmt = ChunkFormat()
+    header = fmt.header(meta, fmt.raw, payload)
+    frames = dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(meta.key) + dw.U64.pack(len(header) + len(payload))
+    return frames + header, payload
+
+
+def test_a_value_that_trickles_in_is_cut_off_at_its_deadline_however_its_bytes_keep_coming():
+    """Each value has a deadline (the read timeout plus its size at the minimum rate), kept by the kernel in
+    steps: a client that keeps sending a byte at a time, never silent for a whole step, still runs out of
+    it, and the server closes the connection."""
+    import time
+
+    server = data_server(limits={"read_timeout_s": 0.5, "min_rate_bytes_s": float(1 << 30)})
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    try:
+        sock.sendall(dw.hello(None))
+        assert sock.recv(1)[0] == dw.HELLO_OK
+        head, payload = _put_head(64 << 10)
+        sock.sendall(head)
+        t0, sent = time.monotonic(), 0
+        try:
+            while time.monotonic() - t0 < 10:
+                sock.sendall(payload[sent:sent + 16])
+                sent += 16
+                time.sleep(0.02)
+        except OSError:
+            pass                                 # the server closed it mid-value
+        eventually(lambda: closed(sock), 5, "the connection closed")
+        assert 0.4 < time.monotonic() - t0 < 5 and sent < len(payload)
+        assert server.counters["data_rejected"] == 1 and server.counters["data_put_chunks"] == 0
+    finally:
+        sock.close()
+        server.stop()
+
+
+def test_a_get_nobody_reads_is_given_up_at_its_deadline_and_its_thread_freed():
+    """A value sent to a client that stops reading is bounded the same way (`send_by`): the server's thread
+    gives up at the value's deadline and closes the connection, while the rest of the server serves on."""
+    import time
+
+    server = data_server(capacity=64 << 20, limits={"read_timeout_s": 0.5, "min_rate_bytes_s": float(1 << 30)})
+    value = 16 << 20                                   # more than loopback's socket buffers hold
+    writer = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    reader = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    try:
+        for sock in (writer, reader):
+            sock.sendall(dw.hello(None))
+            assert sock.recv(1)[0] == dw.HELLO_OK
+        head, payload = _put_head(value)
+        writer.sendall(head + payload)
+        assert writer.recv(1)[0] == dw.PUT_STORED
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        reader.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 1) + dw.key_field(bytes([7]) * 32))
+        t0 = time.monotonic()
+        eventually(lambda: server.counters["data_rejected"] == 1, 10, "the stalled GET given up")
+        assert time.monotonic() - t0 < 5
+        writer.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 1) + dw.key_field(bytes([7]) * 32))   # others go on
+        length = b""
+        while len(length) < dw.U64.size:
+            length += writer.recv(dw.U64.size - len(length))
+        assert dw.U64.unpack(length)[0] == HEADER_BYTES + value
+    finally:
+        writer.close()
+        reader.close()
+        server.stop()
 
 
 def test_a_connection_that_never_says_hello_is_dropped(caplog):
