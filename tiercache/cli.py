@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -234,6 +235,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_listen(host: str, port: int, flag: str) -> None:
+    """One line naming ``flag`` when this host cannot listen on ``host:port`` — before any work starts."""
+    import socket
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as err:
+        raise ConfigError(flag, port, f"cannot listen on {host}:{port} ({err.strerror or err})") from None
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    from tiercache.engine import EngineConfig, LLMEngine
+
+    if importlib.util.find_spec("aiohttp") is None:
+        raise TierCacheError("tiercache api serves HTTP with aiohttp, which is not installed: "
+                             "pip install 'tiercache[api]'")
+    from tiercache.engine.openai_api import serve
+
+    offload = _offload_config(args)
+    engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks)
+    _check_listen(args.host, args.port, "--port")
+    with LLMEngine(engine_cfg=engine_cfg, offload=offload, model_path=args.model_path,
+                   tokenizer=args.tokenizer) as engine:
+        serve(engine, args.host, args.port, args.served_model_name,
+              ready=lambda port: print(f"tiercache api: {args.served_model_name} on http://{args.host}:{port}/v1",
+                                       flush=True))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """A bad flag is one line — what is wrong and where the help is — not a usage dump (subcommands too: they
     are made with the parser's own class)."""
@@ -379,6 +409,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=_positive, default=16)
     _add_config_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    a = sub.add_parser("api", help="serve the reference engine over the OpenAI API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health)")
+    a.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    a.add_argument("--port", type=_port, default=8000, help="port (0: any free port, printed at start)")
+    a.add_argument("--served-model-name", default="tiercache-reference", help="the model name clients ask for")
+    a.add_argument("--model-path", help="local Hugging Face Llama directory (default: seeded weights)")
+    a.add_argument("--tokenizer", help="tokenizer.json or its directory (default: bytes)")
+    a.add_argument("--tiers", type=_tier_list, default=[], help="tiers below L0: cpu, cpu,disk, cpu,grpc ... "
+                                                               "(default none: the engine's own prefix cache only)")
+    a.add_argument("--disk-path", help="L2 directory (default: disk.path, else ~/.cache/tiercache/l2)")
+    a.add_argument("--redis-url", help="L3 Redis server (default: redis.url)")
+    a.add_argument("--grpc-address", help="L3 `tiercache serve` host:port (default: grpc.address)")
+    a.add_argument("--block-size", type=_positive, default=16)
+    a.add_argument("--l0-blocks", type=_positive, default=1024, help="blocks in the engine's own KV pool (L0)")
+    _add_config_flags(a)
+    a.set_defaults(func=cmd_api)
 
     v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")
