@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 from tiercache.engine.llm import LLMEngine
 from tiercache.engine.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "tiercache-reference"
 OPENAI_DEFAULT_MAX_TOKENS = 16
@@ -279,6 +282,12 @@ def build_app(server: ApiServer):
             return web.json_response(err.body(), status=err.status)
         except web.HTTPException as err:      # unknown route, wrong method: the same error shape
             return web.json_response(ApiError(err.reason, status=err.status).body(), status=err.status)
+        except (ConnectionError, asyncio.CancelledError):
+            raise                             # the client went away mid-stream: nobody to answer
+        except Exception:                     # a bug of ours: logged here, one line to the client
+            log.exception("tiercache api: %s %s failed", request.method, request.path)
+            error = ApiError("the server failed to answer this request", status=500, kind="internal_server_error")
+            return web.json_response(error.body(), status=500)
 
     async def completions(request):
         body = await _body(request)
