@@ -18,6 +18,7 @@ OpenAI API answers them — a status code and ``{"error": {"message", "type",
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -361,8 +362,7 @@ def serve(engine: LLMEngine, host: str, port: int, model_name: str = DEFAULT_MOD
             await runner.cleanup()
 
     try:
-        asyncio.run(main())
-    except (KeyboardInterrupt, web.GracefulExit):
-        pass
+        with contextlib.suppress(KeyboardInterrupt, web.GracefulExit):    # SIGINT, SIGTERM: a clean stop
+            asyncio.run(main())
     finally:
         loop.close()
