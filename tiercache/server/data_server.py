@@ -344,7 +344,7 @@ class DataServer:
         for key in keys:
             pieces = next((p for p in (s.get_value(namespace, key) for s in stores) if p is not None), None)
             if pieces is None:
-                conn.sendall(dw.U64.pack(0))
+                send_by(conn, [dw.U64.pack(0)], time.monotonic() + self.limits.read_timeout_s)
                 continue
             total = sum(len(p) for p in pieces)
             send_by(conn, [dw.U64.pack(total), *pieces], time.monotonic() + self.limits.value_deadline_s(total))
@@ -397,4 +397,4 @@ class DataServer:
             outcomes.append(_OUTCOME[outcome])
             self.counters["data_put_chunks"] += 1
             self.counters["bytes_in"] += size
-        conn.sendall(bytes(outcomes))
+        send_by(conn, [bytes(outcomes)], time.monotonic() + self.limits.read_timeout_s)
