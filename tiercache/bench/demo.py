@@ -54,8 +54,9 @@ def _source(before: dict[str, int], after: dict[str, int], seq: Sequence) -> str
 
 def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCacheConfig | None,
                  progress: Callable[[], None] | None = None, metrics_port: int | None = None,
-                 engine: LLMEngine | None = None) -> RunRecord:
-    """Run ``spec`` on a new engine (or on ``engine``, which is closed afterwards)."""
+                 engine: LLMEngine | None = None, drain: bool = False) -> RunRecord:
+    """Run ``spec`` on a new engine (or on ``engine``, which is closed afterwards); with ``drain``, the
+    transfers still owed (write-through stores) run to their end before the stats are read."""
     record = RunRecord()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
     with engine or LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port) as engine:
@@ -87,6 +88,8 @@ def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCach
         for _, out in WORKLOADS[spec.name](spec, generate):
             record.outputs.append(out)
         record.wall_s = time.perf_counter() - start
+        if drain and engine.connector is not None:
+            engine.connector.drain()
         record.stats = engine.stats()
     return record
 

@@ -259,15 +259,16 @@ class TenantRun:
 def tenant_run(tenant: str, address: str, token_file: Path | None, spec: WorkloadSpec,
                engine_cfg: EngineConfig = EngineConfig(num_blocks=64), timeout_s: float = 5.0,
                lookup_timeout_s: float = 0.25) -> TenantRun:
-    """``tenant``'s turn: one engine stores ``spec`` through the server (write-through), a fresh one runs it
-    again and takes its prefixes from the server; the timeouts are its gRPC tier's ``timeout`` and
-    ``lookup_timeout``."""
+    """``tenant``'s turn: one engine stores ``spec`` through the server (write-through) and waits for its
+    stores to end — landed or failed, each within the tier's ``timeout`` — then a fresh one runs it again and
+    takes its prefixes from the server (``lookup_timeout`` for its lookups). So a turn measures whether the
+    tenant's stores and loads get through, not how soon its first store lands."""
     cfg = TierCacheConfig().replace(keys={"block_size": 16, "chunk_tokens": 64},
                                     cpu={"capacity": "2MiB", "prefault": False},
                                     grpc={"enabled": True, "address": address, "write_mode": "write-through",
                                           "timeout": timeout_s, "lookup_timeout": lookup_timeout_s,
                                           "auth_token_file": str(token_file or "")})
-    first = run_workload(spec, engine_cfg, cfg)
+    first = run_workload(spec, engine_cfg, cfg, drain=True)
     second = run_workload(spec, engine_cfg, cfg)
     tier = first.stats["connector"]["tiers"]["grpc"]
     ttft = sorted(second.ttft_s)
