@@ -347,8 +347,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         full = len(tokens) // self.block_size
         if full > len(hashes):
             start = len(hashes) * self.block_size
-            hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size],
-                                               parent=hashes[-1] if hashes else None)
+            parent = hashes[-1] if hashes else self._hasher.seed_for(
+                request.cache_salt or "", request.lora_request.lora_name if request.lora_request else "")
+            hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size], parent=parent)
         return RequestView(rid, request.num_tokens, hashes)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -141,6 +141,29 @@ class BlockHasher:
         self._hash = hash_functions.get(hash_name)
         self.seed = BlockHash(namespace.digest().ljust(HASH_BYTES, b"\0"))
 
+    @classmethod
+    def from_seed(cls, seed: bytes, block_size: int, hash_name: str = "sha256") -> BlockHasher:
+        """A hasher that chains exactly as an engine whose namespace seed is ``seed`` (a router's: it knows a
+        replica's seed from its descriptor, not its namespace)."""
+        hasher = cls.__new__(cls)
+        hasher.namespace = None
+        hasher.block_size = block_size
+        hasher.hash_name = hash_name
+        hasher._hash = hash_functions.get(hash_name)
+        if len(seed) != HASH_BYTES:
+            raise ValueError(f"a chain seed has {HASH_BYTES} bytes, got {len(seed)}")
+        hasher.seed = BlockHash(bytes(seed))
+        return hasher
+
+    def seed_for(self, cache_salt: str = "", lora: str = "") -> BlockHash:
+        """Where a request's chain starts: the namespace's seed, moved by the request's ``cache_salt`` (a
+        tenant's, as vLLM takes it per request) and its LoRA adapter, so that two tenants, or two adapters,
+        never share a block — in the engine's pool or in any tier — however equal their prompts."""
+        if not cache_salt and not lora:
+            return self.seed
+        parts = json.dumps([cache_salt, lora], separators=(",", ":")).encode()
+        return BlockHash(self._hash(b"tiercache-seed-v1\0" + self.seed + parts))
+
     def hash_blocks(
         self,
         token_ids: Sequence[int] | np.ndarray,

@@ -48,13 +48,15 @@ class SeqMetrics:
 
 
 class Sequence:
-    def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 cache_salt: str = "") -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {seq_id!r} has an empty prompt")
         self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.cache_salt = cache_salt   # a tenant's: its blocks chain from a seed of their own
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0   # tokens whose KV is in L0
         self.block_hashes: list[BlockHash] = []
@@ -78,7 +80,7 @@ class Sequence:
         done = len(self.block_hashes)
         full = len(self.token_ids) // bs
         if full > done:
-            parent = self.block_hashes[-1] if done else None
+            parent = self.block_hashes[-1] if done else hasher.seed_for(self.cache_salt)
             self.block_hashes.extend(hasher.hash_blocks(self.token_ids[done * bs:full * bs], parent=parent))
 
     def view(self) -> RequestView:
