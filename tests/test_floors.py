@@ -27,10 +27,14 @@ FLOORS: list[dict[str, list[str]]] = [
     {"client_tiers": ["tiercache.tiers"], "server": ["tiercache.server"]},
     {"transfer": ["tiercache.transfer"], "scheduler": ["tiercache.manager", "tiercache.lookup",
                                                        "tiercache.tier_events"]},
-    {"build": ["tiercache.build"]},
+    # what a replica publishes about itself: its descriptor and its KV events (vLLM's wire format)
+    {"build": ["tiercache.build"], "replica_events": ["tiercache.fleet.descriptor", "tiercache.fleet.kv_events",
+                                                      "tiercache.fleet.replica_events"]},
     {"connector": ["tiercache.connector"]},
     {"connectors": ["tiercache.connectors"]},
     {"engine": ["tiercache.engine"]},
+    # the router: above the engines it fronts (it parses requests as their API servers do)
+    {"fleet": ["tiercache.fleet"]},
     {"bench": ["tiercache.bench"]},
     {"cli": ["tiercache.cli"]},
 ]

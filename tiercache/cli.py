@@ -255,12 +255,60 @@ def cmd_api(args: argparse.Namespace) -> int:
     offload = _offload_config(args)
     engine_cfg = EngineConfig(block_size=args.block_size, num_blocks=args.l0_blocks)
     _check_listen(args.host, args.port, "--port")
+    kv_events = None
+    if args.kv_events:
+        for module in ("zmq", "msgspec"):
+            if importlib.util.find_spec(module) is None:
+                raise TierCacheError(f"--kv-events publishes with pyzmq and msgspec; {module} is not installed: "
+                                     "pip install 'tiercache[fleet]'")
+        from tiercache.engine.openai_api import KVEventsOptions
+        for flag, port in (("--kv-events-port", args.kv_events_port),
+                           ("--kv-events-replay-port", args.kv_events_replay_port)):
+            if port:
+                _check_listen(args.host, port, flag)
+        kv_events = KVEventsOptions(args.host, args.kv_events_port, args.kv_events_replay_port)
     with LLMEngine(engine_cfg=engine_cfg, offload=offload, model_path=args.model_path,
                    tokenizer=args.tokenizer) as engine:
         serve(engine, args.host, args.port, args.served_model_name,
               ready=lambda port: print(f"tiercache api: {args.served_model_name} on http://{args.host}:{port}/v1",
-                                       flush=True))
+                                       flush=True),
+              kv_events=kv_events, tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else "bytes")
     return 0
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    for module, extra in (("aiohttp", "api"), ("zmq", "fleet"), ("msgspec", "fleet"), ("prometheus_client", "metrics")):
+        if importlib.util.find_spec(module) is None:
+            raise TierCacheError(f"tiercache route needs {module}, which is not installed: "
+                                 f"pip install 'tiercache[fleet]'")
+    from tiercache.fleet.replicas import check_url
+    from tiercache.fleet.router import RouterConfig, serve
+    from tiercache.fleet.routing import routing_policies
+    from tiercache.fleet.tenants import Tenants
+
+    if args.policy not in routing_policies:
+        raise ConfigError("--policy", args.policy, f"known: {', '.join(routing_policies.names())}")
+    urls = [check_url(u, "--replica") for u in args.replica]
+    if len(set(urls)) != len(urls):
+        raise ConfigError("--replica", ",".join(urls), "names a replica twice")
+    tenants = Tenants.load(args.tenants) if args.tenants else Tenants()
+    config = RouterConfig(policy=args.policy, health_interval_s=args.health_interval,
+                          prefill_tokens_per_s=args.prefill_tokens_per_s, admin_key=args.admin_key or "")
+    _check_listen(args.host, args.port, "--port")
+    serve(urls, args.host, args.port, config, tenants,
+          ready=lambda port: print(f"tiercache route: {len(urls)} replicas behind http://{args.host}:{port}/v1 "
+                                   f"({args.policy})", flush=True))
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -423,8 +471,32 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--grpc-address", help="L3 `tiercache serve` host:port (default: grpc.address)")
     a.add_argument("--block-size", type=_positive, default=16)
     a.add_argument("--l0-blocks", type=_positive, default=1024, help="blocks in the engine's own KV pool (L0)")
+    a.add_argument("--kv-events", action="store_true",
+                   help="publish the pool's and tiers' KV events (vLLM's ZeroMQ format) and describe this replica "
+                        "at /tiercache/replica, for `tiercache route`")
+    a.add_argument("--kv-events-port", type=_port, default=0, help="ZeroMQ PUB port of the events (0: any free)")
+    a.add_argument("--kv-events-replay-port", type=_port, default=0,
+                   help="ZeroMQ ROUTER port answering replays of missed events (0: any free)")
     _add_config_flags(a)
     a.set_defaults(func=cmd_api)
+
+    r = sub.add_parser("route", help="route OpenAI API requests to the replica where their prefix is cheapest "
+                                     "(expected time to first token)")
+    r.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat; more can join at run time "
+                        "through /admin/replicas)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    r.add_argument("--port", type=_port, default=8080, help="port (0: any free port, printed at start)")
+    r.add_argument("--policy", default="expected-ttft",
+                   help="expected-ttft (default), prefix-affinity, least-loaded or round-robin")
+    r.add_argument("--tenants", metavar="FILE", help="API keys → tenants (YAML or JSON); without it one "
+                                                     "anonymous tenant, no key asked")
+    r.add_argument("--health-interval", type=_positive_float, default=2.0,
+                   help="seconds between health checks; a replica silent for one leaves the pool")
+    r.add_argument("--prefill-tokens-per-s", type=_positive_float, default=20_000.0,
+                   help="a replica's prefill rate until the router has measured it")
+    r.add_argument("--admin-key", help="key of /admin/replicas (without one those routes are off)")
+    r.set_defaults(func=cmd_route)
 
     v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -25,6 +25,8 @@ from tiercache.engine.weights import config_from_hf, load_hf_model, seeded_model
 from tiercache.errors import ConfigError
 from tiercache.machine import physical_memory
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.tier_events import TierEvent
+from tiercache.tiers.base import Medium
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +116,8 @@ class LLMEngine:
                 ) from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, cache_salt: str = "") -> Sequence:
+        """Queue a request; ``cache_salt`` (a tenant's) keeps its blocks apart from every other salt's."""
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(t < 0 or t >= self.model_cfg.vocab_size for t in tokens):
             raise ValueError(f"prompt has token ids outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
@@ -125,7 +128,7 @@ class LLMEngine:
         need = -(-(len(tokens) + params.max_tokens) // self.engine_cfg.block_size)
         if need > self.engine_cfg.num_blocks:
             raise ValueError(f"request needs {need} blocks; the pool has {self.engine_cfg.num_blocks}")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params, cache_salt)
         self.scheduler.add(seq)
         return seq
 
@@ -156,6 +159,36 @@ class LLMEngine:
             self.tokenizer.decode(seq.output_token_ids), seq.metrics.ttft or 0.0,
             seq.metrics.l0_hit_tokens, seq.metrics.external_hit_tokens, seq.metrics.preemptions, seq.logits,
         )
+
+    # -- KV events: what reached and left the engine's pool and each tier, for a router ---------------
+    def watch_kv_events(self) -> None:
+        """Record, from now on, every block that enters or leaves the pool and every chunk that reaches or
+        leaves a tier, for `take_kv_events`."""
+        self.pool.watch_changes()
+        if self._manager is not None:
+            self._manager.watch_events()
+
+    def take_kv_events(self) -> list[TierEvent]:
+        """What changed since the last call, in order per medium: the pool's blocks (`Medium.DEVICE`, keys of
+        ``block_size`` tokens) and the tiers' chunks (keys of ``keys.chunk_tokens``)."""
+        events = [TierEvent(stored, "L0", Medium.DEVICE, tuple(h for _, h in run))
+                  for stored, run in itertools.groupby(self.pool.take_changes(), key=lambda change: change[0])]
+        if self._manager is not None:
+            events += self._manager.take_events()
+        return events
+
+    def held_kv(self) -> list[TierEvent]:
+        """Everything held now, as arrivals: the pool's cached blocks and every local tier's chunks (a remote
+        tier's index is its server's; it is not listed). A router that lost events starts again from it."""
+        held = [TierEvent(True, "L0", Medium.DEVICE, tuple(self.pool.cached))]
+        if self._manager is not None:
+            held += [TierEvent(True, t.name, t.medium, tuple(keys)) for t in self._manager.tiers
+                     if (keys := t.held_keys())]
+        return held
+
+    @property
+    def _manager(self):
+        return self.connector.scheduler.manager if self.connector is not None else None
 
     def stats(self) -> dict[str, object]:
         pool = self.pool.stats()

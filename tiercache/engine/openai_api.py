@@ -18,6 +18,7 @@ OpenAI API answers them — a status code and ``{"error": {"message", "type",
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -27,16 +28,32 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tiercache.engine.llm import LLMEngine
 from tiercache.engine.sequence import SamplingParams, Sequence
+from tiercache.fleet.descriptor import EventEndpoints, ReplicaDescriptor
+from tiercache.tier_events import TierEvent
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "tiercache-reference"
 OPENAI_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+EVENTS_HEARTBEAT_S = 1.0
 UNFINISHED = "\ufffd"    # what a tokenizer decodes a character cut short (a byte tokenizer mid-UTF-8) to
+
+
+class KVEventSink(Protocol):
+    """Where the engine loop sends KV events (`tiercache.fleet.replica_events.ReplicaEvents`)."""
+
+    def publish_changes(self, events: list[TierEvent]) -> int: ...
+
+    def publish_held(self, held: list[TierEvent]) -> int: ...
+
+
+class Encodes(Protocol):
+    def encode(self, text: str) -> list[int]: ...
 
 
 class ApiError(Exception):
@@ -58,6 +75,7 @@ class Generation:
     params: SamplingParams
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    cache_salt: str = ""
     seq: Sequence | None = None
     sent: int = 0          # output tokens handed to the handler so far
 
@@ -79,10 +97,17 @@ class Usage:
 
 
 class EngineLoop:
-    """The engine's one thread: requests in through `submit`, tokens out through each `Generation`."""
+    """The engine's one thread: requests in through `submit`, tokens out through each `Generation`, and —
+    with a publisher — the KV events of every step out through it (`publish_held` starts a subscriber again
+    from everything held)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, publisher: KVEventSink | None = None) -> None:
         self.engine = engine
+        self.publisher = publisher
+        if publisher is not None:
+            engine.watch_kv_events()
+        self._published = 0.0
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = queue.SimpleQueue()
         self._new: queue.SimpleQueue[Generation] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._running: dict[str, Generation] = {}
@@ -98,6 +123,20 @@ class EngineLoop:
         self._new.put(generation)
         self._wake.set()
 
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine's thread between two steps; its result through the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
+    def publish_held(self) -> int:
+        """Engine thread: publish what changed, then `AllBlocksCleared` and every block and chunk held now, in
+        one batch — a subscriber that lost events is whole again from this batch on. Its sequence number."""
+        assert self.publisher is not None
+        self._publish()
+        return self.publisher.publish_held(self.engine.held_kv())
+
     def close(self) -> None:
         self._stop = True
         self._wake.set()
@@ -105,14 +144,38 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop:
+            self._run_calls()
             self._admit()
             if not self.engine.has_unfinished():
+                self._publish()
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             finished = {seq.seq_id for seq in self.engine.step()}
+            self._publish()
             for seq_id, generation in list(self._running.items()):
                 self._hand_over(generation, seq_id in finished)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                future.set_result(fn())
+            except Exception as err:          # handed to the caller, who answers for it
+                future.set_exception(err)
+
+    def _publish(self) -> None:
+        """Publish what changed; when nothing did for a while, an empty batch, so that a subscriber that lost
+        the last batch sees the gap in the numbering without waiting for the next change."""
+        if self.publisher is not None:
+            events = self.engine.take_kv_events()
+            now = time.monotonic()
+            if events or now - self._published > EVENTS_HEARTBEAT_S:
+                self.publisher.publish_changes(events)
+                self._published = now
 
     def _admit(self) -> None:
         while True:
@@ -121,7 +184,8 @@ class EngineLoop:
             except queue.Empty:
                 return
             try:
-                generation.seq = self.engine.add_request(generation.prompt, generation.params)
+                generation.seq = self.engine.add_request(generation.prompt, generation.params,
+                                                         cache_salt=generation.cache_salt)
             except ValueError as err:       # too long for the model or the pool, token ids out of range
                 generation.emit("error", ApiError(str(err), "prompt"))
                 continue
@@ -145,9 +209,11 @@ class EngineLoop:
 
 @dataclass
 class ApiServer:
-    """What the handlers share: the engine loop, the model's name and its tokenizer."""
+    """What the handlers share: the engine loop, the model's name, its tokenizer and what it tells a router
+    about itself (`ReplicaDescriptor`)."""
     loop: EngineLoop
     model_name: str
+    descriptor: ReplicaDescriptor | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def encode(self, text: str) -> list[int]:
@@ -174,7 +240,7 @@ def _params(body: dict) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed)
 
 
-def _completion_prompt(server: ApiServer, body: dict) -> list[int]:
+def completion_prompt(server: Encodes, body: dict) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                   # one prompt in a batch of one
@@ -191,7 +257,7 @@ def chat_template(messages: list[dict]) -> str:
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 
-def _chat_prompt(server: ApiServer, body: dict) -> list[int]:
+def chat_prompt(server: Encodes, body: dict) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", "messages")
@@ -207,7 +273,7 @@ def _chat_prompt(server: ApiServer, body: dict) -> list[int]:
     return server.encode(chat_template(messages))
 
 
-async def _body(request) -> dict:
+async def json_body(request) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -223,12 +289,13 @@ def _check_model(server: ApiServer, body: dict) -> None:
         raise ApiError(f"The model `{model}` does not exist.", "model", 404, code="model_not_found")
 
 
-async def _generate(server: ApiServer, prompt: list[int], params: SamplingParams, request, stream: bool,
-                    include_usage: bool, chunk: Callable[[str, str | None], dict],
+async def _generate(server: ApiServer, checked: Checked, request, chunk: Callable[[str, str | None], dict],
                     whole: Callable[[str, Usage], dict]):
     from aiohttp import web
 
-    generation = Generation(prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+    stream, include_usage = checked.stream, checked.include_usage
+    generation = Generation(checked.prompt, checked.params, asyncio.Queue(), asyncio.get_running_loop(),
+                            checked.cache_salt)
     server.loop.submit(generation)
     kind, value = await generation.events.get()
     if kind == "error":
@@ -271,20 +338,39 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
+def cache_salt_of(body: dict) -> str:
+    """vLLM's request field: prompts with different salts never share cached KV (a router sets one per tenant)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise ApiError("cache_salt must be a non-empty string", "cache_salt")
+    return salt
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A generation request checked whole before it reaches the engine."""
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str
+    stream: bool
+    include_usage: bool
+    head: dict          # what every answer to it carries: id, creation time, model
+
+
 async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, dict], list[int]],
-                   id_prefix: str) -> tuple[list[int], SamplingParams, bool, bool, dict]:
-    """A generation request checked whole before it reaches the engine: its prompt, sampling, streaming, and
-    the head every answer to it carries (id, creation time, model)."""
-    body = await _body(request)
+                   id_prefix: str) -> Checked:
+    body = await json_body(request)
     _check_model(server, body)
-    prompt, params = prompt_of(server, body), _params(body)
+    prompt, params, salt = prompt_of(server, body), _params(body), cache_salt_of(body)
     stream, include_usage = _stream_options(body)
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
-    return prompt, params, stream, include_usage, head
+    return Checked(prompt, params, salt, stream, include_usage, head)
 
 
-def build_app(server: ApiServer):
-    """The aiohttp application: OpenAI routes, errors as the OpenAI API answers them."""
+def openai_errors(label: str):
+    """aiohttp middleware: every error answered as the OpenAI API answers it, never a traceback."""
     from aiohttp import web
 
     @web.middleware
@@ -298,24 +384,32 @@ def build_app(server: ApiServer):
         except (ConnectionError, asyncio.CancelledError):
             raise                             # the client went away mid-stream: nobody to answer
         except Exception:                     # a bug of ours: logged here, one line to the client
-            log.exception("tiercache api: %s %s failed", request.method, request.path)
+            log.exception("%s: %s %s failed", label, request.method, request.path)
             error = ApiError("the server failed to answer this request", status=500, kind="internal_server_error")
             return web.json_response(error.body(), status=500)
+    return errors
+
+
+def build_app(server: ApiServer):
+    """The aiohttp application: OpenAI routes, errors as the OpenAI API answers them."""
+    from aiohttp import web
+
+    errors = openai_errors("tiercache api")
 
     async def completions(request):
-        prompt, params, stream, include_usage, head = await _request(server, request, _completion_prompt, "cmpl")
-        head["object"] = "text_completion"
+        checked = await _request(server, request, completion_prompt, "cmpl")
+        head = {**checked.head, "object": "text_completion"}
 
         def chunk(text: str, finish: str | None) -> dict:
             return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         def whole(text: str, usage: Usage) -> dict:
             return {**chunk(text, usage.finish_reason), "usage": usage.as_dict()}
-        return await _generate(server, prompt, params, request, stream, include_usage, chunk, whole)
+        return await _generate(server, checked, request, chunk, whole)
 
     async def chat_completions(request):
-        prompt, params, stream, include_usage, head = await _request(server, request, _chat_prompt, "chatcmpl")
-        head["object"] = "chat.completion.chunk"
+        checked = await _request(server, request, chat_prompt, "chatcmpl")
+        head = {**checked.head, "object": "chat.completion.chunk"}
 
         def chunk(text: str, finish: str | None) -> dict:
             return {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
@@ -325,7 +419,7 @@ def build_app(server: ApiServer):
             return {**head, "object": "chat.completion", "usage": usage.as_dict(),
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                                  "logprobs": None, "finish_reason": usage.finish_reason}]}
-        return await _generate(server, prompt, params, request, stream, include_usage, chunk, whole)
+        return await _generate(server, checked, request, chunk, whole)
 
     async def models(request):
         return web.json_response({"object": "list", "data": [
@@ -334,7 +428,20 @@ def build_app(server: ApiServer):
     async def health(request):
         return web.json_response({"status": "ok", "queued_requests": server.loop.queued_requests})
 
+    async def replica(request):
+        if server.descriptor is None:
+            raise ApiError("this server publishes no KV events (start it with --kv-events)", status=404)
+        return web.json_response(server.descriptor.as_dict())
+
+    async def announce(request):
+        if server.loop.publisher is None:
+            raise ApiError("this server publishes no KV events (start it with --kv-events)", status=404)
+        seq = await asyncio.wrap_future(server.loop.call(server.loop.publish_held))
+        return web.json_response({"seq": seq})
+
     app = web.Application(middlewares=[errors])
+    app.router.add_get("/tiercache/replica", replica)
+    app.router.add_post("/tiercache/kv/announce", announce)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -342,13 +449,43 @@ def build_app(server: ApiServer):
     return app
 
 
+@dataclass(frozen=True, slots=True)
+class KVEventsOptions:
+    """Where a replica publishes its KV events (port 0: any free port; the descriptor says which)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    replay_port: int = 0
+
+
+def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: EventEndpoints) -> ReplicaDescriptor:
+    """What a router needs to hash prompts as ``engine`` does and to follow its KV events."""
+    manager = engine.connector.scheduler.manager if engine.connector is not None else None
+    chunk_tokens = engine.connector.scheduler.config.keys.chunk_tokens if manager is not None else 0
+    media = ("GPU", *(t.medium.value.upper() for t in manager.tiers)) if manager is not None else ("GPU",)
+    return ReplicaDescriptor(model=model_name, instance=uuid.uuid4().hex, key_scheme="tiercache",
+                             block_size=engine.hasher.block_size, chunk_tokens=chunk_tokens,
+                             hash=engine.hasher.hash_name, seed=engine.hasher.seed.hex(), tokenizer=tokenizer,
+                             media=media, events=events)
+
+
 def serve(engine: LLMEngine, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME,
-          ready: Callable[[int], None] | None = None) -> None:
-    """Serve until interrupted (SIGINT, SIGTERM); ``ready`` gets the port listened on (0 picks a free one)."""
+          ready: Callable[[int], None] | None = None, kv_events: KVEventsOptions | None = None,
+          tokenizer: str = "bytes") -> None:
+    """Serve until interrupted (SIGINT, SIGTERM); ``ready`` gets the port listened on (0 picks a free one).
+    With ``kv_events`` the replica publishes its pool's and tiers' KV events and describes itself to routers
+    (``GET /tiercache/replica``)."""
     from aiohttp import web
 
-    loop = EngineLoop(engine)
-    server = ApiServer(loop, model_name)
+    publisher, descriptor = None, None
+    if kv_events is not None:
+        from tiercache.fleet.kv_events import EventPublisher
+        from tiercache.fleet.replica_events import ReplicaEvents
+
+        raw = EventPublisher(kv_events.host, kv_events.port, kv_events.replay_port)
+        descriptor = descriptor_for(engine, model_name, tokenizer, EventEndpoints(raw.endpoint, raw.replay_endpoint))
+        publisher = ReplicaEvents(raw, descriptor.block_size, descriptor.chunk_tokens)
+    loop = EngineLoop(engine, publisher)
+    server = ApiServer(loop, model_name, descriptor)
 
     async def main() -> None:
         runner = web.AppRunner(build_app(server), handle_signals=True)
@@ -366,3 +503,5 @@ def serve(engine: LLMEngine, host: str, port: int, model_name: str = DEFAULT_MOD
             asyncio.run(main())
     finally:
         loop.close()
+        if publisher is not None:
+            publisher.close()

@@ -106,6 +106,19 @@ class BlockPool:
         self.cached: dict[BlockHash, Block] = {}
         self.num_pinned = 0
         self.num_evictable = 0  # free blocks that still hold a hash
+        self._changes: list[tuple[bool, BlockHash]] | None = None   # kept only while watched (KV events)
+
+    def watch_changes(self) -> None:
+        """Keep every hash that enters (True) or leaves (False) the cache from now on, in order, for
+        `take_changes` (an API server turns them into KV events for a router)."""
+        if self._changes is None:
+            self._changes = []
+
+    def take_changes(self) -> list[tuple[bool, BlockHash]]:
+        if not self._changes:
+            return []
+        out, self._changes = self._changes, []
+        return out
 
     @property
     def num_free(self) -> int:
@@ -154,6 +167,8 @@ class BlockPool:
             block.block_hash = None
             if self.cached.get(h) is block:
                 del self.cached[h]
+                if self._changes is not None:
+                    self._changes.append((False, h))
 
     def cache(self, block: Block, block_hash: BlockHash) -> bool:
         """Record that ``block`` holds the full block ``block_hash``. False if another block already does."""
@@ -163,6 +178,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self._changes is not None:
+            self._changes.append((True, block_hash))
         return True
 
     def _release_if_free(self, block: Block) -> None:

@@ -100,6 +100,11 @@ class TierIndex(ABC):
     def contains(self, keys: Sequence[BlockHash]) -> int | None:
         """How many leading ``keys`` are present and readable; None while the answer is on its way."""
 
+    def held_keys(self) -> list[BlockHash]:
+        """The keys this index holds, readable, when it keeps them itself (empty for a remote tier, whose
+        index is its server's)."""
+        return []
+
     @abstractmethod
     def delete(self, keys: Sequence[BlockHash]) -> int:
         """Forget keys that are present and not in use (their bytes go by `take_deletes`); how many went."""

@@ -69,6 +69,9 @@ class IndexedTier(TierIndex):
             n += 1
         return self.count_lookup(len(keys), n)
 
+    def held_keys(self) -> list[BlockHash]:
+        return [key for key, entry in self.entries.items() if entry.ready and not entry.private]
+
     def delete(self, keys: Sequence[BlockHash]) -> int:
         removed = 0
         for key in keys:

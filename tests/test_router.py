@@ -1,0 +1,237 @@
+"""`tiercache route` in front of reference-engine replicas, all real processes on loopback, asked with the
+official `openai` client: routing by where prefixes live, tenants, failover, resyncs, the scoring service."""
+import statistics
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install 'tiercache[fleet]')")
+pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'tiercache[fleet]')")
+pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'tiercache[fleet]')")
+openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install 'tiercache[dev]')")
+
+from support.fleet import MODEL, call, metric, start_replica, start_router  # noqa: E402
+
+SYSTEM = "You are the support assistant of a company that sells tiered storage for caches. " * 6
+
+
+def _client(url: str, key: str = "unused"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _wait(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _name(replica) -> str:
+    return replica.url.removeprefix("http://")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two replicas, one core each, and a router with two tenants (globex shares acme's cache group)."""
+    tenants = tmp_path_factory.mktemp("route") / "tenants.yaml"
+    tenants.write_text("tenants:\n"
+                       "  - {name: acme, api_keys: [sk-acme]}\n"
+                       "  - {name: initech, api_keys: [sk-initech]}\n"
+                       "  - {name: globex, api_keys: [sk-globex], cache_group: acme}\n")
+    replicas = [start_replica(core=i) for i in range(2)]
+    router = start_router([r.url for r in replicas], "--tenants", str(tenants), "--admin-key", "adm")
+    try:
+        yield router, replicas
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop()
+
+
+def _requests_to(router, replica) -> float:
+    return metric(router.url, "tiercache_route_requests_total", replica=_name(replica))
+
+
+def test_a_conversation_comes_back_to_the_replica_that_holds_it_and_the_prediction_is_exact(fleet):
+    router, replicas = fleet
+    client = _client(router.url, "sk-acme")
+    history = [{"role": "system", "content": SYSTEM}]
+    before = [_requests_to(router, r) for r in replicas]
+    cached = []
+    for turn in range(4):
+        history.append({"role": "user", "content": f"Question {turn}: how fast is the disk tier?"})
+        _, score = call(f"{router.url}/v1/score", "POST", {"model": MODEL, "messages": history}, key="sk-acme")
+        answer = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert score["replicas"][0]["cached_tokens"] == cached[-1]     # predicted = what the replica reports
+        history.append({"role": "assistant", "content": answer.choices[0].message.content})
+        # the next turn is scored only once this turn's blocks are in the router's index
+        _wait(lambda: call(f"{router.url}/v1/score", "POST", {"model": MODEL, "messages": history},
+                           key="sk-acme")[1]["replicas"][0]["cached_tokens"] > cached[-1], what="this turn's events")
+    after = [_requests_to(router, r) for r in replicas]
+    assert sorted(a - b for a, b in zip(after, before)) == [0, 4]        # every turn on one replica
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    assert metric(router.url, "tiercache_route_prediction_error_tokens_total",
+                  replica=_name(replicas[after.index(max(after))])) == 0
+
+
+def test_the_score_is_the_ranking_the_router_routes_by(fleet):
+    router, replicas = fleet
+    client = _client(router.url, "sk-acme")
+    prompt = "A document both replicas have not seen. " * 20
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    _wait(lambda: call(f"{router.url}/v1/score", "POST", {"prompt": prompt + "more"},
+                       key="sk-acme")[1]["replicas"][0]["cached_tokens"] > 0, what="the prompt's events")
+    _, score = call(f"{router.url}/v1/score", "POST", {"prompt": prompt + "more"}, key="sk-acme")
+    best = score["replicas"][0]
+    assert best["expected_ttft_ms"] <= score["replicas"][1]["expected_ttft_ms"]
+    assert score["policy"] == "expected-ttft" and score["prompt_tokens"] > best["cached_tokens"] > 0
+    before = metric(router.url, "tiercache_route_requests_total", replica=best["replica"])
+    whole = client.completions.create(model=MODEL, prompt=prompt + "more", max_tokens=6, temperature=0)
+    assert metric(router.url, "tiercache_route_requests_total", replica=best["replica"]) == before + 1
+    assert whole.usage.prompt_tokens_details.cached_tokens == best["cached_tokens"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt + "more", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_tenants_see_only_their_own_and_granted_prefixes(fleet):
+    router, _ = fleet
+    prompt = "The acme quarterly plan, confidential: " * 12
+    _client(router.url, "sk-acme").completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    _wait(lambda: call(f"{router.url}/v1/score", "POST", {"prompt": prompt}, key="sk-acme")[1]["replicas"][0]
+          ["cached_tokens"] > 0, what="acme's events")
+    _, theirs = call(f"{router.url}/v1/score", "POST", {"prompt": prompt, "cache_salt": "guess"}, key="sk-initech")
+    assert [r["cached_tokens"] for r in theirs["replicas"]] == [0, 0]
+    other = _client(router.url, "sk-initech").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0          # the replica's pool did not match it either
+    granted = _client(router.url, "sk-globex").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert granted.usage.prompt_tokens_details.cached_tokens > 0           # same cache group: a granted hit
+    for key in (None, "sk-nobody"):
+        status, body = call(f"{router.url}/v1/completions", "POST", {"prompt": "hi"}, key=key)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_bad_requests_are_answered_as_the_openai_api_answers_them(fleet):
+    router, _ = fleet
+    status, body = call(f"{router.url}/v1/completions", "POST", b"{not json", key="sk-acme")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = call(f"{router.url}/v1/chat/completions", "POST", {"messages": [{"role": "x"}]}, key="sk-acme")
+    assert status == 400 and body["error"]["param"] == "messages[0].role"
+    status, body = call(f"{router.url}/v1/completions", "POST", {"model": "gpt-9", "prompt": "hi"}, key="sk-acme")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    # the replica's own refusal (a prompt longer than its model takes) is passed back, not swallowed
+    status, body = call(f"{router.url}/v1/completions", "POST", {"prompt": "x" * 5000}, key="sk-acme")   # > 4096
+    assert status == 400 and "the pool has 256" in body["error"]["message"]
+    status, body = call(f"{router.url}/v1/nothing", key="sk-acme")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_new_router_learns_what_the_replicas_already_hold(fleet):
+    router, replicas = fleet
+    prompt = "Held before the second router started. " * 16
+    _client(router.url, "sk-acme").completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    _wait(lambda: call(f"{router.url}/v1/score", "POST", {"prompt": prompt}, key="sk-acme")[1]["replicas"][0]
+          ["cached_tokens"] > 0, what="the first router's index")
+    _, first = call(f"{router.url}/v1/score", "POST", {"prompt": prompt}, key="sk-acme")
+    late = start_router([r.url for r in replicas], "--tenants", router.args[router.args.index("--tenants") + 1])
+    try:
+        _wait(lambda: call(f"{late.url}/v1/score", "POST", {"prompt": prompt}, key="sk-acme")[1]["replicas"][0]
+              ["cached_tokens"] == first["replicas"][0]["cached_tokens"], what="the late router's index")
+    finally:
+        late.stop()
+
+
+def test_replicas_join_and_leave_at_run_time(fleet):
+    router, replicas = fleet
+    third = start_replica(core=0)
+    try:
+        assert call(f"{router.url}/admin/replicas", "POST", {"url": third.url}, key="sk-acme")[0] == 401
+        status, state = call(f"{router.url}/admin/replicas", "POST", {"url": third.url}, key="adm")
+        assert status == 201 and state["up"] and state["indexed"]
+        assert call(f"{router.url}/admin/replicas", "POST", {"url": third.url}, key="adm")[0] == 400  # twice
+        _, listed = call(f"{router.url}/admin/replicas", key="adm")
+        assert len(listed["replicas"]) == 3
+        status, _ = call(f"{router.url}/admin/replicas/{_name(third)}", "DELETE", key="adm")
+        assert status == 200 and len(call(f"{router.url}/admin/replicas", key="adm")[1]["replicas"]) == 2
+    finally:
+        third.stop()
+
+
+def test_a_killed_replica_fails_over_and_a_restarted_one_is_indexed_again(tmp_path):
+    replicas = [start_replica(core=i) for i in range(2)]
+    router = start_router([r.url for r in replicas])
+    try:
+        client = _client(router.url)
+        prompt = "Shared prefix for the failover run. " * 10
+        results, errors = [], []
+
+        def ask(i: int) -> None:
+            try:
+                r = client.completions.create(model=MODEL, prompt=f"{prompt} {i}", max_tokens=24, temperature=0)
+                results.append(r.choices[0].text)
+            except Exception as err:          # the assertion below names what failed
+                errors.append(repr(err))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        victim = replicas[0]
+        port = victim.url.rsplit(":", 1)[1]
+        victim.stop(kill=True)                # SIGKILL mid-run: requests in flight on it never answer
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        # what was in flight on the killed replica and had sent nothing was retried elsewhere; a request whose
+        # answer was already streaming cannot be (none here: nothing streams)
+        assert len(results) + len(errors) == 12 and not errors, errors
+        _wait(lambda: call(f"{router.url}/health")[1]["replicas_up"] == 1, what="the dead replica to leave")
+        assert metric(router.url, "tiercache_route_replica_up", replica=_name(victim)) == 0
+        # the same port, a new process: a new instance, followed from scratch
+        replicas[0] = start_replica(0, int(port))
+        _wait(lambda: call(f"{router.url}/health")[1]["replicas_up"] == 2, what="the restarted replica")
+        _, score = call(f"{router.url}/v1/score", "POST", {"prompt": prompt + " 0"})
+        by_name = {r["replica"]: r for r in score["replicas"]}
+        assert by_name[_name(replicas[0])]["cached_tokens"] == 0         # its old entries are gone
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop()
+
+
+@pytest.mark.slow
+def test_one_tenant_cannot_tell_from_its_time_to_first_token_what_another_has_sent(fleet):
+    """Tenant initech asks for prefixes acme has cached and for prefixes nobody has, interleaved: the two samples
+    of time to first token are one distribution (Mann-Whitney U). The same test on globex, which shares acme's
+    cache group, tells them apart — so it has the power to see a difference that is there."""
+    stats = pytest.importorskip("scipy.stats", reason="scipy is not installed")
+    router, _ = fleet
+    n = 24
+    documents = [f"Document {i} of a private archive. " + "Ledger line with figures. " * 40 for i in range(3 * n)]
+    acme = _client(router.url, "sk-acme")
+    for doc in documents[:n] + documents[n:2 * n]:         # acme caches the first 2n documents
+        acme.completions.create(model=MODEL, prompt=doc, max_tokens=1)
+
+    def ttft(client, prompt: str) -> float:
+        start = time.perf_counter()
+        for _ in client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, stream=True):
+            return time.perf_counter() - start
+        raise AssertionError("no token")
+
+    def samples(client, cached_docs, fresh_docs):
+        hit, miss = [], []
+        for a, b in zip(cached_docs, fresh_docs):
+            hit.append(ttft(client, a))
+            miss.append(ttft(client, b))
+        return hit, miss
+
+    fresh = [d.replace("private", "public") for d in documents]
+    hit, miss = samples(_client(router.url, "sk-initech"), documents[:n], fresh[:n])
+    p_other = stats.mannwhitneyu(hit, miss).pvalue
+    granted_hit, granted_miss = samples(_client(router.url, "sk-globex"), documents[n:2 * n], fresh[n:2 * n])
+    p_granted = stats.mannwhitneyu(granted_hit, granted_miss).pvalue
+    assert p_granted < 0.01, (statistics.median(granted_hit), statistics.median(granted_miss))   # power
+    assert p_other > 0.01, (statistics.median(hit), statistics.median(miss))

@@ -1,0 +1,194 @@
+"""The router's replicas: where each is, what it holds, what it is doing (router side, one event loop).
+
+A `Replica` owns its index (written only by its `EventFollower` task) and
+its load counters (written only by the proxy as requests pass). `Fleet`
+owns the set: replicas join (their descriptor read, their events followed),
+leave, fail health checks — a replica that does not answer within one
+health interval, or refuses a connection, is down: it takes no requests
+and its entries are dropped until it answers again (a new ``instance`` in
+its descriptor — a restart — starts its index again).
+
+A replica without a descriptor (a plain ``vllm serve``) is routed to by load
+alone until it has one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from tiercache.errors import ConfigError
+from tiercache.fleet.descriptor import ReplicaDescriptor
+from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
+from tiercache.fleet.routing import Candidate, Rates
+from tiercache.fleet.subscriber import EventFollower
+
+log = logging.getLogger(__name__)
+
+EWMA_WEIGHT = 0.2
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    in_flight: int = 0
+    pending_prefill: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    failures: int = 0
+    predicted_cached: int = 0       # over requests whose replica reported cached tokens
+    reported_cached: int = 0
+    prediction_error: int = 0       # sum of |predicted - reported|
+    reported_prompt: int = 0
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    rates: Rates
+    descriptor: ReplicaDescriptor | None = None
+    scheme: KeyScheme | None = None
+    index: ReplicaIndex = field(default_factory=ReplicaIndex)
+    follower: EventFollower | None = None
+    task: asyncio.Task | None = None
+    up: bool = False
+    since: float = field(default_factory=time.monotonic)
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+
+    def candidate(self, keys: PromptKeys | None, num_tokens: int) -> Candidate:
+        cached = (self.index.cached(keys, self.scheme) if keys is not None and self.scheme is not None
+                  else CachedTokens(0))
+        return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates)
+
+    def learn_prefill(self, tokens: int, seconds: float) -> None:
+        """A first token measured on an otherwise idle replica: ``tokens`` computed in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.rates = Rates(self.rates.prefill * (1 - EWMA_WEIGHT) + rate * EWMA_WEIGHT, self.rates.load,
+                               self.rates.per_request_s)
+
+
+def check_url(url: str, source: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise ConfigError(source, url, "must be a replica's base URL, e.g. http://127.0.0.1:8000")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(source, url, "has an invalid port") from None
+    return url.rstrip("/")
+
+
+class Fleet:
+    """The replicas behind one router, and the HTTP session it reaches them with."""
+
+    def __init__(self, session, default_rates: Rates, health_interval: float) -> None:
+        self.session = session
+        self.default_rates = default_rates
+        self.health_interval = health_interval
+        self.replicas: dict[str, Replica] = {}
+        self._health: asyncio.Task | None = None
+
+    # -- membership ----------------------------------------------------------------------------------
+    async def add(self, url: str) -> Replica:
+        url = check_url(url, "replica")
+        name = urlsplit(url).netloc
+        if name in self.replicas:
+            raise ConfigError("replica", url, "is already in the fleet")
+        replica = Replica(name, url, self.default_rates)
+        self.replicas[name] = replica
+        await self._check(replica)
+        return replica
+
+    async def remove(self, name: str) -> bool:
+        replica = self.replicas.pop(name, None)
+        if replica is None:
+            return False
+        await self._down(replica)
+        return True
+
+    def up(self, model: str | None) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.up and (model is None or r.descriptor is None
+                                                                or r.descriptor.model == model)]
+
+    def models(self) -> list[str]:
+        return sorted({r.descriptor.model for r in self.replicas.values() if r.up and r.descriptor is not None})
+
+    # -- health --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._health = asyncio.create_task(self._health_loop(), name="tiercache-route-health")
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        for replica in list(self.replicas.values()):
+            await self._down(replica)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+
+    async def _check(self, replica: Replica) -> None:
+        """Ask the replica's health and descriptor; up with its events followed, or down."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=self.health_interval)
+        try:
+            async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            async with self.session.get(f"{replica.url}/tiercache/replica", timeout=timeout) as resp:
+                descriptor = (ReplicaDescriptor.from_dict(await resp.json(), f"{replica.url}/tiercache/replica")
+                              if resp.status == 200 else None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ConfigError) as err:
+            if replica.up:
+                log.warning("tiercache route: replica %s is down (%s)", replica.name, err or type(err).__name__)
+            await self._down(replica)
+            return
+        if replica.up and _same_instance(replica.descriptor, descriptor):
+            return
+        if replica.up:
+            log.warning("tiercache route: replica %s restarted", replica.name)
+        await self._down(replica)
+        self._up(replica, descriptor)
+
+    def _up(self, replica: Replica, descriptor: ReplicaDescriptor | None) -> None:
+        replica.descriptor, replica.up, replica.since = descriptor, True, time.monotonic()
+        if descriptor is None or descriptor.events is None:
+            return
+        replica.scheme = key_schemes.get(descriptor.key_scheme)(descriptor)
+        replica.follower = EventFollower(replica.name, descriptor.events, replica.index,
+                                         resync=lambda: self._announce(replica))
+        replica.task = asyncio.create_task(replica.follower.run(), name=f"tiercache-route-events-{replica.name}")
+
+    async def _down(self, replica: Replica) -> None:
+        replica.up = False
+        if replica.task is not None:
+            replica.task.cancel()
+            await asyncio.gather(replica.task, return_exceptions=True)
+        replica.task, replica.follower, replica.scheme = None, None, None
+        replica.index.clear()
+
+    def mark_down(self, replica: Replica) -> None:
+        """The proxy could not reach it: down now, back when a health check answers."""
+        if replica.up:
+            log.warning("tiercache route: replica %s refused a request; down until it answers", replica.name)
+            replica.up = False
+            asyncio.get_running_loop().create_task(self._down(replica))
+
+    async def _announce(self, replica: Replica) -> int | None:
+        import aiohttp
+
+        try:
+            async with self.session.post(f"{replica.url}/tiercache/kv/announce",
+                                         timeout=aiohttp.ClientTimeout(total=self.health_interval * 5)) as resp:
+                return int((await resp.json())["seq"]) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            return None
+
+
+def _same_instance(a: ReplicaDescriptor | None, b: ReplicaDescriptor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and a.instance == b.instance)

@@ -1,0 +1,358 @@
+"""`tiercache route`: an OpenAI-compatible router that sends each request where its prefix is cheapest to serve.
+
+Router side, one asyncio event loop. A request passes through in one way:
+authenticate (`Tenants`: the API key's tenant and its cache salt) → parse
+and tokenize as its model's replicas do (their tokenizer, their chat
+template) → hash it per replica key scheme → rank the replicas with the
+policy (`routing`) over what each holds (`ReplicaIndex`, kept from KV events)
+and what it is doing (its `ReplicaLoad`) → forward to the best, streaming the
+answer back as it arrives; a replica that cannot be reached before it
+answered is marked down and the next one is tried. The router never touches
+KV bytes.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
+/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), ``POST
+/v1/score`` (the ranking alone, for a gateway that proxies itself), and
+``GET/POST /admin/replicas``, ``DELETE /admin/replicas/{name}`` (with the
+admin key) to change the fleet at run time.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiercache.engine.openai_api import (
+    ApiError,
+    Encodes,
+    cache_salt_of,
+    chat_prompt,
+    completion_prompt,
+    json_body,
+    openai_errors,
+)
+from tiercache.errors import ConfigError
+from tiercache.fleet.prefix_index import PromptKeys
+from tiercache.fleet.replicas import Fleet, Replica
+from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies
+from tiercache.fleet.tenants import Tenant, Tenants, Unauthorized
+
+log = logging.getLogger(__name__)
+
+RESPONSE_HEADERS = ("Content-Type", "Cache-Control")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = "expected-ttft"
+    health_interval_s: float = 2.0
+    prefill_tokens_per_s: float = 20_000.0    # until measured
+    load_tokens_per_s: tuple[tuple[str, float], ...] = (("CPU", 400_000.0), ("DISK", 150_000.0),
+                                                        ("REMOTE", 100_000.0))
+    per_request_s: float = 0.002
+    attempts: int = 3                         # replicas tried for one request before 503
+    admin_key: str = ""
+
+    def rates(self) -> Rates:
+        return Rates(self.prefill_tokens_per_s, dict(self.load_tokens_per_s), self.per_request_s)
+
+
+class PromptEncoder:
+    """Tokenizes and applies the chat template exactly as one model's replicas do."""
+
+    def __init__(self, tokenizer: str, template: str) -> None:
+        from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer
+
+        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer)
+        if template != "tiercache":
+            raise ConfigError("chat_template", template, "this router applies the 'tiercache' template only")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One request, checked and ranked."""
+    tenant: Tenant
+    body: dict
+    prompt_tokens: int
+    ranking: list[Ranked]
+
+
+class Router:
+    def __init__(self, fleet: Fleet, tenants: Tenants, policy: Policy, config: RouterConfig) -> None:
+        self.fleet = fleet
+        self.tenants = tenants
+        self.policy = policy
+        self.config = config
+        self._encoders: dict[tuple[str, str], PromptEncoder] = {}
+        self.failovers = 0
+        self.unrouted = 0
+
+    def _encoder(self, replicas: list[Replica]) -> Encodes | None:
+        described = [r.descriptor for r in replicas if r.descriptor is not None]
+        if not described:
+            return None
+        spec = (described[0].tokenizer, described[0].chat_template)
+        if spec not in self._encoders:
+            self._encoders[spec] = PromptEncoder(*spec)
+        return self._encoders[spec]
+
+    def route(self, tenant: Tenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]]) -> Routed:
+        """Check, tokenize and rank one request (``body`` gets the tenant's cache salt)."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError("model must be a string", "model")
+        replicas = self.fleet.up(model)
+        if not replicas:
+            if model is not None and self.fleet.up(None):
+                raise ApiError(f"The model `{model}` does not exist.", "model", 404, code="model_not_found")
+            raise ApiError("no replica is up", status=503, kind="service_unavailable")
+        if tenant.cache_salt:
+            body["cache_salt"] = tenant.cache_salt     # the tenant's, whatever the client sent
+        salt = cache_salt_of(body)
+        encoder = self._encoder(replicas)
+        tokens = prompt_of(encoder, body) if encoder is not None else []
+        hashed: dict[tuple, PromptKeys] = {}     # replicas that chain alike share one hashing
+        candidates = []
+        for replica in replicas:
+            prompt = None
+            if replica.scheme is not None and tokens:
+                signature = replica.scheme.signature
+                if signature not in hashed:
+                    hashed[signature] = replica.scheme.keys(tokens, salt)
+                prompt = hashed[signature]
+            candidates.append(replica.candidate(prompt, len(tokens)))
+        return Routed(tenant, body, len(tokens), self.policy.rank(candidates))
+
+    # -- forwarding -----------------------------------------------------------------------------------
+    async def forward(self, request, path: str, routed: Routed):
+        from aiohttp import ClientConnectionError, ClientConnectorError, ServerDisconnectedError, web
+
+        for ranked in routed.ranking[:self.config.attempts]:
+            replica = self.fleet.replicas.get(ranked.name)
+            if replica is None or not replica.up:
+                continue
+            load = replica.load
+            uncached = max(routed.prompt_tokens - ranked.cached_tokens, 0)
+            idle = load.in_flight == 0
+            load.in_flight += 1
+            load.pending_prefill += uncached
+            load.requests += 1
+            load.prompt_tokens += routed.prompt_tokens
+            started, first = time.perf_counter(), None
+            try:
+                async with self.fleet.session.post(f"{replica.url}{path}", json=routed.body,
+                                                   headers=_forwarded_headers(request)) as resp:
+                    if routed.body.get("stream") is True and resp.status == 200:
+                        out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
+                        await out.prepare(request)
+                        tail = b""
+                        async for data in resp.content.iter_any():
+                            if first is None:
+                                first = time.perf_counter()
+                                load.pending_prefill -= uncached
+                                uncached = 0
+                            await out.write(data)
+                            tail = (tail + data)[-8192:]
+                        await out.write_eof()
+                        self._record(replica, ranked, _usage_from_stream(tail), first and first - started, idle)
+                        return out
+                    data = await resp.read()
+                    first = time.perf_counter()
+                    self._record(replica, ranked, _usage_from_json(data) if resp.status == 200 else None,
+                                 None, idle)
+                    return web.Response(body=data, status=resp.status, headers=_answer_headers(resp))
+            except (ClientConnectorError, ServerDisconnectedError, ClientConnectionError) as err:
+                if first is not None:
+                    raise                    # bytes already sent: the client sees the stream end
+                load.failures += 1
+                self.failovers += 1
+                log.warning("tiercache route: %s failed before answering (%s); trying the next replica",
+                            replica.name, err)
+                self.fleet.mark_down(replica)
+            finally:
+                load.in_flight -= 1
+                load.pending_prefill -= uncached
+        self.unrouted += 1
+        raise ApiError("no replica could take the request", status=503, kind="service_unavailable")
+
+    def _record(self, replica: Replica, ranked: Ranked, usage: dict | None, ttft_s: float | None,
+                idle: bool) -> None:
+        if usage is None:
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        reported = details.get("cached_tokens")
+        prompt_tokens = usage.get("prompt_tokens")
+        if not isinstance(reported, int) or not isinstance(prompt_tokens, int):
+            return
+        load = replica.load
+        load.predicted_cached += ranked.cached_tokens
+        load.reported_cached += reported
+        load.prediction_error += abs(ranked.cached_tokens - reported)
+        load.reported_prompt += prompt_tokens
+        if ttft_s is not None and idle:
+            replica.learn_prefill(prompt_tokens - reported, ttft_s)
+
+
+def _forwarded_headers(request) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": request.headers.get("X-Request-Id", "")}
+
+
+def _answer_headers(resp) -> dict[str, str]:
+    return {k: resp.headers[k] for k in RESPONSE_HEADERS if k in resp.headers}
+
+
+def _usage_from_json(data: bytes) -> dict | None:
+    with contextlib.suppress(ValueError, AttributeError):
+        usage = json.loads(data).get("usage")
+        return usage if isinstance(usage, dict) else None
+    return None
+
+
+def _usage_from_stream(tail: bytes) -> dict | None:
+    """The usage a stream's last events carry (``stream_options.include_usage``), if any."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            usage = _usage_from_json(line[6:])
+            if usage is not None:
+                return usage
+    return None
+
+
+def build_app(router: Router):
+    from aiohttp import web
+
+    def tenant_of(request) -> Tenant:
+        try:
+            return router.tenants.authenticate(request.headers.get("Authorization"))
+        except Unauthorized as err:
+            raise ApiError(str(err), status=401, code="invalid_api_key") from None
+
+    async def generate(request, path: str, prompt_of):
+        tenant = tenant_of(request)
+        routed = router.route(tenant, await json_body(request), prompt_of)
+        return await router.forward(request, path, routed)
+
+    async def completions(request):
+        return await generate(request, "/v1/completions", completion_prompt)
+
+    async def chat_completions(request):
+        return await generate(request, "/v1/chat/completions", chat_prompt)
+
+    async def score(request):
+        tenant = tenant_of(request)
+        body = await json_body(request)
+        prompt_of = chat_prompt if "messages" in body else completion_prompt
+        routed = router.route(tenant, body, prompt_of)
+        return web.json_response({"object": "score", "policy": router.config.policy,
+                                  "prompt_tokens": routed.prompt_tokens,
+                                  "replicas": [r.as_dict() for r in routed.ranking]})
+
+    async def models(request):
+        tenant_of(request)
+        now = int(time.time())
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": now, "owned_by": "tiercache"} for m in router.fleet.models()]})
+
+    async def health(request):
+        up = router.fleet.up(None)
+        return web.json_response({"status": "ok" if up else "no replica up", "replicas_up": len(up)},
+                                 status=200 if up else 503)
+
+    async def metrics(request):
+        from prometheus_client import generate_latest
+
+        from tiercache.fleet.router_metrics import registry_for
+        return web.Response(body=generate_latest(registry_for(router)),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    def admin(request) -> None:
+        key = router.config.admin_key
+        import hmac
+        given = request.headers.get("Authorization", "").partition(" ")[2].strip()
+        if not key:
+            raise ApiError("the admin routes are off (start the router with --admin-key)", status=403)
+        if not hmac.compare_digest(key.encode(), given.encode()):
+            raise ApiError("the admin key is not valid", status=401, code="invalid_api_key")
+
+    async def list_replicas(request):
+        admin(request)
+        return web.json_response({"replicas": [_replica_state(r) for r in router.fleet.replicas.values()]})
+
+    async def add_replica(request):
+        admin(request)
+        body = await json_body(request)
+        url = body.get("url")
+        if not isinstance(url, str):
+            raise ApiError("url must be a replica's base URL", "url")
+        try:
+            replica = await router.fleet.add(url)
+        except ConfigError as err:
+            raise ApiError(str(err), "url") from None
+        return web.json_response(_replica_state(replica), status=201)
+
+    async def remove_replica(request):
+        admin(request)
+        name = request.match_info["name"]
+        if not await router.fleet.remove(name):
+            raise ApiError(f"no replica {name!r} in the fleet", status=404)
+        return web.json_response({"removed": name})
+
+    app = web.Application(middlewares=[openai_errors("tiercache route")])
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/score", score)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_post("/admin/replicas", add_replica)
+    app.router.add_delete("/admin/replicas/{name}", remove_replica)
+    return app
+
+
+def _replica_state(replica: Replica) -> dict:
+    d = replica.descriptor
+    follower = replica.follower
+    return {"name": replica.name, "url": replica.url, "up": replica.up,
+            "model": d.model if d else None, "instance": d.instance if d else None,
+            "indexed": follower is not None, "index_keys": replica.index.num_keys(),
+            "in_flight": replica.load.in_flight, "pending_prefill_tokens": replica.load.pending_prefill,
+            "events": follower.counters.as_dict() if follower else None,
+            "prefill_tokens_per_s": round(replica.rates.prefill, 1)}
+
+
+def serve(urls: list[str], host: str, port: int, config: RouterConfig, tenants: Tenants,
+          ready: Callable[[int], None] | None = None) -> None:
+    """Route until interrupted (SIGINT, SIGTERM); ``ready`` gets the port listened on."""
+    import aiohttp
+    from aiohttp import web
+
+    policy = routing_policies.get(config.policy)()
+
+    async def main() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
+            fleet = Fleet(session, config.rates(), config.health_interval_s)
+            for url in urls:
+                await fleet.add(url)
+            fleet.start()
+            router = Router(fleet, tenants, policy, config)
+            runner = web.AppRunner(build_app(router), handle_signals=True)
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+            if ready is not None:
+                ready(runner.addresses[0][1])
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await runner.cleanup()
+                await fleet.close()
+
+    with contextlib.suppress(KeyboardInterrupt, web.GracefulExit):
+        asyncio.run(main())

@@ -1,0 +1,75 @@
+"""Prometheus exposition of `tiercache route`: per replica load, index and events, and the router's accuracy.
+
+Families (labels in braces):
+- ``tiercache_route_replica_up{replica}``, ``..._in_flight{replica}``,
+  ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` (as measured);
+- ``tiercache_route_requests_total{replica}``, ``..._prompt_tokens_total{replica}``,
+  ``..._failures_total{replica}`` (a request it could not be reached for);
+- ``tiercache_route_index_keys{replica,medium}``: blocks and chunks the router knows it holds;
+- ``tiercache_route_events_total{replica,kind}``: batches applied, duplicates, gaps, replayed, resyncs,
+  restarts, undecodable;
+- ``tiercache_route_predicted_cached_tokens_total{replica}``, ``..._reported_cached_tokens_total{replica}``,
+  ``..._prediction_error_tokens_total{replica}`` (sum of |predicted - reported|): the index's accuracy;
+- ``tiercache_route_failovers_total``, ``tiercache_route_unrouted_total``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class RouterCollector(Collector):
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def collect(self):
+        replicas = list(self.router.fleet.replicas.values())
+        gauges = {
+            "replica_up": ("1 while the replica takes requests", lambda r: float(r.up)),
+            "in_flight": ("requests sent and not finished", lambda r: r.load.in_flight),
+            "pending_prefill_tokens": ("prompt tokens to compute before first tokens",
+                                       lambda r: r.load.pending_prefill),
+            "prefill_tokens_per_second": ("measured prefill rate", lambda r: r.rates.prefill),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"tiercache_route_{name}", doc, labels=["replica"])
+            for r in replicas:
+                family.add_metric([r.name], value(r))
+            yield family
+        counters = {
+            "requests": ("requests forwarded", lambda r: r.load.requests),
+            "prompt_tokens": ("prompt tokens forwarded", lambda r: r.load.prompt_tokens),
+            "failures": ("requests it could not be reached for", lambda r: r.load.failures),
+            "predicted_cached_tokens": ("cached tokens the index predicted", lambda r: r.load.predicted_cached),
+            "reported_cached_tokens": ("cached tokens the replica reported", lambda r: r.load.reported_cached),
+            "prediction_error_tokens": ("sum of |predicted - reported| cached tokens",
+                                        lambda r: r.load.prediction_error),
+        }
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(f"tiercache_route_{name}", doc, labels=["replica"])
+            for r in replicas:
+                family.add_metric([r.name], value(r))
+            yield family
+        keys = GaugeMetricFamily("tiercache_route_index_keys", "blocks and chunks indexed",
+                                 labels=["replica", "medium"])
+        events = CounterMetricFamily("tiercache_route_events", "KV event batches by outcome",
+                                     labels=["replica", "kind"])
+        for r in replicas:
+            for medium, n in r.index.num_keys().items():
+                keys.add_metric([r.name, medium], n)
+            if r.follower is not None:
+                for kind, n in r.follower.counters.as_dict().items():
+                    events.add_metric([r.name, kind], n)
+        yield keys
+        yield events
+        yield CounterMetricFamily("tiercache_route_failovers", "requests moved to another replica",
+                                  value=self.router.failovers)
+        yield CounterMetricFamily("tiercache_route_unrouted", "requests no replica could take",
+                                  value=self.router.unrouted)
+
+
+def registry_for(router) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router))
+    return registry

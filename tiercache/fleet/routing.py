@@ -1,0 +1,126 @@
+"""Which replica takes a request: routing policies by name, the default one an expected time to first token.
+
+Router side, pure: a policy ranks `Candidate` views (what each replica holds
+for this prompt, what it is already doing, how fast it computes and loads)
+and never touches sockets. The router and the scoring service
+(``POST /v1/score``) call the same `Policy.rank`, so a gateway that asks for
+a ranking gets the one the router would route by.
+
+Policies (`routing_policies`):
+- ``round-robin``: in turn, blind to caches and load;
+- ``least-loaded``: the replica with the fewest prompt tokens waiting for
+  their first token (then the fewest requests);
+- ``prefix-affinity``: the most cached tokens, anywhere in the replica's
+  hierarchy (ties: least loaded) — the hit-ratio maximiser that makes
+  hotspots;
+- ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
+  loads of the rest at each medium's rate, lowest first, with a hotspot guard
+  (a replica whose queue is far above the fleet's goes last).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tiercache.fleet.prefix_index import CachedTokens
+from tiercache.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """How fast a replica works, in prompt tokens per second (the router measures prefill; loads are set)."""
+    prefill: float
+    load: dict[str, float] = field(default_factory=dict)   # per tier medium: CPU, DISK, REMOTE
+    per_request_s: float = 0.0      # what each request already running adds to a new one's wait
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str
+    prompt_tokens: int
+    cached: CachedTokens
+    in_flight: int             # requests sent to it and not finished
+    pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
+    rates: Rates
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    name: str
+    expected_ttft_s: float
+    queue_s: float
+    prefill_s: float
+    load_s: float
+    cached_tokens: int
+    engine_tokens: int
+    tier_tokens: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {"replica": self.name, "expected_ttft_ms": round(self.expected_ttft_s * 1e3, 3),
+                "queue_ms": round(self.queue_s * 1e3, 3), "prefill_ms": round(self.prefill_s * 1e3, 3),
+                "load_ms": round(self.load_s * 1e3, 3), "cached_tokens": self.cached_tokens,
+                "engine_cached_tokens": self.engine_tokens, "tier_cached_tokens": dict(self.tier_tokens)}
+
+
+def estimate(c: Candidate) -> Ranked:
+    """Expected time to first token on ``c``: wait for what is ahead, compute what nobody holds, load the rest."""
+    queue_s = c.pending_prefill / c.rates.prefill + c.in_flight * c.rates.per_request_s
+    prefill_s = max(c.prompt_tokens - c.cached.total, 1) / c.rates.prefill
+    load_s = sum(n / c.rates.load.get(medium, c.rates.prefill) for medium, n in c.cached.tiers.items())
+    return Ranked(c.name, queue_s + prefill_s + load_s, queue_s, prefill_s, load_s, c.cached.total,
+                  c.cached.engine, dict(c.cached.tiers))
+
+
+class Policy:
+    """Ranks candidates for one request, best first (each with its estimate, whatever the order's reason)."""
+
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
+        raise NotImplementedError
+
+
+routing_policies: Registry[type[Policy]] = Registry("routing policy")
+
+
+@routing_policies.register("round-robin")
+class RoundRobin(Policy):
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
+        if not candidates:
+            return []
+        start = next(self._turn) % len(candidates)
+        ordered = sorted(candidates, key=lambda c: c.name)
+        return [estimate(c) for c in ordered[start:] + ordered[:start]]
+
+
+@routing_policies.register("least-loaded")
+class LeastLoaded(Policy):
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
+        return [estimate(c) for c in sorted(candidates, key=lambda c: (c.pending_prefill, c.in_flight, c.name))]
+
+
+@routing_policies.register("prefix-affinity")
+class PrefixAffinity(Policy):
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
+        return [estimate(c) for c in sorted(
+            candidates, key=lambda c: (-c.cached.total, c.pending_prefill, c.in_flight, c.name))]
+
+
+@routing_policies.register("expected-ttft")
+class ExpectedTTFT(Policy):
+    """Lowest expected time to first token; a replica whose queue exceeds ``hotspot_factor`` times the fleet's
+    mean queue (plus one request's compute, so an idle fleet never trips it) is ranked after the others, so
+    that a popular prefix spreads over replicas instead of piling onto one."""
+
+    def __init__(self, hotspot_factor: float = 2.0) -> None:
+        self.hotspot_factor = hotspot_factor
+
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
+        ranked = [estimate(c) for c in candidates]
+        if not ranked:
+            return []
+        mean_queue = sum(r.queue_s for r in ranked) / len(ranked)
+        slack = max(r.prefill_s + r.load_s for r in ranked)
+        limit = self.hotspot_factor * mean_queue + slack
+        return sorted(ranked, key=lambda r: (r.queue_s > limit, r.expected_ttft_s, r.name))
