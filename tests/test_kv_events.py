@@ -8,6 +8,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'tiercach
 msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'tiercache[fleet]')")
 
 from support.engine_runs import offload  # noqa: E402
+
 from tiercache.config import TierCacheConfig  # noqa: E402
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tiercache.fleet.descriptor import EventEndpoints, ReplicaDescriptor  # noqa: E402
@@ -108,6 +109,21 @@ def test_the_index_splits_a_prompt_between_the_pool_and_the_fastest_tier():
     assert index.cached(whole, scheme).total == 63           # never the last token: the engine computes one
     index.apply(KVEventBatch(ts=0, events=[AllBlocksCleared()]))
     assert index.cached(keys, scheme).total == 0
+
+
+def test_what_another_replica_stored_in_a_shared_tier_counts_at_the_remote_rate():
+    scheme = TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                             chunk_tokens=64, seed=(b"s" * 32).hex()))
+    keys = scheme.keys(list(range(200)), "")                 # 3 whole chunks
+    stored_by_other, own = ReplicaIndex(), ReplicaIndex()
+    stored_by_other.apply(KVEventBatch(ts=0, events=[
+        BlockStored(block_hashes=keys.chunk_keys, parent_block_hash=None, token_ids=[], block_size=64,
+                    lora_id=None, medium="REMOTE", lora_name=None)]))
+    own.apply(KVEventBatch(ts=0, events=[
+        BlockStored(block_hashes=keys.chunk_keys[:1], parent_block_hash=None, token_ids=[], block_size=64,
+                    lora_id=None, medium="CPU", lora_name=None)]))
+    assert own.cached(keys, scheme).tiers == {"CPU": 64}
+    assert own.cached(keys, scheme, [stored_by_other.media["REMOTE"]]).tiers == {"CPU": 64, "REMOTE": 128}
 
 
 class FaultyPublisher(EventPublisher):

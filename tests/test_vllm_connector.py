@@ -178,6 +178,20 @@ def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp)
     assert got["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.slow      # launches vLLM
+def test_requests_with_other_cache_salts_never_load_each_others_chunks(env):
+    """vLLM keeps two salts apart in its own pool; the connector keeps them apart in every tier: P under salt
+    "b" after P under salt "a" (vLLM's pool emptied between) finds nothing, P under "a" again loads from L1."""
+    p = env.prompts["p0"]
+    got = run(env, "salted", {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
+        {"prompts": [{"ids": p, "cache_salt": "a"}]},
+        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
+        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}, 1)
+    assert got["num_cached_tokens"][:2] == [0, 0]
+    assert got["num_cached_tokens"][2] >= PREFIX_HIT
+    assert got["outputs"][0] == got["outputs"][1] == got["outputs"][2]
+
+
 def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
     """P's and Q's chunk keys, from the KV events of the run that stored them (L1 first, in order)."""
     stored = [keys for kind, medium, *keys in run_everything(env, tp)["event_order"]

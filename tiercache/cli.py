@@ -101,6 +101,26 @@ def _codec_list(text: str) -> list[str]:
     return names
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _routing_list(text: str) -> list[str]:
+    from tiercache.fleet.routing import routing_policies
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in routing_policies]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing policy {unknown or text!r}; known: {', '.join(routing_policies.names())}")
+    return names
+
+
 def _policy_list(text: str) -> list[str]:
     from tiercache.policies import eviction_policies
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -409,6 +429,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quiet", action="store_true")
     _add_config_flags(e)
     e.set_defaults(func=commands.cmd_bench_engine)
+
+    rb = bench.add_parser("route", help="a multi-replica chat workload through `tiercache route`, each policy in "
+                                        "turn: TTFT, throughput, hit ratio, load imbalance, prediction error")
+    rb.add_argument("--replicas", type=_int_list, default=[2, 4], help="fleet sizes, e.g. 2,4")
+    rb.add_argument("--policies", type=_routing_list,
+                    default=["round-robin", "least-loaded", "prefix-affinity", "expected-ttft"],
+                    help="comma-separated routing policies")
+    rb.add_argument("--shared", choices=["no", "yes", "both"], default="both",
+                    help="replicas with a shared `tiercache serve` under their L1 (yes), without (no), or both")
+    rb.add_argument("--conversations", type=_positive, default=40)
+    rb.add_argument("--max-turns", type=_positive, default=8)
+    rb.add_argument("--system-prompts", type=_positive, default=4)
+    rb.add_argument("--system-tokens", type=_positive, default=1200)
+    rb.add_argument("--user-tokens", type=_positive, default=300)
+    rb.add_argument("--output-tokens", type=_positive, default=8)
+    rb.add_argument("--rate", type=_positive_float, default=0.8, help="conversations started per second")
+    rb.add_argument("--seed", type=int, default=0)
+    rb.add_argument("--overhead-pairs", type=int, default=30,
+                    help="requests alternated direct and through the router to measure its overhead (0: skip)")
+    rb.add_argument("--out", metavar="DIR", help="write route.json, route.md and route.png here")
+    rb.add_argument("--json", metavar="PATH")
+    rb.add_argument("--quiet", action="store_true")
+    rb.set_defaults(func=commands.cmd_bench_route)
 
     d = sub.add_parser("demo", help="a workload on the reference engine, cold vs cached")
     d.add_argument("--workload", choices=["docs", "shared-prefix", "multi-turn", "long-doc", "no-reuse"],

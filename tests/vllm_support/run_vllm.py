@@ -8,7 +8,8 @@ request outputs, its Prometheus metrics (`LLM.get_metrics`, where the connector'
 ``vllm:tiercache_*``) and its KV-event publisher (ZMQ), as a router would see them.
 
 SPEC: {"model": dir, "tp": 1, "max_tokens": n, "prefix_caching": false, "kv_transfer_config": {...} or null,
-       "phases": [{"prompts": [[ids...]...], "together": false, "reset_prefix_cache": false, "pause_s": 0}...],
+       "phases": [{"prompts": [[ids...] or {"ids": [...], "cache_salt": s}...], "together": false,
+                   "reset_prefix_cache": false, "pause_s": 0}...],
        "events_port": port or null}
 (``"prompts"`` alone is one phase of prompts sent one at a time). A phase with ``together`` sends its
 prompts as one batch; ``reset_prefix_cache`` drops vLLM's own L0 prefix cache before the phase; ``pause_s``
@@ -96,7 +97,9 @@ def main(spec_path: str, out_path: str) -> None:
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         groups = [phase["prompts"]] if phase.get("together") else [[p] for p in phase["prompts"]]
         for group in groups:   # one at a time unless together: each may hit what the ones before stored
-            for out in llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False):
+            prompts = [{"prompt_token_ids": p} if isinstance(p, list) else
+                       {"prompt_token_ids": p["ids"], "cache_salt": p["cache_salt"]} for p in group]
+            for out in llm.generate(prompts, params, use_tqdm=False):
                 completion = out.outputs[0]
                 outputs.append(list(completion.token_ids))
                 logprobs.append([step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs)])

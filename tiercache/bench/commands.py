@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import platform
 import sys
@@ -447,3 +448,55 @@ def _tier_reports(out: Path, report: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / "tiers.png", dpi=110)
     plt.close(fig)
+
+
+def cmd_bench_route(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench import route
+    from tiercache.bench.report import markdown_table, write_json
+
+    for module, extra in (("aiohttp", "fleet"), ("zmq", "fleet"), ("msgspec", "fleet"),
+                          ("prometheus_client", "metrics")):
+        if importlib.util.find_spec(module) is None:
+            raise TierCacheError(f"bench route needs {module}, which is not installed: "
+                                 f"pip install 'tiercache[{extra}]'")
+    out = _directory(args.out, "--out")
+    workload = route.RouteWorkload(conversations=args.conversations, max_turns=args.max_turns,
+                                   system_prompts=args.system_prompts, system_tokens=args.system_tokens,
+                                   user_tokens=args.user_tokens, output_tokens=args.output_tokens, rate=args.rate,
+                                   seed=args.seed)
+    shared = {"no": [False], "yes": [True], "both": [False, True]}[args.shared]
+    fleets = [(n, s) for n in args.replicas for s in shared]
+    requests = sum(len(c.questions) for c in route.conversations(workload))
+    report = route.RouteReport(dataclasses.asdict(workload))
+    with tqdm(total=requests * len(fleets) * len(args.policies), desc="bench route", file=sys.stderr,
+              disable=args.quiet) as bar:
+        for n, s in fleets:
+            for policy in args.policies:
+                bar.set_postfix_str(f"{n} replicas{' + serve' if s else ''}, {policy}")
+                report.runs.append(route.run_one(n, policy, s, workload, progress=lambda: bar.update(1)))
+    if args.overhead_pairs > 0:
+        report.overhead = route.router_overhead(args.overhead_pairs)
+    data = {**report.as_dict(), "command": "tiercache " + " ".join(sys.argv[1:]), "machine": platform.node()}
+    rows = route.rows(data)
+    if out:
+        write_json(Path(out) / "route.json", data)
+        text = "# Routing benchmark\n\n" + markdown_table(route.HEADERS, rows)
+        if report.overhead:
+            text += "\nRouter overhead: " + json.dumps(report.overhead) + "\n"
+        (Path(out) / "route.md").write_text(text)
+        route.plot(Path(out) / "route.png", data)
+    _write_json(args.json, data)
+    if not args.quiet:
+        table = Table(title="bench route")
+        for header in route.HEADERS:
+            table.add_column(header)
+        for row in rows:
+            table.add_row(*(str(v) for v in row))
+        Console().print(table)
+        if report.overhead:
+            Console().print(f"router overhead: {report.overhead}")
+    return 0

@@ -33,6 +33,8 @@ class ReplicaDescriptor:
     tokenizer: str = "bytes"    # "bytes", or the tokenizer.json the replica loaded
     chat_template: str = "tiercache"
     media: tuple[str, ...] = ()  # the media it publishes events for: GPU (its pool), CPU, DISK, REMOTE
+    shared_tiers: tuple[str, ...] = ()  # the remote tiers it reads (grpc://host:port, the Redis URL): what any
+                                        # replica with the same chains stores there, this one can load
     events: EventEndpoints | None = None
     version: int = DESCRIPTOR_VERSION
     extra: dict = field(default_factory=dict)
@@ -50,7 +52,8 @@ class ReplicaDescriptor:
         try:
             if events is not None:
                 events = EventEndpoints(**events)
-            descriptor = cls(events=events, **{k: tuple(v) if k == "media" else v for k, v in data.items()})
+            descriptor = cls(events=events, **{k: tuple(v) if k in ("media", "shared_tiers") else v
+                                               for k, v in data.items()})
         except TypeError as err:
             raise ConfigError(source, "descriptor", f"not a replica descriptor ({err})") from None
         for name in ("block_size", "chunk_tokens"):

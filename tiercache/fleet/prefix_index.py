@@ -13,7 +13,7 @@ event loop, so it needs no lock.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.contracts.keys import BlockHasher, chunk_keys
@@ -98,17 +98,17 @@ class ReplicaIndex:
     def num_keys(self) -> dict[str, int]:
         return {medium: len(keys) for medium, keys in self.media.items()}
 
-    def cached(self, prompt: PromptKeys, scheme: KeyScheme,
-               shared: dict[str, set[bytes]] | None = None) -> CachedTokens:
+    def cached(self, prompt: PromptKeys, scheme: KeyScheme, shared: Sequence[set[bytes]] = ()) -> CachedTokens:
         """What the replica would find for ``prompt``: at most all tokens but the last (an engine computes at
-        least one). ``shared``: chunks of the shared tiers the replica reads (every replica's stores to them)."""
+        least one). ``shared``: what the other replicas that read the same shared tiers (with the same chains)
+        stored there — this replica loads those chunks too, at the remote rate."""
         limit = max(prompt.num_tokens - 1, 0)
         engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()))
         engine = min(engine_blocks * scheme.block_size, limit)
         tiers: dict[str, int] = {}
         if scheme.chunk_tokens:
-            sources = [held for m in TIER_MEDIA for held in ((m, self.media.get(m)), (m, (shared or {}).get(m)))
-                       if held[1]]
+            sources = [(m, held) for m in TIER_MEDIA for held in (self.media.get(m),) if held]
+            sources += [("REMOTE", held) for held in shared if held]
             covered = 0
             for key in prompt.chunk_keys:
                 medium = next((m for m, held in sources if key in held), None)

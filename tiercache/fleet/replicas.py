@@ -57,8 +57,16 @@ class Replica:
     since: float = field(default_factory=time.monotonic)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
 
-    def candidate(self, keys: PromptKeys | None, num_tokens: int) -> Candidate:
-        cached = (self.index.cached(keys, self.scheme) if keys is not None and self.scheme is not None
+    def shares_with(self, other: Replica) -> bool:
+        """Whether ``other``'s stores to a shared tier are loads for this replica: the same chains, a shared
+        tier in common."""
+        a, b = self.descriptor, other.descriptor
+        return (other is not self and a is not None and b is not None and self.scheme is not None
+                and other.scheme is not None and self.scheme.signature == other.scheme.signature
+                and bool(set(a.shared_tiers) & set(b.shared_tiers)))
+
+    def candidate(self, keys: PromptKeys | None, num_tokens: int, shared: list[set[bytes]] = ()) -> Candidate:
+        cached = (self.index.cached(keys, self.scheme, shared) if keys is not None and self.scheme is not None
                   else CachedTokens(0))
         return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates)
 
@@ -148,7 +156,7 @@ class Fleet:
                 log.warning("tiercache route: replica %s is down (%s)", replica.name, err or type(err).__name__)
             await self._down(replica)
             return
-        if replica.up and _same_instance(replica.descriptor, descriptor):
+        if replica.up and _same_instance(replica.descriptor, descriptor) and not _crashed(replica.task):
             return
         if replica.up:
             log.warning("tiercache route: replica %s restarted", replica.name)
@@ -188,6 +196,15 @@ class Fleet:
                 return int((await resp.json())["seq"]) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
             return None
+
+
+def _crashed(task: asyncio.Task | None) -> bool:
+    """A follower that stopped by itself (an error it could not handle): its index is stale, start it again."""
+    if task is None or not task.done():
+        return False
+    if not task.cancelled() and task.exception() is not None:
+        log.error("tiercache route: following a replica's events failed: %r", task.exception())
+    return True
 
 
 def _same_instance(a: ReplicaDescriptor | None, b: ReplicaDescriptor | None) -> bool:

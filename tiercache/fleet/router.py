@@ -34,6 +34,7 @@ from tiercache.engine.openai_api import (
     completion_prompt,
     json_body,
     openai_errors,
+    run_event_loop,
 )
 from tiercache.errors import ConfigError
 from tiercache.fleet.prefix_index import PromptKeys
@@ -127,12 +128,13 @@ class Router:
                 if signature not in hashed:
                     hashed[signature] = replica.scheme.keys(tokens, salt)
                 prompt = hashed[signature]
-            candidates.append(replica.candidate(prompt, len(tokens)))
+            shared = [r.index.media.get("REMOTE") for r in replicas if replica.shares_with(r)]
+            candidates.append(replica.candidate(prompt, len(tokens), [s for s in shared if s]))
         return Routed(tenant, body, len(tokens), self.policy.rank(candidates))
 
     # -- forwarding -----------------------------------------------------------------------------------
     async def forward(self, request, path: str, routed: Routed):
-        from aiohttp import ClientConnectionError, ClientConnectorError, ServerDisconnectedError, web
+        from aiohttp import ClientConnectionError, ClientPayloadError, web
 
         for ranked in routed.ranking[:self.config.attempts]:
             replica = self.fleet.replicas.get(ranked.name)
@@ -153,13 +155,20 @@ class Router:
                         out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
                         await out.prepare(request)
                         tail = b""
-                        async for data in resp.content.iter_any():
-                            if first is None:
-                                first = time.perf_counter()
-                                load.pending_prefill -= uncached
-                                uncached = 0
-                            await out.write(data)
-                            tail = (tail + data)[-8192:]
+                        try:
+                            async for data in resp.content.iter_any():
+                                if first is None:
+                                    first = time.perf_counter()
+                                    load.pending_prefill -= uncached
+                                    uncached = 0
+                                await out.write(data)
+                                tail = (tail + data)[-8192:]
+                        except (ClientConnectionError, ClientPayloadError) as err:
+                            # the answer was already streaming: it cannot move; the client sees its stream end
+                            load.failures += 1
+                            log.warning("tiercache route: %s failed mid-stream (%s)", replica.name, err)
+                            self.fleet.mark_down(replica)
+                            return out
                         await out.write_eof()
                         self._record(replica, ranked, _usage_from_stream(tail), first and first - started, idle)
                         return out
@@ -168,9 +177,7 @@ class Router:
                     self._record(replica, ranked, _usage_from_json(data) if resp.status == 200 else None,
                                  None, idle)
                     return web.Response(body=data, status=resp.status, headers=_answer_headers(resp))
-            except (ClientConnectorError, ServerDisconnectedError, ClientConnectionError) as err:
-                if first is not None:
-                    raise                    # bytes already sent: the client sees the stream end
+            except (ClientConnectionError, ClientPayloadError) as err:     # refused, reset, cut before it answered
                 load.failures += 1
                 self.failovers += 1
                 log.warning("tiercache route: %s failed before answering (%s); trying the next replica",
@@ -355,4 +362,4 @@ def serve(urls: list[str], host: str, port: int, config: RouterConfig, tenants: 
                 await fleet.close()
 
     with contextlib.suppress(KeyboardInterrupt, web.GracefulExit):
-        asyncio.run(main())
+        run_event_loop(main)

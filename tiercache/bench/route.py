@@ -1,0 +1,311 @@
+"""`tiercache bench route`: a multi-replica chat workload replayed through `tiercache route`, each policy in turn.
+
+The workload (`RouteWorkload`, seeded): conversations arrive as a Poisson
+process; each picks one of a few long system prompts by a Zipf law (the
+popular one is most of the traffic) and runs its turns — each turn resends
+the whole history plus a new user message, and the next turn follows the
+answer after a think time. Every request is streamed, so the client sees its
+time to first token and the usage the replica reports.
+
+For each fleet (N replicas, with or without a shared `tiercache serve` under
+them) and each policy, a fresh fleet is started (cold caches, the same
+processes users run), the workload replayed against its router, and the
+router's own metrics read: tokens per replica (load imbalance, max/mean) and
+its predicted against the replicas' reported cached tokens (prediction
+error: sum of |predicted - reported| over the reported). The router's own
+overhead is measured apart: the same 2K-token request (a pool hit) alternated
+directly to a replica and through the router, medians compared.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from tiercache.bench.processes import Launched, start_replica, start_router, start_server
+
+POOL_BLOCKS = 2048          # each replica's L0: 32K tokens, a few conversations' worth
+
+
+@dataclass(frozen=True, slots=True)
+class RouteWorkload:
+    conversations: int = 40
+    max_turns: int = 8               # a conversation has 1..max_turns turns (more often few)
+    system_prompts: int = 4
+    system_tokens: int = 1200
+    user_tokens: int = 300
+    output_tokens: int = 8
+    rate: float = 0.8                # conversations started per second (Poisson)
+    think_s: float = 0.3             # mean pause between an answer and the next turn
+    zipf: float = 1.2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("conversations", "max_turns", "system_prompts", "system_tokens", "user_tokens",
+                     "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench route: {name} must be positive, got {getattr(self, name)}")
+        if not self.rate > 0:
+            raise ValueError(f"bench route: rate must be positive, got {self.rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    start_s: float
+    system: str
+    questions: tuple[str, ...]
+    pauses: tuple[float, ...]
+
+
+def conversations(w: RouteWorkload) -> list[Conversation]:
+    rng = random.Random(w.seed)
+    words = "cache tier block chunk prefix replica router load disk memory tenant token stream".split()
+
+    def text(n_tokens: int, tag: str) -> str:          # byte tokenizer: one token per byte
+        body = " ".join(rng.choice(words) for _ in range(n_tokens // 5 + 1))
+        return (tag + " " + body)[:n_tokens]
+
+    systems = [text(w.system_tokens, f"System prompt {i}:") for i in range(w.system_prompts)]
+    weights = [1 / (i + 1) ** w.zipf for i in range(w.system_prompts)]
+    out, t = [], 0.0
+    for c in range(w.conversations):
+        t += rng.expovariate(w.rate)
+        turns = min(w.max_turns, 1 + int(rng.expovariate(1 / max(w.max_turns / 2 - 0.5, 0.5))))
+        out.append(Conversation(t, rng.choices(systems, weights)[0],
+                                tuple(text(w.user_tokens, f"[{c}.{k}]") for k in range(turns)),
+                                tuple(rng.expovariate(1 / w.think_s) for _ in range(turns))))
+    return out
+
+
+@dataclass(slots=True)
+class Request:
+    conversation: int
+    turn: int
+    sent_s: float
+    ttft_s: float
+    end_s: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, dict]:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, text, usage = None, [], {}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"bench route: the router answered {resp.status}: {(await resp.text())[:200]}")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if first is None:
+                first = time.perf_counter()
+            for choice in event.get("choices") or ():
+                text.append(choice.get("delta", {}).get("content") or "")
+            usage = event.get("usage") or usage
+    return (first or time.perf_counter()) - start, time.perf_counter() - start, "".join(text), usage
+
+
+async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None = None) -> list[Request]:
+    import aiohttp
+
+    records: list[Request] = []
+    origin = time.perf_counter()
+
+    async def run(i: int, conv: Conversation, session) -> None:
+        await asyncio.sleep(max(0.0, conv.start_s - (time.perf_counter() - origin)))
+        history = [{"role": "system", "content": conv.system}]
+        for turn, (question, pause) in enumerate(zip(conv.questions, conv.pauses)):
+            history.append({"role": "user", "content": question})
+            sent = time.perf_counter() - origin
+            ttft, total, answer, usage = await _ask(session, url, history, w.output_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            records.append(Request(i, turn, sent, ttft, sent + total, usage.get("prompt_tokens", 0),
+                                   details.get("cached_tokens", 0)))
+            if progress is not None:
+                progress()
+            history.append({"role": "assistant", "content": answer})
+            await asyncio.sleep(pause)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(run(i, c, session) for i, c in enumerate(conversations(w))))
+    return records
+
+
+def _router_metrics(url: str) -> dict[str, dict[str, float]]:
+    """Per replica: prompt tokens, predicted / reported / error cached tokens (from the router's /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    wanted = {"tiercache_route_prompt_tokens": "prompt_tokens",
+              "tiercache_route_predicted_cached_tokens": "predicted",
+              "tiercache_route_reported_cached_tokens": "reported",
+              "tiercache_route_prediction_error_tokens": "error"}
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        key = wanted.get(family.name)
+        if key is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                out.setdefault(sample.labels["replica"], {})[key] = sample.value
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+@dataclass
+class Fleet:
+    replicas: list[Launched]
+    router: Launched
+    server: Launched | None = None
+
+    def stop(self) -> None:
+        for process in [self.router, *self.replicas, *([self.server] if self.server else [])]:
+            process.stop()
+
+
+def _warm(url: str) -> None:
+    """One short request straight to a fresh replica, so that no policy's first request pays the process's
+    first forward pass (its prompt shares nothing with the workload's)."""
+    import urllib.request
+
+    body = json.dumps({"prompt": "warm-up", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        resp.read()
+
+
+def start_fleet(n: int, policy: str, shared: bool) -> Fleet:
+    server = start_server() if shared else None
+    replicas: list[Launched] = []
+    try:
+        for i in range(n):
+            if server is None:
+                replicas.append(start_replica(i, 0, "cpu", "256MiB", POOL_BLOCKS))
+            else:
+                replicas.append(start_replica(i, 0, "cpu,grpc", "256MiB", POOL_BLOCKS, "--grpc-address", server.url))
+        for replica in replicas:
+            _warm(replica.url)
+        router = start_router([r.url for r in replicas], "--policy", policy)
+    except BaseException:
+        for process in [*replicas, *([server] if server else [])]:
+            process.stop()
+        raise
+    return Fleet(replicas, router, server)
+
+
+def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
+            progress: Callable[[], None] | None = None) -> dict:
+    fleet = start_fleet(n, policy, shared)
+    try:
+        started = time.perf_counter()
+        records = asyncio.run(replay(fleet.router.url, w, progress))
+        elapsed = time.perf_counter() - started
+        per_replica = _router_metrics(fleet.router.url)
+    finally:
+        fleet.stop()
+    ttfts = [r.ttft_s * 1e3 for r in records]
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    loads = [v.get("prompt_tokens", 0.0) for v in per_replica.values()] or [0.0]
+    reported = sum(v.get("reported", 0.0) for v in per_replica.values())
+    error = sum(v.get("error", 0.0) for v in per_replica.values())
+    return {"replicas": n, "shared_server": shared, "policy": policy, "requests": len(records),
+            "ttft_ms_p50": round(_pct(ttfts, 0.5), 2), "ttft_ms_p99": round(_pct(ttfts, 0.99), 2),
+            "throughput_req_s": round(len(records) / elapsed, 3),
+            "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
+            "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
+            "prediction_error": round(error / reported, 4) if reported else 0.0,
+            "per_replica": per_replica}
+
+
+def router_overhead(n_pairs: int = 30, prompt_tokens: int = 2048) -> dict:
+    """The router's own cost for one request: the same request (a pool hit, one output token) alternated
+    directly to a replica and through the router; medians and their difference, and /v1/score alone."""
+    import urllib.request
+
+    replica = start_replica(0)
+    router = start_router([replica.url], "--policy", "expected-ttft")
+    body = json.dumps({"prompt": "o" * (prompt_tokens - 1), "max_tokens": 1, "temperature": 0}).encode()
+
+    def timed(url: str) -> float:
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            resp.read()
+        return time.perf_counter() - start
+
+    try:
+        timed(f"{replica.url}/v1/completions")                    # the prompt is in the pool from here on
+        direct, routed, score = [], [], []
+        for _ in range(n_pairs):
+            direct.append(timed(f"{replica.url}/v1/completions"))
+            routed.append(timed(f"{router.url}/v1/completions"))
+            score.append(timed(f"{router.url}/v1/score"))
+    finally:
+        router.stop()
+        replica.stop()
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)          # noqa: E731
+    return {"prompt_tokens": prompt_tokens, "pairs": n_pairs, "direct_ms_p50": ms(direct),
+            "routed_ms_p50": ms(routed), "overhead_ms_p50": round(ms(routed) - ms(direct), 3),
+            "score_ms_p50": ms(score)}
+
+
+@dataclass
+class RouteReport:
+    workload: dict
+    runs: list[dict] = field(default_factory=list)
+    overhead: dict | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms", "req/s",
+           "prefix hits", "imbalance", "prediction error")
+
+
+def rows(report: dict) -> list[tuple]:
+    return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
+             r["ttft_ms_p99"], r["throughput_req_s"], r["prefix_hit_ratio"], r["load_imbalance"],
+             r["prediction_error"]) for r in report["runs"]]
+
+
+def plot(path, report: dict) -> bool:
+    """TTFT p50 and p99 per policy, one group of bars per fleet; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    runs = report["runs"]
+    fleets = sorted({(r["replicas"], r["shared_server"]) for r in runs})
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    fig, axes = plt.subplots(1, len(fleets), figsize=(5 * len(fleets), 4), squeeze=False)
+    for ax, (n, shared) in zip(axes[0], fleets):
+        chosen = {r["policy"]: r for r in runs if r["replicas"] == n and r["shared_server"] == shared}
+        xs = range(len(policies))
+        ax.bar([x - 0.2 for x in xs], [chosen[p]["ttft_ms_p50"] for p in policies], 0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [chosen[p]["ttft_ms_p99"] for p in policies], 0.4, label="p99")
+        ax.set_xticks(list(xs), policies, rotation=20)
+        ax.set_title(f"{n} replicas" + (", shared serve" if shared else ""))
+        ax.set_ylabel("time to first token, ms")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
