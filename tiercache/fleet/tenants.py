@@ -6,12 +6,14 @@ Router side. With a tenants file every request must carry a known key
 replicas' pools and tiercache's tiers never match one tenant's blocks for
 another, and the router scores the request only against chains seeded by
 that salt. Tenants that may share (a public system prompt, one company's
-teams) name the same ``cache_group``: that is the grant. Without a file the
-router serves one anonymous tenant and passes a client's own ``cache_salt``
-through.
+teams) name the same ``cache_group``: that is the grant. A group's salt is a keyed hash
+of its name (`group_salt`), so knowing a group's name is not knowing its
+salt. Without a file the router serves one anonymous tenant and passes a
+client's own ``cache_salt`` through.
 
 File (YAML or JSON)::
 
+    salt_secret: a-long-random-string   # optional: keeps salts across API key rotations (default: the keys)
     tenants:
       - name: acme
         api_keys: [sk-acme-1, sk-acme-2]
@@ -21,6 +23,7 @@ File (YAML or JSON)::
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +37,13 @@ from tiercache.errors import ConfigError
 class Tenant:
     name: str
     cache_group: str = ""          # "" (anonymous): no salt of the router's
+    cache_salt: str = ""           # the group's: a keyed hash of its name, never the name itself
 
-    @property
-    def cache_salt(self) -> str:
-        return f"tiercache-group:{self.cache_group}" if self.cache_group else ""
+
+def group_salt(secret: bytes, group: str) -> str:
+    """A group's salt: unguessable without the secret, so that a client that reached a replica directly
+    could not name another group's salt and match its blocks."""
+    return hmac.new(secret, b"tiercache-cache-group\0" + group.encode(), hashlib.sha256).hexdigest()
 
 
 ANONYMOUS = Tenant("anonymous")
@@ -68,6 +74,14 @@ class Tenants:
         entries = data.get("tenants") if isinstance(data, dict) else None
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{source}: tenants", entries, "must be a non-empty list")
+        secret = data.get("salt_secret")
+        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+            raise ConfigError(f"{source}: salt_secret", "…", "must be a string of at least 16 characters")
+        # without a secret of its own, the file's API keys are it: salts (and the cache behind them) then last
+        # as long as the keys do
+        keys_of_all = sorted(k for e in entries if isinstance(e, dict) for k in (e.get("api_keys") or [])
+                             if isinstance(k, str))
+        secret_bytes = (secret or "\0".join(keys_of_all)).encode()
         by_key: dict[str, Tenant] = {}
         names: set[str] = set()
         for i, entry in enumerate(entries):
@@ -86,7 +100,7 @@ class Tenants:
             for key in keys:
                 if key in by_key:
                     raise ConfigError(f"{where}.api_keys", "…" + key[-4:], f"already held by {by_key[key].name}")
-                by_key[key] = Tenant(name, group)
+                by_key[key] = Tenant(name, group, group_salt(secret_bytes, group))
         return cls(by_key)
 
     def authenticate(self, authorization: str | None) -> Tenant:
