@@ -369,6 +369,21 @@ async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, d
     return Checked(prompt, params, salt, stream, include_usage, head)
 
 
+async def serve_app(app, host: str, port: int, ready: Callable[[int], None] | None) -> None:
+    """Listen (port 0: any free one), tell ``ready`` the port, serve until a signal stops the loop, clean up."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handle_signals=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        if ready is not None:
+            ready(runner.addresses[0][1])
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
 def run_event_loop(main: Callable[[], Awaitable[None]]) -> None:
     """Run an HTTP server's ``main`` on uvloop when it is installed (the `[fleet]` extra brings it: an HTTP hop
     costs about half as much there), on asyncio's own loop otherwise."""
@@ -505,15 +520,7 @@ def serve(engine: LLMEngine, host: str, port: int, model_name: str = DEFAULT_MOD
     server = ApiServer(loop, model_name, descriptor)
 
     async def main() -> None:
-        runner = web.AppRunner(build_app(server), handle_signals=True)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        if ready is not None:
-            ready(runner.addresses[0][1])
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+        await serve_app(build_app(server), host, port, ready)
 
     try:
         with contextlib.suppress(KeyboardInterrupt, web.GracefulExit):    # SIGINT, SIGTERM: a clean stop

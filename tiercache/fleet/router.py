@@ -18,7 +18,6 @@ admin key) to change the fleet at run time.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -35,6 +34,7 @@ from tiercache.engine.openai_api import (
     json_body,
     openai_errors,
     run_event_loop,
+    serve_app,
 )
 from tiercache.errors import ConfigError
 from tiercache.fleet.prefix_index import PromptKeys
@@ -349,16 +349,9 @@ def serve(urls: list[str], host: str, port: int, config: RouterConfig, tenants: 
             for url in urls:
                 await fleet.add(url)
             fleet.start()
-            router = Router(fleet, tenants, policy, config)
-            runner = web.AppRunner(build_app(router), handle_signals=True)
-            await runner.setup()
-            await web.TCPSite(runner, host, port).start()
-            if ready is not None:
-                ready(runner.addresses[0][1])
             try:
-                await asyncio.Event().wait()
+                await serve_app(build_app(Router(fleet, tenants, policy, config)), host, port, ready)
             finally:
-                await runner.cleanup()
                 await fleet.close()
 
     with contextlib.suppress(KeyboardInterrupt, web.GracefulExit):
