@@ -56,7 +56,8 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """The publisher's whole cache is gone (and, from a tiercache replica, what follows in the batch is
+    everything it holds)."""
 
 
 class KVEventBatch(EventBatch):

@@ -13,6 +13,7 @@ event loop, so it needs no lock.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ class PromptKeys:
     chunk_keys: list[bytes]     # the tiers' chunks
 
 
-class KeyScheme:
+class KeyScheme(ABC):
     """How one kind of replica names a prompt's blocks and chunks."""
 
     def __init__(self, descriptor: ReplicaDescriptor) -> None:
@@ -41,8 +42,9 @@ class KeyScheme:
         self.signature = (descriptor.key_scheme, descriptor.seed, descriptor.hash, descriptor.block_size,
                           descriptor.chunk_tokens)
 
+    @abstractmethod
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
-        raise NotImplementedError
+        """The prompt's block hashes and chunk keys, as this kind of replica computes them."""
 
 
 key_schemes: Registry[type[KeyScheme]] = Registry("key scheme")

@@ -20,6 +20,7 @@ Policies (`routing_policies`):
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from tiercache.fleet.prefix_index import CachedTokens
@@ -71,11 +72,11 @@ def estimate(c: Candidate) -> Ranked:
                   c.cached.engine, dict(c.cached.tiers))
 
 
-class Policy:
+class Policy(ABC):
     """Ranks candidates for one request, best first (each with its estimate, whatever the order's reason)."""
 
-    def rank(self, candidates: list[Candidate]) -> list[Ranked]:
-        raise NotImplementedError
+    @abstractmethod
+    def rank(self, candidates: list[Candidate]) -> list[Ranked]: ...
 
 
 routing_policies: Registry[type[Policy]] = Registry("routing policy")
