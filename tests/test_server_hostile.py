@@ -484,7 +484,14 @@ def test_a_hostile_tenant_leaves_every_other_tenants_engines_storing_and_loading
         assert stats["streams_taken_back"] + stats["inflight_taken_back"] >= 1
         assert stats.get("handler_faults", 0) == 0          # a client gone mid-call is no fault of the server
     finally:
-        if rival is not None:
-            rival.terminate()
-            rival.communicate(timeout=90)
-        server.stop()
+        try:
+            if rival is not None:
+                rival.terminate()
+                try:
+                    rival.communicate(timeout=90)
+                except subprocess.TimeoutExpired:     # it ignored SIGTERM: killed, never left running
+                    rival.kill()
+                    rival.communicate()
+                    raise AssertionError("the hostile client did not stop on SIGTERM within 90 s") from None
+        finally:
+            server.stop()
