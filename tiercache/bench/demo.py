@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tiercache.bench.report import percentile
 from tiercache.bench.workloads import WORKLOADS, WorkloadSpec
 from tiercache.config import TierCacheConfig
 from tiercache.contracts.plan import DEVICE
@@ -94,11 +95,6 @@ def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCach
     return record
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _load_gbps(transfers: dict[str, dict], tier: str) -> float | None:
     """GB/s while copying of ``tier``'s loads: its chunks going up to the tier above (L1 → L0, lower → L1),
     summed over links (and ranks)."""
@@ -158,8 +154,8 @@ def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: Engine
         "prompt_tokens": warm.prompt_tokens,
         "ttft_cold_ms_p50": round(cold_p50, 2),
         "ttft_warm_ms_p50": round(warm_p50, 2),
-        "ttft_cold_ms_p99": round(_p(cold.ttft_s, 0.99) * 1e3, 2),
-        "ttft_warm_ms_p99": round(_p(warm.ttft_s, 0.99) * 1e3, 2),
+        "ttft_cold_ms_p99": round(percentile(cold.ttft_s, 0.99) * 1e3, 2),
+        "ttft_warm_ms_p99": round(percentile(warm.ttft_s, 0.99) * 1e3, 2),
         "speedup_p50": round(cold_p50 / warm_p50, 2) if warm_p50 else None,
         "token_hit_ratio": round(hits / warm.prompt_tokens, 4),
         "request_hit_ratio": round(warm.hit_requests / len(warm.outputs), 4),

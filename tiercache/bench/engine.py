@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tiercache.bench.demo import RunRecord, run_workload
+from tiercache.bench.report import percentile
 from tiercache.bench.workloads import WorkloadSpec
 from tiercache.config import TierCacheConfig
 from tiercache.engine import EngineConfig
@@ -43,11 +44,6 @@ def _offload(setup: str, base: TierCacheConfig, disk_dir: str, grpc_address: str
                         keys={"tenant_salt": f"bench-{uuid.uuid4().hex}"})
 
 
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _row(spec: WorkloadSpec, setup: str, run: RunRecord, baseline: RunRecord) -> dict[str, object]:
     tiers = run.stats.get("connector", {}).get("tiers", {})
     hits = run.l0_hit_tokens + run.tier_hit_tokens
@@ -55,7 +51,7 @@ def _row(spec: WorkloadSpec, setup: str, run: RunRecord, baseline: RunRecord) ->
     return {
         "workload": spec.name, "setup": setup, "requests": len(run.outputs),
         "ttft_ms_p50": round(statistics.median(run.ttft_s) * 1e3, 2),
-        "ttft_ms_p99": round(_p(run.ttft_s, 0.99) * 1e3, 2),
+        "ttft_ms_p99": round(percentile(run.ttft_s, 0.99) * 1e3, 2),
         "throughput_tok_s": round(tokens / run.wall_s, 1) if run.wall_s else 0.0,
         "token_hit_ratio": round(hits / run.prompt_tokens, 4) if run.prompt_tokens else 0.0,
         "request_hit_ratio": round(run.hit_requests / len(run.outputs), 4),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from tiercache.bench.processes import Launched, start_replica, start_router, start_server
+from tiercache.bench.report import percentile
 
 POOL_BLOCKS = 2048          # each replica's L0: 32K tokens, a few conversations' worth
 
@@ -161,11 +162,6 @@ def _router_metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 @dataclass
 class Fleet:
     replicas: list[Launched]
@@ -224,7 +220,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
     reported = sum(v.get("reported", 0.0) for v in per_replica.values())
     error = sum(v.get("error", 0.0) for v in per_replica.values())
     return {"replicas": n, "shared_server": shared, "policy": policy, "requests": len(records),
-            "ttft_ms_p50": round(_pct(ttfts, 0.5), 2), "ttft_ms_p99": round(_pct(ttfts, 0.99), 2),
+            "ttft_ms_p50": round(percentile(ttfts, 0.5), 2), "ttft_ms_p99": round(percentile(ttfts, 0.99), 2),
             "throughput_req_s": round(len(records) / elapsed, 3),
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
