@@ -30,6 +30,20 @@ log = logging.getLogger(__name__)
 EWMA_WEIGHT = 0.2
 
 
+class PromptEncoder:
+    """Tokenizes and applies the chat template exactly as one model's replicas do."""
+
+    def __init__(self, tokenizer: str, template: str) -> None:
+        from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer
+
+        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer)
+        if template != "tiercache":
+            raise ConfigError("chat_template", template, "this router applies the 'tiercache' template only")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
 @dataclass(slots=True)
 class ReplicaLoad:
     in_flight: int = 0
@@ -56,6 +70,7 @@ class Replica:
     up: bool = False
     since: float = field(default_factory=time.monotonic)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    encoder: PromptEncoder | None = None     # tokenizes and templates as this replica does
 
     def shares_with(self, other: Replica) -> bool:
         """Whether ``other``'s stores to a shared tier are loads for this replica: the same chains, a shared
@@ -97,6 +112,7 @@ class Fleet:
         self.default_rates = default_rates
         self.health_interval = health_interval
         self.replicas: dict[str, Replica] = {}
+        self._encoders: dict[tuple[str, str], PromptEncoder] = {}
         self._health: asyncio.Task | None = None
 
     # -- membership ----------------------------------------------------------------------------------
@@ -164,6 +180,12 @@ class Fleet:
         self._up(replica, descriptor)
 
     def _up(self, replica: Replica, descriptor: ReplicaDescriptor | None) -> None:
+        if descriptor is not None:
+            try:
+                replica.encoder = self._encoder(descriptor)
+            except ConfigError as err:      # checked once, here: routed by load alone, not a 500 per request
+                log.warning("tiercache route: replica %s: %s; routed by load alone", replica.name, err)
+                descriptor = None
         replica.descriptor, replica.up, replica.since = descriptor, True, time.monotonic()
         if descriptor is None or descriptor.events is None:
             return
@@ -172,12 +194,18 @@ class Fleet:
                                          resync=lambda: self._announce(replica))
         replica.task = asyncio.create_task(replica.follower.run(), name=f"tiercache-route-events-{replica.name}")
 
+    def _encoder(self, descriptor: ReplicaDescriptor) -> PromptEncoder:
+        spec = (descriptor.tokenizer, descriptor.chat_template)
+        if spec not in self._encoders:
+            self._encoders[spec] = PromptEncoder(*spec)
+        return self._encoders[spec]
+
     async def _down(self, replica: Replica) -> None:
         replica.up = False
         if replica.task is not None:
             replica.task.cancel()
             await asyncio.gather(replica.task, return_exceptions=True)
-        replica.task, replica.follower, replica.scheme = None, None, None
+        replica.task, replica.follower, replica.scheme, replica.encoder = None, None, None, None
         replica.index.clear()
 
     def mark_down(self, replica: Replica) -> None:

@@ -62,20 +62,6 @@ class RouterConfig:
         return Rates(self.prefill_tokens_per_s, dict(self.load_tokens_per_s), self.per_request_s)
 
 
-class PromptEncoder:
-    """Tokenizes and applies the chat template exactly as one model's replicas do."""
-
-    def __init__(self, tokenizer: str, template: str) -> None:
-        from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer
-
-        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer)
-        if template != "tiercache":
-            raise ConfigError("chat_template", template, "this router applies the 'tiercache' template only")
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-
 @dataclass(frozen=True, slots=True)
 class Routed:
     """One request, checked and ranked."""
@@ -91,18 +77,11 @@ class Router:
         self.tenants = tenants
         self.policy = policy
         self.config = config
-        self._encoders: dict[tuple[str, str], PromptEncoder] = {}
         self.failovers = 0
         self.unrouted = 0
 
     def _encoder(self, replicas: list[Replica]) -> Encodes | None:
-        described = [r.descriptor for r in replicas if r.descriptor is not None]
-        if not described:
-            return None
-        spec = (described[0].tokenizer, described[0].chat_template)
-        if spec not in self._encoders:
-            self._encoders[spec] = PromptEncoder(*spec)
-        return self._encoders[spec]
+        return next((r.encoder for r in replicas if r.encoder is not None), None)
 
     def route(self, tenant: Tenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]]) -> Routed:
         """Check, tokenize and rank one request (``body`` gets the tenant's cache salt)."""
