@@ -301,21 +301,23 @@ def cmd_route(args: argparse.Namespace) -> int:
         if importlib.util.find_spec(module) is None:
             raise TierCacheError(f"tiercache route needs {module}, which is not installed: "
                                  f"pip install 'tiercache[fleet]'")
-    from tiercache.fleet.replicas import check_url
+    from tiercache.fleet.replicas import ReplicaEntry, check_url, load_replicas
     from tiercache.fleet.router import RouterConfig, serve
     from tiercache.fleet.routing import routing_policies
     from tiercache.fleet.tenants import Tenants
 
     if args.policy not in routing_policies:
         raise ConfigError("--policy", args.policy, f"known: {', '.join(routing_policies.names())}")
-    urls = [check_url(u, "--replica") for u in args.replica]
+    entries = [ReplicaEntry(check_url(u, "--replica")) for u in args.replica]
+    entries += load_replicas(args.replicas) if args.replicas else []
+    urls = [e.url for e in entries]
     if len(set(urls)) != len(urls):
         raise ConfigError("--replica", ",".join(urls), "names a replica twice")
     tenants = Tenants.load(args.tenants) if args.tenants else Tenants()
     config = RouterConfig(policy=args.policy, health_interval_s=args.health_interval,
                           prefill_tokens_per_s=args.prefill_tokens_per_s, admin_key=args.admin_key or "")
     _check_listen(args.host, args.port, "--port")
-    serve(urls, args.host, args.port, config, tenants,
+    serve(entries, args.host, args.port, config, tenants,
           ready=lambda port: print(f"tiercache route: {len(urls)} replicas behind http://{args.host}:{port}/v1 "
                                    f"({args.policy})", flush=True))
     return 0
@@ -528,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat; more can join at run time "
                         "through /admin/replicas)")
+    r.add_argument("--replicas", metavar="FILE", help="replicas from a file (YAML or JSON), each with its "
+                                                      "descriptor when it serves none itself (vllm serve): see "
+                                                      "the README's Fleet section")
     r.add_argument("--host", default="127.0.0.1", help="address to listen on")
     r.add_argument("--port", type=_port, default=8080, help="port (0: any free port, printed at start)")
     r.add_argument("--policy", default="expected-ttft",

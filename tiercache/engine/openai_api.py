@@ -55,6 +55,8 @@ class KVEventSink(Protocol):
 class Encodes(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
 
 class ApiError(Exception):
     """One request's mistake, answered as the OpenAI API answers it."""
@@ -219,6 +221,9 @@ class ApiServer:
     def encode(self, text: str) -> list[int]:
         return self.loop.engine.tokenizer.encode(text)
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(chat_template(messages))
+
     def decode(self, tokens: list[int]) -> str:
         return self.loop.engine.tokenizer.decode(tokens)
 
@@ -270,7 +275,7 @@ def chat_prompt(server: Encodes, body: dict) -> list[int]:
         if not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string", f"messages[{i}].content")
         messages[i] = {"role": m["role"], "content": content}
-    return server.encode(chat_template(messages))
+    return server.encode_chat(messages)
 
 
 async def json_body(request) -> dict:

@@ -48,11 +48,13 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     extra_keys: list[Any] | None = None     # per block: (lora name, mm pairs, cache_salt, ...) — untagged
+    group_idx: int | None = None            # vLLM's KV cache group (hybrid models have several)
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[Any]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

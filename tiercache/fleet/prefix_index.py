@@ -35,6 +35,8 @@ class PromptKeys:
 class KeyScheme(ABC):
     """How one kind of replica names a prompt's blocks and chunks."""
 
+    translated_media: frozenset[str] = frozenset()   # media whose event hashes the router renames (`block_names`)
+
     def __init__(self, descriptor: ReplicaDescriptor) -> None:
         self.block_size = descriptor.block_size
         self.chunk_tokens = descriptor.chunk_tokens
@@ -45,6 +47,16 @@ class KeyScheme(ABC):
     @abstractmethod
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
         """The prompt's block hashes and chunk keys, as this kind of replica computes them."""
+
+    def engine_tokens(self, blocks: int, num_tokens: int) -> int:
+        """Tokens the engine takes from its pool when the prompt's first ``blocks`` blocks are there (it
+        computes at least the last token)."""
+        return min(blocks * self.block_size, max(num_tokens - 1, 0))
+
+    def block_names(self):
+        """The router's names for a replica's event hashes of `translated_media`, one per replica (None: the
+        hashes are the names)."""
+        return None
 
 
 key_schemes: Registry[type[KeyScheme]] = Registry("key scheme")
@@ -82,20 +94,34 @@ class ReplicaIndex:
 
     def __init__(self) -> None:
         self.media: dict[str, set[bytes]] = {}
+        self.names = None                       # the scheme's `block_names`, when its hashes are renamed
+        self.renamed: frozenset[str] = frozenset()
+
+    def rename(self, scheme: KeyScheme) -> None:
+        self.names, self.renamed = scheme.block_names(), scheme.translated_media
 
     def clear(self) -> None:
         self.media.clear()
+        if self.names is not None:
+            self.names.clear()
 
     def apply(self, batch: KVEventBatch) -> None:
         for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.clear()
+                continue
+            if not isinstance(event, (BlockStored, BlockRemoved)):
+                continue
+            medium = event.medium or MEDIUM_ENGINE
+            renamed = self.names is not None and medium in self.renamed
             if isinstance(event, BlockStored):
-                self.media.setdefault(event.medium or MEDIUM_ENGINE, set()).update(map(_key, event.block_hashes))
-            elif isinstance(event, BlockRemoved):
-                held = self.media.get(event.medium or MEDIUM_ENGINE)
+                keys = self.names.stored(event) if renamed else map(event_key, event.block_hashes)
+                self.media.setdefault(medium, set()).update(keys)
+            else:
+                keys = self.names.removed(event) if renamed else map(event_key, event.block_hashes)
+                held = self.media.get(medium)
                 if held:
-                    held.difference_update(map(_key, event.block_hashes))
-            elif isinstance(event, AllBlocksCleared):
-                self.media.clear()
+                    held.difference_update(keys)
 
     def num_keys(self) -> dict[str, int]:
         return {medium: len(keys) for medium, keys in self.media.items()}
@@ -106,7 +132,7 @@ class ReplicaIndex:
         stored there — this replica loads those chunks too, at the remote rate."""
         limit = max(prompt.num_tokens - 1, 0)
         engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()))
-        engine = min(engine_blocks * scheme.block_size, limit)
+        engine = scheme.engine_tokens(engine_blocks, prompt.num_tokens)
         tiers: dict[str, int] = {}
         if scheme.chunk_tokens:
             sources = [(m, held) for m in TIER_MEDIA for held in (self.media.get(m),) if held]
@@ -123,8 +149,15 @@ class ReplicaIndex:
         return CachedTokens(engine, tiers)
 
 
-def _key(value: object) -> bytes:
-    return value if isinstance(value, bytes) else int(value).to_bytes(8, "big", signed=True)
+def event_key(value: object) -> bytes:
+    """A hash from an event as the index keeps it: bytes as they are; vLLM's 64-bit ints (signed or not, by
+    version) as their 8 bytes."""
+    if isinstance(value, bytes):
+        return value
+    value = int(value)
+    if -(1 << 63) <= value < (1 << 64):
+        return (value & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big")
+    return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
 
 
 def _leading(keys: Iterable[bytes], held) -> int:

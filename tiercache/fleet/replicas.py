@@ -17,13 +17,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
+from tiercache.engine.openai_api import ApiError, chat_template
 from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
 from tiercache.fleet.routing import Candidate, Rates
 from tiercache.fleet.subscriber import EventFollower
+from tiercache.fleet.vllm_keys import VllmKeys  # noqa: F401 — registers the "vllm" key scheme
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +34,46 @@ EWMA_WEIGHT = 0.2
 
 
 class PromptEncoder:
-    """Tokenizes and applies the chat template exactly as one model's replicas do."""
+    """Tokenizes and applies the chat template exactly as one model's replicas do: the reference engine's
+    (``tiercache``: its tokenizer, its chat format), or a Hugging Face model's (``hf``: the model directory's
+    tokenizer and its own Jinja chat template through `transformers`, as vLLM applies them — special tokens
+    added to a completion's prompt, none added to a rendered chat, whose template has them)."""
 
     def __init__(self, tokenizer: str, template: str) -> None:
         from tiercache.engine.tokenizer import ByteTokenizer, HFTokenizer
 
-        self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer)
-        if template != "tiercache":
-            raise ConfigError("chat_template", template, "this router applies the 'tiercache' template only")
+        self.template = template
+        if template == "tiercache":
+            self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else HFTokenizer(tokenizer)
+        elif template == "hf":
+            self.tokenizer = _hf_tokenizer(tokenizer)
+        else:
+            raise ConfigError("chat_template", template, "known: tiercache (the reference engine's), hf (the "
+                                                         "model's own, as vLLM applies it)")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.template == "tiercache":
+            return self.encode(chat_template(messages))
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ValueError as err:          # the model has no chat template
+            raise ApiError(f"chat completions are not available for this model: {err}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _hf_tokenizer(path: str):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("tokenizer", path, "the 'hf' chat template needs transformers: pip install "
+                                             "transformers") from None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError("tokenizer", path, f"cannot load the model's tokenizer: {err}") from None
 
 
 @dataclass(slots=True)
@@ -63,6 +95,7 @@ class Replica:
     url: str
     rates: Rates
     descriptor: ReplicaDescriptor | None = None
+    given: ReplicaDescriptor | None = None   # from the router's replicas file: for one that serves none (vLLM)
     scheme: KeyScheme | None = None
     index: ReplicaIndex = field(default_factory=ReplicaIndex)
     follower: EventFollower | None = None
@@ -93,6 +126,52 @@ class Replica:
                                self.rates.per_request_s)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaEntry:
+    """One replica of a router's replicas file."""
+    url: str
+    descriptor: ReplicaDescriptor | None = None
+
+
+def load_replicas(path: str | Path) -> list[ReplicaEntry]:
+    """Read and check a replicas file (YAML or JSON): ``replicas:`` a list of ``{url, descriptor?}``. A
+    descriptor is given for a replica that serves none itself (``vllm serve``): at least ``model``,
+    ``key_scheme``, ``block_size``, ``tokenizer``, ``chat_template`` and ``events``; a relative tokenizer path
+    is read from the file's folder. A `ConfigError` naming the file and the field otherwise."""
+    import yaml
+
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError("--replicas", source, f"cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError("--replicas", source, f"not YAML or JSON ({str(err).splitlines()[0]})") from None
+    entries = data.get("replicas") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{source}: replicas", entries, "must be a non-empty list")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{source}: replicas[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"url", "descriptor"} or not isinstance(entry.get("url"), str):
+            raise ConfigError(where, entry, "must be {url: ..., descriptor: ...} (descriptor optional)")
+        given = entry.get("descriptor")
+        descriptor = None
+        if given is not None:
+            if not isinstance(given, dict):
+                raise ConfigError(f"{where}.descriptor", given, "must be a mapping")
+            given = {"instance": "given", "chunk_tokens": 0, **given}
+            tokenizer = given.get("tokenizer")
+            if isinstance(tokenizer, str) and tokenizer != "bytes" and not Path(tokenizer).is_absolute():
+                given["tokenizer"] = str((Path(path).parent / tokenizer).resolve())
+            descriptor = ReplicaDescriptor.from_dict(given, f"{where}.descriptor")
+            if descriptor.key_scheme not in key_schemes:
+                raise ConfigError(f"{where}.descriptor.key_scheme", descriptor.key_scheme,
+                                  f"known: {', '.join(key_schemes.names())}")
+        out.append(ReplicaEntry(check_url(entry["url"], f"{where}.url"), descriptor))
+    return out
+
+
 def check_url(url: str, source: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
@@ -116,12 +195,13 @@ class Fleet:
         self._health: asyncio.Task | None = None
 
     # -- membership ----------------------------------------------------------------------------------
-    async def add(self, url: str) -> Replica:
+    async def add(self, url: str, descriptor: ReplicaDescriptor | None = None) -> Replica:
+        """``descriptor``: given for a replica that does not answer ``/tiercache/replica`` (``vllm serve``)."""
         url = check_url(url, "replica")
         name = urlsplit(url).netloc
         if name in self.replicas:
             raise ConfigError("replica", url, "is already in the fleet")
-        replica = Replica(name, url, self.default_rates)
+        replica = Replica(name, url, self.default_rates, given=descriptor)
         self.replicas[name] = replica
         await self._check(replica)
         return replica
@@ -164,9 +244,7 @@ class Fleet:
             async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-            async with self.session.get(f"{replica.url}/tiercache/replica", timeout=timeout) as resp:
-                descriptor = (ReplicaDescriptor.from_dict(await resp.json(), f"{replica.url}/tiercache/replica")
-                              if resp.status == 200 else None)
+            descriptor = replica.given or await self._descriptor(replica, timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ConfigError) as err:
             if replica.up:
                 log.warning("tiercache route: replica %s is down (%s)", replica.name, err or type(err).__name__)
@@ -179,6 +257,11 @@ class Fleet:
         await self._down(replica)
         self._up(replica, descriptor)
 
+    async def _descriptor(self, replica: Replica, timeout) -> ReplicaDescriptor | None:
+        async with self.session.get(f"{replica.url}/tiercache/replica", timeout=timeout) as resp:
+            return (ReplicaDescriptor.from_dict(await resp.json(), f"{replica.url}/tiercache/replica")
+                    if resp.status == 200 else None)
+
     def _up(self, replica: Replica, descriptor: ReplicaDescriptor | None) -> None:
         if descriptor is not None:
             try:
@@ -190,6 +273,7 @@ class Fleet:
         if descriptor is None or descriptor.events is None:
             return
         replica.scheme = key_schemes.get(descriptor.key_scheme)(descriptor)
+        replica.index.rename(replica.scheme)
         replica.follower = EventFollower(replica.name, descriptor.events, replica.index,
                                          resync=lambda: self._announce(replica))
         replica.task = asyncio.create_task(replica.follower.run(), name=f"tiercache-route-events-{replica.name}")

@@ -37,8 +37,9 @@ from tiercache.engine.openai_api import (
     serve_app,
 )
 from tiercache.errors import ConfigError
+from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.prefix_index import PromptKeys
-from tiercache.fleet.replicas import Fleet, Replica
+from tiercache.fleet.replicas import Fleet, Replica, ReplicaEntry
 from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies
 from tiercache.fleet.tenants import Tenant, Tenants, Unauthorized
 
@@ -278,9 +279,13 @@ def build_app(router: Router):
         if not isinstance(url, str):
             raise ApiError("url must be a replica's base URL", "url")
         try:
-            replica = await router.fleet.add(url)
+            given = body.get("descriptor")
+            descriptor = None if given is None else ReplicaDescriptor.from_dict(
+                {"instance": "given", "chunk_tokens": 0, **given} if isinstance(given, dict) else given,
+                "descriptor")
+            replica = await router.fleet.add(url, descriptor)
         except ConfigError as err:
-            raise ApiError(str(err), "url") from None
+            raise ApiError(str(err), "descriptor" if "descriptor" in str(err) else "url") from None
         return web.json_response(_replica_state(replica), status=201)
 
     async def remove_replica(request):
@@ -314,7 +319,7 @@ def _replica_state(replica: Replica) -> dict:
             "prefill_tokens_per_s": round(replica.rates.prefill, 1)}
 
 
-def serve(urls: list[str], host: str, port: int, config: RouterConfig, tenants: Tenants,
+def serve(replicas: list[ReplicaEntry], host: str, port: int, config: RouterConfig, tenants: Tenants,
           ready: Callable[[int], None] | None = None) -> None:
     """Route until interrupted (SIGINT, SIGTERM); ``ready`` gets the port listened on."""
     import aiohttp
@@ -325,8 +330,8 @@ def serve(urls: list[str], host: str, port: int, config: RouterConfig, tenants: 
     async def main() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
             fleet = Fleet(session, config.rates(), config.health_interval_s)
-            for url in urls:
-                await fleet.add(url)
+            for entry in replicas:
+                await fleet.add(entry.url, entry.descriptor)
             fleet.start()
             try:
                 await serve_app(build_app(Router(fleet, tenants, policy, config)), host, port, ready)

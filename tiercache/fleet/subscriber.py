@@ -104,12 +104,11 @@ class EventFollower:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode(payload)
-        except ValueError:
+            self.index.apply(decode(payload))
+        except (ValueError, TypeError, OverflowError) as err:     # not a batch, or events of impossible shapes
             self.counters.undecodable += 1
-            log.warning("kv events from %s: batch %d is not a KV event batch; dropped", self.name, seq)
+            log.warning("kv events from %s: batch %d is not a KV event batch (%s); dropped", self.name, seq, err)
         else:
-            self.index.apply(batch)
             self.counters.batches += 1
         self.last = seq
         self._seen[seq] = hash(payload)
