@@ -49,8 +49,12 @@ not declare ``SupportsHMA``, so vLLM gives sliding-window models one group.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +77,7 @@ from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, T
 from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
 from tiercache.contracts.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.errors import ConfigError
+from tiercache.fleet.descriptor import shared_tiers_of
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
 if TYPE_CHECKING:
@@ -154,6 +159,7 @@ def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> Tier
     """The tiercache config from ``kv_connector_extra_config``, with vLLM's block size."""
     extra = dict(extra_config or {})
     path = extra.pop("config_file", None)
+    extra.pop("router_descriptor", None)      # the connector's own (`write_router_descriptor`), not tiercache's
     try:
         cfg = load_config(path)
         keys = {**extra.pop("keys", {}), "block_size": block_size}
@@ -165,6 +171,19 @@ def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> Tier
         raise ConfigError(f"kv_connector_extra_config.{err.field}", err.value, err.reason) from None
     except TypeError as err:
         raise ConfigError("kv_connector_extra_config", extra, f"unknown section: {err}") from None
+
+
+def write_router_descriptor(path: Path, hasher: BlockHasher, config: TierCacheConfig, media: list[str]) -> None:
+    """What `tiercache route` needs, beside the replicas file's fields, to hash prompts as this connector's
+    tiers do and to tell its restarts: the chains' seed, block and chunk size, the tiers it publishes events
+    for, the remote tiers it shares, a new ``instance`` per start. Written whole (a temporary file renamed)."""
+    descriptor = {"key_scheme": "vllm", "instance": uuid.uuid4().hex, "block_size": hasher.block_size,
+                  "chunk_tokens": config.keys.chunk_tokens, "hash": hasher.hash_name, "seed": hasher.seed.hex(),
+                  "media": ["GPU", *media], "shared_tiers": list(shared_tiers_of(config))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(descriptor, indent=1))
+    os.replace(partial, path)
 
 
 def vllm_namespace(vllm_config: "VllmConfig", tenant_salt: str) -> Namespace:
@@ -339,6 +358,10 @@ class TierCacheConnector(KVConnectorBase_V1):
         handshakes = [m.inner for m in metadata.values() if isinstance(m, TierCacheHandshake)]
         self.offload_scheduler.attach(sorted(handshakes, key=lambda h: h.rank))
         self.offload_scheduler.manager.watch_events()      # turned into KV events (`take_events`)
+        path = (self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("router_descriptor")
+        if path:
+            write_router_descriptor(Path(path), self._hasher, self.config,
+                                    [t.medium.value.upper() for t in self.offload_scheduler.manager.tiers])
 
     def _view(self, request: "Request") -> RequestView:
         rid = request.request_id

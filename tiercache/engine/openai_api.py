@@ -32,7 +32,7 @@ from typing import Protocol
 
 from tiercache.engine.llm import LLMEngine
 from tiercache.engine.sequence import SamplingParams, Sequence
-from tiercache.fleet.descriptor import EventEndpoints, ReplicaDescriptor
+from tiercache.fleet.descriptor import EventEndpoints, ReplicaDescriptor, shared_tiers_of
 from tiercache.tier_events import TierEvent
 
 log = logging.getLogger(__name__)
@@ -494,11 +494,7 @@ def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: E
     manager = engine.connector.scheduler.manager if engine.connector is not None else None
     chunk_tokens = engine.connector.scheduler.config.keys.chunk_tokens if manager is not None else 0
     media = ("GPU", *(t.medium.value.upper() for t in manager.tiers)) if manager is not None else ("GPU",)
-    shared: tuple[str, ...] = ()
-    if manager is not None:
-        config = engine.connector.scheduler.config
-        shared = tuple(name for on, name in ((config.grpc.enabled, f"grpc://{config.grpc.address}"),
-                                             (config.redis.enabled, config.redis.url)) if on)
+    shared = shared_tiers_of(engine.connector.scheduler.config) if manager is not None else ()
     return ReplicaDescriptor(model=model_name, instance=uuid.uuid4().hex, key_scheme="tiercache",
                              block_size=engine.hasher.block_size, chunk_tokens=chunk_tokens,
                              hash=engine.hasher.hash_name, seed=engine.hasher.seed.hex(), tokenizer=tokenizer,

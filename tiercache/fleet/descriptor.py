@@ -7,7 +7,9 @@ block hashes and chunk keys the replica's pool and tiers hold — an exact predi
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from tiercache.errors import ConfigError
 
@@ -64,3 +66,37 @@ class ReplicaDescriptor:
             raise ConfigError(f"{source}.version", descriptor.version,
                               f"this router reads version {DESCRIPTOR_VERSION}")
         return descriptor
+
+
+def shared_tiers_of(config) -> tuple[str, ...]:
+    """The remote tiers a tiercache config reads — what every replica with the same chains and one of these
+    tiers can load from the others' stores (``config``: a `TierCacheConfig`)."""
+    return tuple(name for on, name in ((config.grpc.enabled, f"grpc://{config.grpc.address}"),
+                                       (config.redis.enabled, config.redis.url)) if on)
+
+
+@dataclass(frozen=True, slots=True)
+class GivenDescriptor:
+    """A descriptor given to the router for a replica that serves none itself (``vllm serve``): the fields of
+    the router's replicas file, over the file a tiercache connector under that replica writes at start
+    (``router_descriptor`` in its extra config: its chains' seed, chunk size, tiers and a new ``instance``
+    per start) when there is one. Read again at every health check, so a restarted replica's new file is
+    followed."""
+    fields: dict
+    file: str = ""
+    source: str = "descriptor"
+
+    def read(self) -> ReplicaDescriptor | None:
+        """The descriptor; None while the connector's file is not written yet (the replica still starting)."""
+        merged: dict = {"instance": "given", "chunk_tokens": 0}
+        if self.file:
+            try:
+                written = json.loads(Path(self.file).read_text())
+            except FileNotFoundError:
+                return None
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"{self.source}.descriptor_file", self.file, f"cannot read: {err}") from None
+            if not isinstance(written, dict):
+                raise ConfigError(f"{self.source}.descriptor_file", self.file, "is not a JSON object")
+            merged |= written
+        return ReplicaDescriptor.from_dict(merged | self.fields, f"{self.source}.descriptor")

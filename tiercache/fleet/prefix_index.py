@@ -100,15 +100,22 @@ class ReplicaIndex:
     def rename(self, scheme: KeyScheme) -> None:
         self.names, self.renamed = scheme.block_names(), scheme.translated_media
 
-    def clear(self) -> None:
-        self.media.clear()
+    def clear(self, media: frozenset[str] | None = None) -> None:
+        """Forget ``media`` (all when None) and the names kept for them."""
+        if media is None:
+            self.media.clear()
+        else:
+            for medium in media:
+                self.media.pop(medium, None)
         if self.names is not None:
             self.names.clear()
 
     def apply(self, batch: KVEventBatch) -> None:
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
-                self.clear()
+                # from a replica whose pool the router renames (vLLM) it is that pool's: its tiercache tiers
+                # keep their chunks; from a tiercache replica it is everything (an announce follows)
+                self.clear(self.renamed or None)
                 continue
             if not isinstance(event, (BlockStored, BlockRemoved)):
                 continue

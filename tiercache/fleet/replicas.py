@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from tiercache.engine.openai_api import ApiError, chat_template
 from tiercache.errors import ConfigError
-from tiercache.fleet.descriptor import ReplicaDescriptor
+from tiercache.fleet.descriptor import GivenDescriptor, ReplicaDescriptor
 from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
 from tiercache.fleet.routing import Candidate, Rates
 from tiercache.fleet.subscriber import EventFollower
@@ -95,7 +95,7 @@ class Replica:
     url: str
     rates: Rates
     descriptor: ReplicaDescriptor | None = None
-    given: ReplicaDescriptor | None = None   # from the router's replicas file: for one that serves none (vLLM)
+    given: GivenDescriptor | None = None     # from the router's replicas file: for one that serves none (vLLM)
     scheme: KeyScheme | None = None
     index: ReplicaIndex = field(default_factory=ReplicaIndex)
     follower: EventFollower | None = None
@@ -130,14 +130,15 @@ class Replica:
 class ReplicaEntry:
     """One replica of a router's replicas file."""
     url: str
-    descriptor: ReplicaDescriptor | None = None
+    descriptor: GivenDescriptor | None = None
 
 
 def load_replicas(path: str | Path) -> list[ReplicaEntry]:
-    """Read and check a replicas file (YAML or JSON): ``replicas:`` a list of ``{url, descriptor?}``. A
-    descriptor is given for a replica that serves none itself (``vllm serve``): at least ``model``,
-    ``key_scheme``, ``block_size``, ``tokenizer``, ``chat_template`` and ``events``; a relative tokenizer path
-    is read from the file's folder. A `ConfigError` naming the file and the field otherwise."""
+    """Read and check a replicas file (YAML or JSON): ``replicas:`` a list of ``{url, descriptor?,
+    descriptor_file?}``. A descriptor is given for a replica that serves none itself (``vllm serve``): at least
+    ``model``, ``key_scheme``, ``block_size``, ``tokenizer``, ``chat_template`` and ``events``, over what its
+    tiercache connector writes to ``descriptor_file`` (`GivenDescriptor`); relative paths are read from the
+    file's folder. A `ConfigError` naming the file and the field otherwise."""
     import yaml
 
     source = str(path)
@@ -150,25 +151,30 @@ def load_replicas(path: str | Path) -> list[ReplicaEntry]:
     entries = data.get("replicas") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{source}: replicas", entries, "must be a non-empty list")
+    folder = Path(path).parent
     out = []
     for i, entry in enumerate(entries):
         where = f"{source}: replicas[{i}]"
-        if not isinstance(entry, dict) or set(entry) - {"url", "descriptor"} or not isinstance(entry.get("url"), str):
-            raise ConfigError(where, entry, "must be {url: ..., descriptor: ...} (descriptor optional)")
-        given = entry.get("descriptor")
-        descriptor = None
-        if given is not None:
-            if not isinstance(given, dict):
-                raise ConfigError(f"{where}.descriptor", given, "must be a mapping")
-            given = {"instance": "given", "chunk_tokens": 0, **given}
-            tokenizer = given.get("tokenizer")
-            if isinstance(tokenizer, str) and tokenizer != "bytes" and not Path(tokenizer).is_absolute():
-                given["tokenizer"] = str((Path(path).parent / tokenizer).resolve())
-            descriptor = ReplicaDescriptor.from_dict(given, f"{where}.descriptor")
-            if descriptor.key_scheme not in key_schemes:
+        if (not isinstance(entry, dict) or set(entry) - {"url", "descriptor", "descriptor_file"}
+                or not isinstance(entry.get("url"), str)):
+            raise ConfigError(where, entry, "must be {url: ..., descriptor: ..., descriptor_file: ...} (the "
+                                            "last two optional)")
+        fields, file = entry.get("descriptor"), entry.get("descriptor_file")
+        given = None
+        if fields is not None or file is not None:
+            if not isinstance(fields, dict):
+                raise ConfigError(f"{where}.descriptor", fields, "must be a mapping")
+            if file is not None and not isinstance(file, str):
+                raise ConfigError(f"{where}.descriptor_file", file, "must be a path")
+            tokenizer = fields.get("tokenizer")
+            if isinstance(tokenizer, str) and tokenizer != "bytes":
+                fields = {**fields, "tokenizer": str(folder / tokenizer)}
+            given = GivenDescriptor(fields, str(folder / file) if file else "", where)
+            descriptor = given.read()       # checked now where it can be (the connector's file may come later)
+            if descriptor is not None and descriptor.key_scheme not in key_schemes:
                 raise ConfigError(f"{where}.descriptor.key_scheme", descriptor.key_scheme,
                                   f"known: {', '.join(key_schemes.names())}")
-        out.append(ReplicaEntry(check_url(entry["url"], f"{where}.url"), descriptor))
+        out.append(ReplicaEntry(check_url(entry["url"], f"{where}.url"), given))
     return out
 
 
@@ -195,7 +201,7 @@ class Fleet:
         self._health: asyncio.Task | None = None
 
     # -- membership ----------------------------------------------------------------------------------
-    async def add(self, url: str, descriptor: ReplicaDescriptor | None = None) -> Replica:
+    async def add(self, url: str, descriptor: GivenDescriptor | None = None) -> Replica:
         """``descriptor``: given for a replica that does not answer ``/tiercache/replica`` (``vllm serve``)."""
         url = check_url(url, "replica")
         name = urlsplit(url).netloc
@@ -244,7 +250,7 @@ class Fleet:
             async with self.session.get(f"{replica.url}/health", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-            descriptor = replica.given or await self._descriptor(replica, timeout)
+            descriptor = replica.given.read() if replica.given else await self._descriptor(replica, timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, ConfigError) as err:
             if replica.up:
                 log.warning("tiercache route: replica %s is down (%s)", replica.name, err or type(err).__name__)

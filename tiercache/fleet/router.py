@@ -37,7 +37,7 @@ from tiercache.engine.openai_api import (
     serve_app,
 )
 from tiercache.errors import ConfigError
-from tiercache.fleet.descriptor import ReplicaDescriptor
+from tiercache.fleet.descriptor import GivenDescriptor
 from tiercache.fleet.prefix_index import PromptKeys
 from tiercache.fleet.replicas import Fleet, Replica, ReplicaEntry
 from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies
@@ -279,11 +279,14 @@ def build_app(router: Router):
         if not isinstance(url, str):
             raise ApiError("url must be a replica's base URL", "url")
         try:
-            given = body.get("descriptor")
-            descriptor = None if given is None else ReplicaDescriptor.from_dict(
-                {"instance": "given", "chunk_tokens": 0, **given} if isinstance(given, dict) else given,
-                "descriptor")
-            replica = await router.fleet.add(url, descriptor)
+            fields = body.get("descriptor")
+            given = None
+            if fields is not None:
+                if not isinstance(fields, dict):
+                    raise ApiError("descriptor must be an object", "descriptor")
+                given = GivenDescriptor(fields, source="descriptor")
+                given.read()
+            replica = await router.fleet.add(url, given)
         except ConfigError as err:
             raise ApiError(str(err), "descriptor" if "descriptor" in str(err) else "url") from None
         return web.json_response(_replica_state(replica), status=201)

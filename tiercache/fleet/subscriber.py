@@ -142,7 +142,10 @@ class EventFollower:
         try:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_S)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the reply
+                # does, and a router being stopped then waits on this follower for ever
+                async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                    frames = await dealer.recv_multipart()
                 if len(frames) != 4 or frames[2] == END_SEQ:
                     return kept
                 kept.append((int.from_bytes(frames[2], "big"), frames[3]))
