@@ -164,7 +164,8 @@ def test_each_chunk_is_encoded_by_every_codec_thread_together_one_chunk_after_an
                for c in CodecPipeline(Format("int8"), pool, "test").encoded(big, refused)]
     finally:
         pool.close()
-    assert queued == [key(i) for i in range(4) for _ in range(2)]       # two parts each, chunk after chunk
+    # two parts each, then its checksum (sealing), chunk after chunk
+    assert queued == [key(i) for i in range(4) for _ in range(3)]
     assert not refused
     fmt = ChunkFormat("int8")
     for (k, header, payload), (meta, raw) in zip(got, big, strict=True):

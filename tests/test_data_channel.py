@@ -180,7 +180,7 @@ def _put_head(value_bytes: int, seed: int = 7) -> tuple[bytes, bytes]:
     payload = bytes([seed]) * value_bytes
     meta = ChunkMeta(NS, bytes([seed]) * 32, 16, "uint8", (value_bytes,))
     fmt = ChunkFormat()
-    header = fmt.header(meta, fmt.raw, payload)
+    header, _ = fmt.seal(meta, fmt.raw, payload)
     frames = dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(meta.key) + dw.U64.pack(len(header) + len(payload))
     return frames + header, payload
 

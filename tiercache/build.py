@@ -41,7 +41,7 @@ from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSealer, ChunkSigner
 from tiercache.wire.codec_pipeline import CodecThreads
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,45 @@ def _named(registry, name: str, field: str):
         raise ConfigError(field, name, str(err)) from None
 
 
+def read_sealer(path: str, field_name: str = "format.encryption_keys_file") -> ChunkSealer:
+    """A tenant's encryption keys from its keys file: ``ID HEX64`` per line (``#`` comments), the key to write
+    with marked ``active``; a `ConfigError` naming the file and the line otherwise."""
+    keys: dict[int, bytes] = {}
+    active = []
+    for number, line in enumerate(read_secret(path, field_name).splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"{field_name} ({path}, line {number})"
+        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != "active") or not words[0].isdigit():
+            raise ConfigError(where, f"{len(words)} words", "must be 'ID HEX64' or 'ID HEX64 active'")
+        key_id = int(words[0])
+        try:
+            key = bytes.fromhex(words[1])
+        except ValueError:
+            raise ConfigError(where, f"key {key_id}", "is not hexadecimal") from None
+        if key_id in keys:
+            raise ConfigError(where, f"key {key_id}", "is listed twice")
+        keys[key_id] = key
+        if len(words) == 3:
+            active.append(key_id)
+    if len(active) != 1:
+        raise ConfigError(field_name, path, f"must mark exactly one key 'active' (marks {len(active)})")
+    try:
+        return ChunkSealer(keys, active[0])
+    except ValueError as err:
+        raise ConfigError(field_name, path, str(err)) from None
+
+
 def chunk_format(config: TierCacheConfig) -> ChunkFormat:
     signer = None
-    if config.format.signing_key_file:
+    if config.format.encryption_keys_file:
+        if config.format.signing_key_file:
+            raise ConfigError("format.signing_key_file", config.format.signing_key_file,
+                              "set it or format.encryption_keys_file, not both: encrypted chunks are "
+                              "authenticated already")
+        signer = read_sealer(config.format.encryption_keys_file)
+    elif config.format.signing_key_file:
         try:
             signer = ChunkSigner(read_secret(config.format.signing_key_file, "format.signing_key_file").encode())
         except ValueError as err:

@@ -199,6 +199,10 @@ class FormatConfig:
     signing_key_file: str = _opt("", "file holding a secret (16+ bytes) shared by one tenant's engines: every "
                                      "L2/L3 chunk is signed with it (HMAC-SHA256), and chunks not signed with "
                                      "it are misses")
+    encryption_keys_file: str = _opt("", "file of one tenant's AES-256 keys, held by its engines only: a line "
+                                         "'ID HEX64' per key, the one to write with ending in 'active'; every "
+                                         "L2/L3 chunk is encrypted (AES-256-GCM, the header authenticated), and "
+                                         "chunks not encrypted under one of these keys are misses")
 
 
 @dataclass(frozen=True, slots=True)

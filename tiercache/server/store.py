@@ -59,7 +59,7 @@ from tiercache.server.values import (
 )
 from tiercache.tiers.index import IndexedTier
 from tiercache.wire.chunk_files import write_chunk_file
-from tiercache.wire.chunk_format import HEADER_BYTES, SIGNED, check_payload
+from tiercache.wire.chunk_format import HEADER_BYTES, KEYED, check_payload
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class ChunkStore:
             value = tier.path(k).read_bytes()
             view = memoryview(value)
             parsed = check_value(self._header_ns.get(namespace, namespace), key, view[:HEADER_BYTES], len(value))
-            if parsed[2] != SIGNED:     # a signed chunk's key is its tenant's clients' alone: they check it
+            if parsed[2] not in KEYED:  # a signed or sealed chunk's key is its tenant's clients' alone: they check it
                 check_payload(parsed, view[HEADER_BYTES:])
             return value
         except (OSError, ChunkFormatError) as err:

@@ -14,6 +14,7 @@ Header (little endian, 124 bytes = HEADER_BYTES):
 from __future__ import annotations
 
 import hmac
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -121,17 +122,91 @@ class ChunkSigner:
         return mac.intdigest()
 
 
-def payload_sum(parsed: "ParsedHeader", signer: ChunkSigner | None):
+SEALED = 0x81          # checksum code of an encrypted chunk: AES-256-GCM (`ChunkSealer`); its sum field is the key id
+NONCE_BYTES = 12
+TAG_BYTES = 16
+SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES     # a sealed payload is nonce | ciphertext | tag
+KEYED = (SIGNED, SEALED)                    # chunks only their tenant's clients can check
+
+
+class ChunkSealer:
+    """A tenant's encryption keys, which never leave its clients (engines): every payload stored below L1 is
+    AES-256-GCM under the active key, a random 96-bit nonce per chunk, with what the header says —
+    namespace, key, tokens, dtype, shape, lengths, codec, key id — as associated data. Chunk files, Redis
+    values and the server's values are then ciphertext, and the tag authenticates header and payload as
+    the HMAC of `ChunkSigner` does (sealing subsumes signing). Keys have ids: after a rotation the old keys
+    stay here to read old chunks for a grace period while new ones are written under the new key; a chunk
+    under a key not here (another tenant's, a retired one) or that fails its tag is a miss."""
+
+    def __init__(self, keys: dict[int, bytes], active: int) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        for key_id, key in keys.items():
+            if not 0 < key_id < 1 << 32:
+                raise ValueError(f"key id {key_id} is out of range (1 to 2^32 - 1)")
+            if len(key) != 32:
+                raise ValueError(f"key {key_id} has {len(key)} bytes; AES-256 takes 32")
+        if active not in keys:
+            raise ValueError(f"the active key id {active} is not among the keys ({', '.join(map(str, keys))})")
+        self.active = active
+        self.key_ids = tuple(sorted(keys))
+        self._aead = {key_id: AESGCM(key) for key_id, key in keys.items()}
+
+    @staticmethod
+    def _associated(meta: ChunkMeta, codec_code: int, payload_len: int, key_id: int) -> bytes:
+        return (_SIGNED_FIELDS.pack(meta.namespace, meta.key, meta.num_tokens, DTYPE_CODES[meta.dtype], codec_code,
+                                    meta.raw_len, payload_len)
+                + struct.pack(f"<I{len(meta.shape)}Q", key_id, *meta.shape))
+
+    def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer) -> tuple[int, bytes]:
+        """(key id, nonce | ciphertext | tag) of ``payload`` under the active key."""
+        nonce = os.urandom(NONCE_BYTES)
+        sealed_len = len(memoryview(payload).cast("B")) + SEAL_OVERHEAD
+        body = self._aead[self.active].encrypt(nonce, payload,
+                                               self._associated(meta, codec_code, sealed_len, self.active))
+        return self.active, nonce + body
+
+    def open(self, parsed: "ParsedHeader", payload: Buffer) -> bytes:
+        """The plaintext of a sealed payload; `SignatureError` when its key is not here or it fails its tag."""
+        from cryptography.exceptions import InvalidTag
+
+        meta, codec_code, _, payload_len, key_id = parsed
+        view = memoryview(payload).cast("B")
+        aead = self._aead.get(key_id)
+        if aead is None:
+            raise SignatureError(f"chunk {meta.key.hex()[:16]}… is encrypted under key {key_id}, which is not "
+                                 "here (another tenant's, or retired)")
+        if len(view) != payload_len or payload_len < SEAL_OVERHEAD:
+            raise TruncatedChunkError(f"sealed payload is {len(view)} bytes, header says {payload_len}")
+        try:
+            return aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:],
+                                self._associated(meta, codec_code, payload_len, key_id))
+        except InvalidTag:
+            raise SignatureError(f"chunk {meta.key.hex()[:16]}… does not decrypt under key {key_id}: altered, "
+                                 "or another tenant's") from None
+
+
+ChunkKeys = ChunkSigner | ChunkSealer     # a tenant's keys for its chunks: signed, or sealed
+
+
+def payload_sum(parsed: "ParsedHeader", signer: ChunkKeys | None):
     """The running sum that checks a payload against its header: the header's checksum, or — for a signed
-    chunk — the MAC of ``signer``. `SignatureError` for a signed chunk with no key to check it, and for an
-    unsigned one where chunks must be signed (a planted chunk with a valid checksum is refused here)."""
+    chunk — the MAC of ``signer``; None for a sealed chunk where ``signer`` is the sealer (its tag checks it
+    as it is opened: `ChunkSealer.open`). `SignatureError` for a keyed chunk with no key here to check it,
+    and for an unkeyed one where chunks must be signed or sealed (a planted chunk with a valid checksum is
+    refused here)."""
     meta, codec_code, checksum_code, payload_len, _ = parsed
+    if checksum_code == SEALED:
+        if not isinstance(signer, ChunkSealer):
+            raise SignatureError(f"chunk {meta.key.hex()[:16]}… is encrypted, and there is no key here to open it")
+        return None
     if checksum_code == SIGNED:
-        if signer is None:
+        if not isinstance(signer, ChunkSigner):
             raise SignatureError(f"chunk {meta.key.hex()[:16]}… is signed, and there is no key here to check it")
         return signer.running(meta, codec_code, payload_len)
     if signer is not None:
-        raise SignatureError(f"chunk {meta.key.hex()[:16]}… is not signed, and chunks here must be")
+        what = "encrypted" if isinstance(signer, ChunkSealer) else "signed"
+        raise SignatureError(f"chunk {meta.key.hex()[:16]}… is not {what}, and chunks here must be")
     return checksum_by_code(checksum_code)().running()
 
 
@@ -139,7 +214,7 @@ class ChunkFormat:
     """Encodes and verifies chunks with one configured codec and checksum (or signature). A chunk the codec
     does not apply to (8-bit KV under a quantizing codec) is stored raw, and its header says so."""
 
-    def __init__(self, codec: str = "raw", checksum: str = "xxh3_64", signer: ChunkSigner | None = None) -> None:
+    def __init__(self, codec: str = "raw", checksum: str = "xxh3_64", signer: ChunkKeys | None = None) -> None:
         self.codec = codecs.get(codec)()
         self.raw = codecs.get("raw")()
         self.checksum = checksums.get(checksum)()
@@ -150,13 +225,17 @@ class ChunkFormat:
 
     def max_stored_len(self, layout: ChunkLayout) -> int:
         """Bytes a stored chunk of this layout takes at most, header included."""
-        return HEADER_BYTES + self.codec_for(layout).max_encoded_len(layout)
+        sealing = SEAL_OVERHEAD if isinstance(self.signer, ChunkSealer) else 0
+        return HEADER_BYTES + self.codec_for(layout).max_encoded_len(layout) + sealing
+
+    @property
+    def sealed(self) -> bool:
+        return isinstance(self.signer, ChunkSealer)
 
     def encode_parts(self, meta: ChunkMeta, raw: Buffer) -> tuple[bytes, Buffer]:
         """Header and payload as two buffers, for writers that can write both without joining."""
         codec, job = self.encode_job(meta, raw, 1)
-        payload = job.run()
-        return self.header(meta, codec, payload), payload
+        return self.seal(meta, codec, job.run())
 
     def encode_job(self, meta: ChunkMeta, raw: Buffer, parts: int) -> tuple[Codec, EncodeJob]:
         """The codec this chunk is stored with, and its encode cut into up to ``parts`` steps (`encode_job`);
@@ -169,10 +248,14 @@ class ChunkFormat:
         codec = self.codec_for(meta.layout)
         return codec, encode_job(codec, raw_view, meta.layout, parts)
 
-    def header(self, meta: ChunkMeta, codec: Codec, payload: Buffer) -> bytes:
-        """The header of ``payload`` (``codec``'s encoding of the chunk): its checksum or signature, and the rest."""
+    def seal(self, meta: ChunkMeta, codec: Codec, payload: Buffer) -> tuple[bytes, Buffer]:
+        """The stored form of ``payload`` (``codec``'s encoding of the chunk): its header — checksum, signature
+        or key id, and the rest — and the payload as stored (encrypted, under a sealer)."""
         shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
-        if self.signer is not None:
+        if isinstance(self.signer, ChunkSealer):
+            code = SEALED
+            total, payload = self.signer.seal(meta, codec.code, payload)
+        elif self.signer is not None:
             code, total = SIGNED, self.signer.sign(meta, codec.code, payload)
         else:
             code, total = self.checksum.code, self.checksum(payload)
@@ -181,7 +264,7 @@ class ChunkFormat:
             len(meta.shape), meta.namespace, meta.key, meta.num_tokens, meta.raw_len, len(payload),
             total, *shape,
         )
-        return body + _CRC.pack(zlib.crc32(body))
+        return body + _CRC.pack(zlib.crc32(body)), payload
 
     def encode(self, meta: ChunkMeta, raw: Buffer) -> bytes:
         header, payload = self.encode_parts(meta, raw)
@@ -222,12 +305,16 @@ def check_header(header: Buffer, namespace: bytes | None, key: bytes | None) -> 
     return parsed
 
 
-def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | None = None) -> None:
-    """Check a payload's length and checksum (or signature) against its parsed header, without decoding it."""
+def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkKeys | None = None) -> None:
+    """Check a payload's length and checksum (or signature, or — for a sealed one — that it opens) against its
+    parsed header, without decoding it."""
     meta, payload_len, expected = parsed[0], parsed[3], parsed[4]
     if len(memoryview(payload).cast("B")) != payload_len:
         raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {payload_len}")
     running = payload_sum(parsed, signer)
+    if running is None:
+        signer.open(parsed, payload)
+        return
     running.update(payload)
     if running.intdigest() != expected:
         what = "signature" if parsed[2] == SIGNED else "checksum"
@@ -236,15 +323,22 @@ def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkSigner | N
 
 
 def verify_payload_into(parsed: ParsedHeader, payload: Buffer, out: memoryview,
-                        signer: ChunkSigner | None = None) -> None:
-    """Check a payload against its parsed header and decode it into ``out`` (at least its raw length)."""
-    check_payload(parsed, payload, signer)
+                        signer: ChunkKeys | None = None) -> None:
+    """Check a payload against its parsed header (a sealed one: open it) and decode it into ``out`` (at least
+    its raw length)."""
     meta, codec_code = parsed[0], parsed[1]
+    if parsed[2] == SEALED:
+        if len(memoryview(payload).cast("B")) != parsed[3]:
+            raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {parsed[3]}")
+        payload_sum(parsed, signer)                    # the sealer is here, or a SignatureError
+        payload = signer.open(parsed, payload)
+    else:
+        check_payload(parsed, payload, signer)
     decoder(codec_code).decode_into(memoryview(payload).cast("B"), meta.layout, out)
 
 
 def decode(blob: Buffer, namespace: bytes | None = None, key: bytes | None = None,
-           signer: ChunkSigner | None = None) -> DecodedChunk:
+           signer: ChunkKeys | None = None) -> DecodedChunk:
     """Verify a stored chunk and return its raw bytes; raises a `ChunkFormatError` on any mismatch."""
     parsed = check_header(blob, namespace, key)
     data = bytearray(parsed[0].raw_len)

@@ -38,7 +38,7 @@ from tiercache.contracts.plan import Failure
 from tiercache.errors import ChunkFormatError, NonFiniteKVError
 from tiercache.log_limits import ThrottledLog
 from tiercache.machine import keep_torch_to_one_core
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSigner, ParsedHeader, verify_payload_into
+from tiercache.wire.chunk_format import ChunkFormat, ChunkKeys, ChunkMeta, ParsedHeader, verify_payload_into
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +99,7 @@ class ReadBatch:
         return memoryview(self._buffers[i])[:nbytes]
 
     def decode(self, key: BlockHash, parsed: ParsedHeader, payload: memoryview, out: memoryview,
-               signer: ChunkSigner | None) -> None:
+               signer: ChunkKeys | None) -> None:
         """Verify ``payload`` (the buffer `landing` just gave) and decode it into ``out``: on the codec thread,
         or here and now when the transport has none (a failure raises `ChunkFormatError`)."""
         if self._pool is None:
@@ -145,7 +145,8 @@ class CodecPipeline:
     def __init__(self, fmt: ChunkFormat, threads: CodecThreads | None, name: str) -> None:
         self.fmt = fmt
         self.name = name
-        self._pool = None if threads is None or fmt.codec.code == fmt.raw.code else threads
+        # raw and not sealed: no codec work to move off the transfer thread
+        self._pool = None if threads is None or (fmt.codec.code == fmt.raw.code and not fmt.sealed) else threads
         self._landings = threading.local()    # each transfer thread's landing buffers, kept across batches
         self._warn = ThrottledLog(log)        # refused chunks: one line per 10 s, with a count
 
@@ -171,23 +172,26 @@ class CodecPipeline:
         ahead = self._pool.threads
         started = deque(self._start(*item) for item in items[:ahead])
         for i in range(len(items)):
-            chunk = self._finish(*started.popleft())
+            chunk = started.popleft().result()
             if i + ahead < len(items):
                 started.append(self._start(*items[i + ahead]))
             yield chunk
 
-    def _start(self, meta: ChunkMeta, raw: Buffer) -> tuple[ChunkMeta, Codec, EncodeJob, list[Future[None]]]:
+    def _start(self, meta: ChunkMeta, raw: Buffer) -> Future[Encoded]:
         """Queue a chunk's encode on the codec threads, cut into a part per thread: they encode one chunk
         together, so the first of a batch is ready in about a thread's share of the time, and the chunks after
-        it come ready one by one, in order (not two at once, each at half the pace)."""
+        it come ready one by one, in order (not two at once, each at half the pace). Its checksum, signature or
+        encryption follows on a codec thread too, beside the transfer thread's I/O; queued after the parts,
+        it never waits on a part that no thread has taken."""
         codec, job = self.fmt.encode_job(meta, raw, self._pool.threads)
-        return meta, codec, job, [self._pool.submit(step) for step in job.steps]
+        parts = [self._pool.submit(step) for step in job.steps]
+        return self._pool.submit(self._seal_after, meta, codec, job, parts)
 
-    def _finish(self, meta: ChunkMeta, codec: Codec, job: EncodeJob, parts: list[Future[None]]) -> Encoded:
-        """A started chunk's stored form, once its parts are done: checked and checksummed here."""
+    def _seal_after(self, meta: ChunkMeta, codec: Codec, job: EncodeJob, parts: list[Future[None]]) -> Encoded:
         for part in parts:
             part.result()
         return self._sealed(meta, codec, job.finish)
+
 
     def _sealed(self, meta: ChunkMeta, codec: Codec, payload_of: Callable[[], Buffer]) -> Encoded:
         """A chunk's stored form from ``payload_of`` (its encode job's finish, or run): the checked payload
@@ -196,7 +200,8 @@ class CodecPipeline:
             payload = payload_of()
         except NonFiniteKVError as err:
             return Encoded(meta, b"", memoryview(b""), str(err))
-        return Encoded(meta, self.fmt.header(meta, codec, payload), memoryview(payload).cast("B"))
+        header, payload = self.fmt.seal(meta, codec, payload)
+        return Encoded(meta, header, memoryview(payload).cast("B"))
 
     def reads(self) -> ReadBatch:
         """A batch of reads on this thread; use it as a context manager so every decode is waited for."""

@@ -23,7 +23,7 @@ from tiercache.errors import ChecksumMismatchError, ChunkFormatError, SignatureE
 from tiercache.wire.chunk_format import (
     HEADER_BYTES,
     SIGNED,
-    ChunkSigner,
+    ChunkKeys,
     check_header,
     payload_sum,
 )
@@ -68,7 +68,7 @@ class FileSource:
 
 
 def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash, buf: memoryview,
-                  reads: ReadBatch, signer: ChunkSigner | None = None) -> int:
+                  reads: ReadBatch, signer: ChunkKeys | None = None) -> int:
     """Take the next ``n`` bytes of ``source`` — one stored chunk — into ``buf``, verified; returns the raw
     length. Raises `ChunkFormatError` for a value that is damaged, foreign or too large (all ``n`` bytes
     consumed first); an encoded payload is verified and decoded by ``reads`` (on its codec thread, if it
@@ -83,11 +83,14 @@ def receive_value(source: ValueSource, n: int, namespace: bytes, key: BlockHash,
             raise TruncatedChunkError(f"value of {n} B, its header says {HEADER_BYTES + payload_len}")
         if meta.raw_len > len(buf):
             raise ChunkFormatError(f"chunk of {meta.raw_len} B does not fit a {len(buf)}-byte buffer")
-        running = payload_sum(parsed, signer)      # a signature where one is required, and the key to check it
+        # a signature or encryption where one is required, and the key to check it (None: sealed, opened as
+        # it is decoded)
+        running = payload_sum(parsed, signer)
     except ChunkFormatError:
         source.skip(n - HEADER_BYTES)
         raise
-    if codec == 0 and payload_len == meta.raw_len:   # raw: into place, hashed piece by piece as it lands
+    if running is not None and codec == 0 and payload_len == meta.raw_len:
+        # raw and not sealed: into place, hashed piece by piece as it lands
         for offset in range(0, payload_len, VERIFY_PIECE):
             piece = buf[offset:min(offset + VERIFY_PIECE, payload_len)]
             source.read_into(piece)
