@@ -101,6 +101,14 @@ def _codec_list(text: str) -> list[str]:
     return names
 
 
+def _tier_format_list(text: str) -> list[str]:
+    """Codecs, each optionally sealed (``NAME+aes``): the formats `bench tiers` runs in turn."""
+    from tiercache.bench.formats import split_variant
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    _codec_list(",".join(split_variant(n)[0] for n in names) or text)
+    return names
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -364,9 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--reps", type=_positive, default=5, help="repetitions (medians are reported)")
     tiers.add_argument("--layout", choices=["allocated", "scattered", "both"], default="both",
                        help="L0 block placement: as the pool allocates, shuffled, or both")
-    tiers.add_argument("--codecs", type=_codec_list, default=None,
+    tiers.add_argument("--codecs", type=_tier_format_list, default=None,
                        help="disk and remote tiers: run each with these chunk codecs in turn and report tokens/s "
-                            "against the first, e.g. raw,int8 (default: format.codec)")
+                            "against the first, e.g. raw,int8; NAME+aes encrypts too (AES-256-GCM), e.g. "
+                            "raw,raw+aes (default: format.codec)")
     tiers.add_argument("--json", metavar="PATH", help="write the report as JSON")
     tiers.add_argument("--out", metavar="DIR", help="write tiers.json, tiers.md and tiers.png here")
     tiers.add_argument("--quiet", action="store_true", help="no progress bar")

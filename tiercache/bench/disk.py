@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tiercache.bench.filled import filled_stack
+from tiercache.bench.formats import format_section
 from tiercache.tiers.disk import WRITE_PIECE
 
 
@@ -83,7 +84,7 @@ def bench_disk(shape: str, chunk_tokens: int, total_bytes: int, reps: int, direc
             total_bytes,
             "bench-disk",
             {
-                "format": {"codec": codec},
+                "format": format_section(codec),     # a codec, sealed for a "+aes" variant
                 "transfer": transfer_cfg or {},  # threads and link limits as the run is configured
                 "disk": {
                     "enabled": True,

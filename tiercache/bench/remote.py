@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tiercache.bench.filled import filled_stack
+from tiercache.bench.formats import format_section
 from tiercache.errors import ConfigError
 
 
@@ -309,7 +310,7 @@ def bench_remote(kind: str, shape: str, chunk_tokens: int, total_bytes: int, rep
                    "bulk": "off" if kind == "grpc-stream" else "auto"})}
     section_name = "redis" if kind == "redis" else "grpc"
     filled = filled_stack(shape, chunk_tokens, total_bytes, f"bench-{kind}-{time.time_ns()}",
-                          {section_name: section, "format": {"codec": codec}, "transfer": transfer_cfg or {}})
+                          {section_name: section, "format": format_section(codec), "transfer": transfer_cfg or {}})
     stack, keys = filled.stack, filled.keys
     nbytes = filled.nbytes
     manager = stack.scheduler.manager

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -129,6 +130,9 @@ SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES     # a sealed payload is nonce | cipher
 KEYED = (SIGNED, SEALED)                    # chunks only their tenant's clients can check
 
 
+SEAL_PIECE = 4 << 20    # bytes encrypted or decrypted per step: each piece still in cache (8+ GB/s with AES-NI)
+
+
 class ChunkSealer:
     """A tenant's encryption keys, which never leave its clients (engines): every payload stored below L1 is
     AES-256-GCM under the active key, a random 96-bit nonce per chunk, with what the header says —
@@ -136,10 +140,13 @@ class ChunkSealer:
     values and the server's values are then ciphertext, and the tag authenticates header and payload as
     the HMAC of `ChunkSigner` does (sealing subsumes signing). Keys have ids: after a rotation the old keys
     stay here to read old chunks for a grace period while new ones are written under the new key; a chunk
-    under a key not here (another tenant's, a retired one) or that fails its tag is a miss."""
+    under a key not here (another tenant's, a retired one) or that fails its tag is a miss.
+
+    Streamed in pieces into buffers made once (`open_into` decrypts a raw payload straight into its L1
+    slot): one-shot AES-GCM allocates its output per chunk and ran at a fifth of the streamed rate here."""
 
     def __init__(self, keys: dict[int, bytes], active: int) -> None:
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.ciphers import algorithms
 
         for key_id, key in keys.items():
             if not 0 < key_id < 1 << 32:
@@ -150,7 +157,8 @@ class ChunkSealer:
             raise ValueError(f"the active key id {active} is not among the keys ({', '.join(map(str, keys))})")
         self.active = active
         self.key_ids = tuple(sorted(keys))
-        self._aead = {key_id: AESGCM(key) for key_id, key in keys.items()}
+        self._aes = {key_id: algorithms.AES(key) for key_id, key in keys.items()}
+        self._scratch = threading.local()      # each codec thread's plaintext buffer, kept across chunks
 
     @staticmethod
     def _associated(meta: ChunkMeta, codec_code: int, payload_len: int, key_id: int) -> bytes:
@@ -158,32 +166,66 @@ class ChunkSealer:
                                     meta.raw_len, payload_len)
                 + struct.pack(f"<I{len(meta.shape)}Q", key_id, *meta.shape))
 
-    def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer) -> tuple[int, bytes]:
+    def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer) -> tuple[int, memoryview]:
         """(key id, nonce | ciphertext | tag) of ``payload`` under the active key."""
-        nonce = os.urandom(NONCE_BYTES)
-        sealed_len = len(memoryview(payload).cast("B")) + SEAL_OVERHEAD
-        body = self._aead[self.active].encrypt(nonce, payload,
-                                               self._associated(meta, codec_code, sealed_len, self.active))
-        return self.active, nonce + body
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
-    def open(self, parsed: "ParsedHeader", payload: Buffer) -> bytes:
-        """The plaintext of a sealed payload; `SignatureError` when its key is not here or it fails its tag."""
+        view = memoryview(payload).cast("B")
+        n = len(view)
+        out = bytearray(NONCE_BYTES + n + TAG_BYTES)
+        nonce = os.urandom(NONCE_BYTES)
+        out[:NONCE_BYTES] = nonce
+        cipher = Cipher(self._aes[self.active], modes.GCM(nonce)).encryptor()
+        cipher.authenticate_additional_data(self._associated(meta, codec_code, len(out), self.active))
+        body = memoryview(out)[NONCE_BYTES:]
+        _stream(cipher, view, body)
+        cipher.finalize()
+        body[n:] = cipher.tag
+        return self.active, memoryview(out)
+
+    def open_into(self, parsed: "ParsedHeader", payload: Buffer, out: memoryview | None = None) -> memoryview:
+        """Decrypt a sealed payload into ``out`` (None: this thread's scratch) and return the plaintext's view
+        there; `SignatureError` when its key is not here or it fails its tag (``out`` then holds garbage that
+        nobody may use)."""
         from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         meta, codec_code, _, payload_len, key_id = parsed
         view = memoryview(payload).cast("B")
-        aead = self._aead.get(key_id)
-        if aead is None:
+        aes = self._aes.get(key_id)
+        if aes is None:
             raise SignatureError(f"chunk {meta.key.hex()[:16]}… is encrypted under key {key_id}, which is not "
                                  "here (another tenant's, or retired)")
         if len(view) != payload_len or payload_len < SEAL_OVERHEAD:
             raise TruncatedChunkError(f"sealed payload is {len(view)} bytes, header says {payload_len}")
+        n = payload_len - SEAL_OVERHEAD
+        if out is None:
+            scratch = getattr(self._scratch, "buf", None)
+            if scratch is None or len(scratch) < n:
+                scratch = self._scratch.buf = bytearray(n)
+            out = memoryview(scratch)
+        plain = out.cast("B")[:n]
+        cipher = Cipher(aes, modes.GCM(bytes(view[:NONCE_BYTES]))).decryptor()
+        cipher.authenticate_additional_data(self._associated(meta, codec_code, payload_len, key_id))
+        _stream(cipher, view[NONCE_BYTES:NONCE_BYTES + n], plain)
         try:
-            return aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:],
-                                self._associated(meta, codec_code, payload_len, key_id))
+            cipher.finalize_with_tag(bytes(view[NONCE_BYTES + n:]))
         except InvalidTag:
             raise SignatureError(f"chunk {meta.key.hex()[:16]}… does not decrypt under key {key_id}: altered, "
                                  "or another tenant's") from None
+        return plain
+
+
+def _stream(cipher, src: memoryview, dst: memoryview) -> None:
+    """``cipher`` over ``src`` into ``dst`` (as long), a piece at a time. ``update_into`` wants 15 bytes of
+    room past each piece's output; the last 16 bytes, where ``dst`` may have none, go through ``update``."""
+    n = len(src)
+    bulk = max(n - 16, 0) if len(dst) - n < 15 else n
+    for off in range(0, bulk, SEAL_PIECE):
+        end = min(off + SEAL_PIECE, bulk)
+        cipher.update_into(src[off:end], dst[off:end + 15])
+    if bulk < n:
+        dst[bulk:n] = cipher.update(src[bulk:n])
 
 
 ChunkKeys = ChunkSigner | ChunkSealer     # a tenant's keys for its chunks: signed, or sealed
@@ -313,7 +355,7 @@ def check_payload(parsed: ParsedHeader, payload: Buffer, signer: ChunkKeys | Non
         raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {payload_len}")
     running = payload_sum(parsed, signer)
     if running is None:
-        signer.open(parsed, payload)
+        signer.open_into(parsed, payload)
         return
     running.update(payload)
     if running.intdigest() != expected:
@@ -328,10 +370,11 @@ def verify_payload_into(parsed: ParsedHeader, payload: Buffer, out: memoryview,
     its raw length)."""
     meta, codec_code = parsed[0], parsed[1]
     if parsed[2] == SEALED:
-        if len(memoryview(payload).cast("B")) != parsed[3]:
-            raise TruncatedChunkError(f"payload is {len(memoryview(payload))} bytes, header says {parsed[3]}")
         payload_sum(parsed, signer)                    # the sealer is here, or a SignatureError
-        payload = signer.open(parsed, payload)
+        if codec_code == 0 and parsed[3] - SEAL_OVERHEAD == meta.raw_len:
+            signer.open_into(parsed, payload, out)     # raw: decrypted straight into place
+            return
+        payload = signer.open_into(parsed, payload)    # into this thread's scratch, decoded from there
     else:
         check_payload(parsed, payload, signer)
     decoder(codec_code).decode_into(memoryview(payload).cast("B"), meta.layout, out)
