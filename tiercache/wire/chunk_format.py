@@ -166,22 +166,25 @@ class ChunkSealer:
                                     meta.raw_len, payload_len)
                 + struct.pack(f"<I{len(meta.shape)}Q", key_id, *meta.shape))
 
-    def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer) -> tuple[int, memoryview]:
-        """(key id, nonce | ciphertext | tag) of ``payload`` under the active key."""
+    def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer,
+             into: bytearray | None = None) -> tuple[int, memoryview]:
+        """(key id, nonce | ciphertext | tag) of ``payload`` under the active key, written at the start of
+        ``into`` (at least ``SEAL_OVERHEAD`` bytes longer than the payload; None: a new buffer)."""
         from cryptography.hazmat.primitives.ciphers import Cipher, modes
 
         view = memoryview(payload).cast("B")
         n = len(view)
-        out = bytearray(NONCE_BYTES + n + TAG_BYTES)
+        sealed_len = NONCE_BYTES + n + TAG_BYTES
+        out = memoryview(bytearray(sealed_len) if into is None else into)[:sealed_len]
         nonce = os.urandom(NONCE_BYTES)
         out[:NONCE_BYTES] = nonce
         cipher = Cipher(self._aes[self.active], modes.GCM(nonce)).encryptor()
-        cipher.authenticate_additional_data(self._associated(meta, codec_code, len(out), self.active))
-        body = memoryview(out)[NONCE_BYTES:]
+        cipher.authenticate_additional_data(self._associated(meta, codec_code, sealed_len, self.active))
+        body = out[NONCE_BYTES:]
         _stream(cipher, view, body)
         cipher.finalize()
         body[n:] = cipher.tag
-        return self.active, memoryview(out)
+        return self.active, out
 
     def open_into(self, parsed: "ParsedHeader", payload: Buffer, out: memoryview | None = None) -> memoryview:
         """Decrypt a sealed payload into ``out`` (None: this thread's scratch) and return the plaintext's view
@@ -290,13 +293,19 @@ class ChunkFormat:
         codec = self.codec_for(meta.layout)
         return codec, encode_job(codec, raw_view, meta.layout, parts)
 
-    def seal(self, meta: ChunkMeta, codec: Codec, payload: Buffer) -> tuple[bytes, Buffer]:
+    def sealed_len(self, payload: Buffer) -> int:
+        """Bytes ``payload`` takes once sealed (`seal` writes it into a buffer this long)."""
+        return len(memoryview(payload).cast("B")) + SEAL_OVERHEAD
+
+    def seal(self, meta: ChunkMeta, codec: Codec, payload: Buffer,
+             into: bytearray | None = None) -> tuple[bytes, Buffer]:
         """The stored form of ``payload`` (``codec``'s encoding of the chunk): its header — checksum, signature
-        or key id, and the rest — and the payload as stored (encrypted, under a sealer)."""
+        or key id, and the rest — and the payload as stored (encrypted under a sealer, into ``into`` when
+        given: see `ChunkSealer.seal`)."""
         shape = tuple(meta.shape) + (0,) * (MAX_DIMS - len(meta.shape))
         if isinstance(self.signer, ChunkSealer):
             code = SEALED
-            total, payload = self.signer.seal(meta, codec.code, payload)
+            total, payload = self.signer.seal(meta, codec.code, payload, into)
         elif self.signer is not None:
             code, total = SIGNED, self.signer.sign(meta, codec.code, payload)
         else:
