@@ -240,3 +240,30 @@ def test_a_restarted_replica_starts_its_index_again():
             (second or first).close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_measures_its_load_rates_per_medium_and_a_router_takes_them():
+    """Loads from L1 (and a disk under it) into the pool are timed per route; the descriptor carries tokens/s
+    per medium, and the router's replica weighs cached tokens by them instead of the set defaults."""
+    from support.engine_runs import run_sequential, shared_prompts
+
+    from tiercache.engine.openai_api import measured_load_rates
+    from tiercache.fleet.load_rates import load_tokens_per_s
+    from tiercache.fleet.replicas import Replica
+    from tiercache.fleet.routing import Rates
+
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=_offload()) as engine:
+        assert measured_load_rates(engine) == {}                     # nothing loaded yet: nothing claimed
+        run_sequential(engine, shared_prompts(n=6))                  # later requests load the prefix from L1
+        rates = measured_load_rates(engine)
+    assert rates.keys() == {"CPU"} and rates["CPU"] > 0
+    # a lower tier's loads add its promotion to L1 to the copy into the pool
+    transfers = {"device_host": {"routes": {"cpu→device": {"seconds": 1.0, "blocks": 1000}}},
+                 "host_disk": {"routes": {"disk→cpu": {"seconds": 3.0, "blocks": 1000},
+                                          "redis→cpu": {"seconds": 1.0, "blocks": 8}}}}    # too few to tell
+    assert load_tokens_per_s(transfers, "cpu", {"disk": "DISK", "redis": "REMOTE"}, 16) == {
+        "CPU": 16_000.0, "DISK": 4_000.0}
+    replica = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0, "DISK": 150_000.0}))
+    replica.learn_loads(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                          chunk_tokens=64, load_tokens_per_s={"DISK": 4_000.0, "GPU": -1}))
+    assert replica.rates.load == {"CPU": 400_000.0, "DISK": 4_000.0}

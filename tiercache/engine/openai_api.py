@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import queue
@@ -463,7 +464,9 @@ def build_app(server: ApiServer):
     async def replica(request):
         if server.descriptor is None:
             raise ApiError("this server publishes no KV events (start it with --kv-events)", status=404)
-        return web.json_response(server.descriptor.as_dict())
+        return web.json_response(dataclasses.replace(server.descriptor,
+                                                     load_tokens_per_s=measured_load_rates(server.loop.engine)
+                                                     ).as_dict())
 
     async def announce(request):
         if server.loop.publisher is None:
@@ -487,6 +490,19 @@ class KVEventsOptions:
     host: str = "127.0.0.1"
     port: int = 0
     replay_port: int = 0
+
+
+def measured_load_rates(engine: LLMEngine) -> dict[str, float]:
+    """Tokens/s the engine has loaded from each tier medium into its pool (rank 0's transfers)."""
+    from tiercache.fleet.load_rates import load_tokens_per_s
+
+    if engine.connector is None:
+        return {}
+    manager = engine.connector.scheduler.manager
+    transfers = engine.connector.workers[0].stats()["transfers"]
+    return load_tokens_per_s(transfers, manager.l1.name,
+                             {t.name: t.medium.value.upper() for t in manager.lower}, engine.hasher.block_size,
+                             manager.l1.medium.value.upper())
 
 
 def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: EventEndpoints) -> ReplicaDescriptor:

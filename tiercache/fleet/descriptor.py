@@ -38,6 +38,7 @@ class ReplicaDescriptor:
     shared_tiers: tuple[str, ...] = ()  # the remote tiers it reads (grpc://host:port, the Redis URL): what any
                                         # replica with the same chains stores there, this one can load
     events: EventEndpoints | None = None
+    load_tokens_per_s: dict = field(default_factory=dict)   # measured per tier medium (`fleet.load_rates`)
     version: int = DESCRIPTOR_VERSION
     extra: dict = field(default_factory=dict)
 

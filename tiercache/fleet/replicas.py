@@ -118,6 +118,14 @@ class Replica:
                   else CachedTokens(0))
         return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates)
 
+    def learn_loads(self, descriptor: ReplicaDescriptor | None) -> None:
+        """Take the load rates per medium the replica measured (its descriptor, at each health check); media it
+        has not measured keep theirs."""
+        measured = {m: float(r) for m, r in (descriptor.load_tokens_per_s if descriptor else {}).items()
+                    if isinstance(r, (int, float)) and r > 0}
+        if measured:
+            self.rates = Rates(self.rates.prefill, {**self.rates.load, **measured}, self.rates.per_request_s)
+
     def learn_prefill(self, tokens: int, seconds: float) -> None:
         """A first token measured on an otherwise idle replica: ``tokens`` computed in ``seconds``."""
         if tokens > 0 and seconds > 0:
@@ -257,6 +265,7 @@ class Fleet:
             await self._down(replica)
             return
         if replica.up and _same_instance(replica.descriptor, descriptor) and not _crashed(replica.task):
+            replica.learn_loads(descriptor)
             return
         if replica.up:
             log.warning("tiercache route: replica %s restarted", replica.name)
@@ -276,6 +285,7 @@ class Fleet:
                 log.warning("tiercache route: replica %s: %s; routed by load alone", replica.name, err)
                 descriptor = None
         replica.descriptor, replica.up, replica.since = descriptor, True, time.monotonic()
+        replica.learn_loads(descriptor)
         if descriptor is None or descriptor.events is None:
             return
         replica.scheme = key_schemes.get(descriptor.key_scheme)(descriptor)

@@ -319,7 +319,8 @@ def _replica_state(replica: Replica) -> dict:
             "indexed": follower is not None, "index_keys": replica.index.num_keys(),
             "in_flight": replica.load.in_flight, "pending_prefill_tokens": replica.load.pending_prefill,
             "events": follower.counters.as_dict() if follower else None,
-            "prefill_tokens_per_s": round(replica.rates.prefill, 1)}
+            "prefill_tokens_per_s": round(replica.rates.prefill, 1),
+            "load_tokens_per_s": {m: round(r, 1) for m, r in replica.rates.load.items()}}
 
 
 def serve(replicas: list[ReplicaEntry], host: str, port: int, config: RouterConfig, tenants: Tenants,

@@ -60,7 +60,8 @@ class LinkStats:
     busy_seconds: float = 0.0
     first_start: float | None = None
     last_finish: float | None = None
-    routes: dict[str, list[float]] = field(default_factory=dict)   # "src→dst" → [bytes, busy seconds]
+    # "src→dst" → [bytes, busy seconds, blocks]: each direction's rate, in bytes and in KV blocks
+    routes: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,9 +119,11 @@ class Link:
         self.stats.busy_seconds += seconds
         self.stats.last_finish = now
         if plan.dst is not None:
-            route = self.stats.routes.setdefault(f"{plan.src}→{plan.dst}", [0, 0.0])
+            route = self.stats.routes.setdefault(f"{plan.src}→{plan.dst}", [0, 0.0, 0])
             route[0] += moved_bytes
             route[1] += seconds
+            blocks = sum(len(c.block_ids) or c.chunk_blocks for c in plan.chunks)
+            route[2] += blocks * moved_bytes // plan.nbytes if plan.nbytes else 0
 
     def as_dict(self) -> dict[str, float]:
         s = self.stats
@@ -133,8 +136,9 @@ class Link:
             "queue_depth": len(self.queue), "in_flight_bytes": self.in_flight_bytes,
             "rate_limit_gbps": self.limits.rate / 1e9,
             # Each direction on its own (a link is shared by loads and stores): bytes and GB/s while copying.
-            "routes": {name: {"bytes": int(b), "gbps": b / t / 1e9 if t else 0.0}
-                       for name, (b, t) in s.routes.items()},
+            "routes": {name: {"bytes": int(b), "gbps": b / t / 1e9 if t else 0.0, "blocks": int(n),
+                              "seconds": t}
+                       for name, (b, t, n) in s.routes.items()},
         }
 
 
