@@ -30,9 +30,9 @@ PREFIX_HIT = 2 * CHUNK
 
 
 def readme_kv_transfer_config() -> dict:
-    """The ``--kv-transfer-config`` JSON of the README's vLLM server line."""
+    """The ``--kv-transfer-config`` JSON of the server line in the README's vLLM section."""
     text = (ROOT / "README.md").read_text()
-    start = text.index("python -m vllm.entrypoints.openai.api_server ")
+    start = text.index("python -m vllm.entrypoints.openai.api_server ", text.index("\n### vLLM\n"))
     quoted = text[text.index("--kv-transfer-config '", start) + len("--kv-transfer-config '"):]
     return json.loads(quoted[:quoted.index("'")])
 

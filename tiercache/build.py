@@ -144,7 +144,8 @@ class DiskTierBuilder(LowerTier):
         from tiercache.tiers.disk import DiskIndex
 
         try:
-            return DiskIndex(capacity_bytes, chunk_format(config), eviction=config.disk.eviction)
+            return DiskIndex(capacity_bytes, chunk_format(config), eviction=config.disk.eviction,
+                             retention_s=config.disk.retention)
         except ValueError as err:
             raise ConfigError("disk.capacity", config.disk.capacity, str(err)) from None
 
@@ -198,7 +199,8 @@ class RedisTierBuilder(LowerTier):
         from tiercache.tiers.redis import RedisTransport
 
         r = config.redis
-        transport = _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config), ttl_s=r.ttl,
+        transport = _redis_call(config, lambda: RedisTransport(r.url, storage, chunk_format(config),
+                                                               ttl_s=r.expiry, renew_on_read=not r.retention,
                                                                timeout_s=r.timeout, retry_interval_s=r.retry_interval,
                                                                cluster=r.cluster, writer=writer,
                                                                codec_threads=codec))
@@ -361,7 +363,8 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
     block_bytes = max(h.block_bytes for h in handshakes)
     writers = [h for h in handshakes if h.writer]
     l1 = CpuIndex(
-        min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction
+        min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction,
+        retention_s=config.cpu.retention,
     )
     lower: list[LowerIndex] = []
     try:

@@ -104,12 +104,15 @@ class CpuTierConfig:
     pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
     shutdown_write_down: float = _opt(60.0, "seconds a clean shutdown may spend writing the chunks only L1 holds to "
                                             "the write-back tier, so a restart finds them (0: none)")
+    retention: float = _opt(0.0, "seconds a chunk stays in L1 after it was stored: older ones are never served and "
+                                 "are removed (0: no limit)")
 
     def __post_init__(self) -> None:
         _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
         _check(0 <= self.shutdown_write_down <= MAX_TIMEOUT_S, "shutdown_write_down", self.shutdown_write_down,
                f"must be in [0, {MAX_TIMEOUT_S:g}] seconds")
         _check(self.pin_memory in ("auto", "on", "off"), "pin_memory", self.pin_memory, "expected auto, on or off")
+        _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,8 @@ class DiskTierConfig:
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
     admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits | frequency")
+    retention: float = _opt(0.0, "seconds a chunk file is kept after it was written (its file's time, so across "
+                                 "restarts): older ones are never served and are deleted (0: no limit)")
     min_hits: int = _opt(1, "min-hits: L1 hits a chunk needs; frequency: requests beyond the first that wanted it")
 
     def __post_init__(self) -> None:
@@ -130,6 +135,7 @@ class DiskTierConfig:
         _check(self.write_mode in ("write-back", "write-through"), "write_mode", self.write_mode,
                "expected write-back or write-through")
         _check(self.min_hits >= 0, "min_hits", self.min_hits, "must be >= 0")
+        _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +145,24 @@ class RedisTierConfig:
     cluster: bool = _opt(False, "talk to a Redis Cluster through redis-py's cluster client")
     ttl: int = _opt(0, "seconds a chunk lives in Redis after it was last written or read (0: until Redis "
                        "evicts it)")
+    retention: int = _opt(0, "seconds a chunk lives in Redis after it was written, reads or not (0: no limit); "
+                             "with it a read no longer renews the ttl")
     timeout: float = _opt(2.0, "seconds a Redis call may take before the tier counts as down")
     lookup_timeout: float = _opt(0.25, "seconds a lookup (on the engine's scheduling path) may take before the "
                                        "tier counts as down")
     retry_interval: float = _opt(1.0, "seconds between background probes of a down tier")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
 
+    @property
+    def expiry(self) -> int:
+        """Seconds a written value is set to live (0: no expiry): the ttl, within the retention."""
+        return min((s for s in (self.ttl, self.retention) if s), default=0)
+
     def __post_init__(self) -> None:
         _check(self.url.split("://")[0] in ("redis", "rediss", "unix"), "url", self.url,
                "expected a redis://, rediss:// or unix:// URL")
         _check(0 <= self.ttl < 1 << 31, "ttl", self.ttl, "must be 0..2147483647 seconds")
+        _check(0 <= self.retention < 1 << 31, "retention", self.retention, "must be 0..2147483647 seconds")
         _remote_checks(self)
 
 

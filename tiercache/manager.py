@@ -302,6 +302,8 @@ class CacheManager:
         """Deletes, promotions, spills and write-through copies planned since the last call, to be run. A
         delete goes first: on its tier's link it also runs first (prefetch priority), before the writes
         that the room it frees was given to."""
+        for tier in self.tiers:                  # past retention: never served again, their room given back
+            tier.expire()
         deletes = self._plan_deletes()
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
@@ -359,17 +361,17 @@ class CacheManager:
                     stored = [c for c in job.plan.chunks if c.key not in failed]
                     for lower in self._through:
                         self._copy_down(stored, lower)
-            elif job.kind is JobKind.PROMOTE:
-                self.l1.complete_promotion(keys, failed)
+            elif job.kind is JobKind.PROMOTE:      # retention keeps counting from the first store
+                self.l1.complete_promotion(keys, failed, job.lower.stored_times(keys))
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
                 job.lower.complete_load(keys, failed)
                 for key in keys:
                     self._promoting.pop(key, None)
             elif job.kind is JobKind.SPILL:
-                job.lower.complete_store(keys, failed)
+                job.lower.complete_store(keys, failed, self.l1.spilling_times(keys))
                 self.l1.finish_spills(keys)
             elif job.kind is JobKind.COPY_DOWN:
-                job.lower.complete_store(keys, failed)
+                job.lower.complete_store(keys, failed, self.l1.stored_times(keys))
                 job.lower.link([(c.key, c.parent) for c in job.plan.chunks])
                 self.l1.unpin(keys)
             # DELETE: nothing was reserved; a delete that failed leaves a stray file or value, which a restart

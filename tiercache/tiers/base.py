@@ -61,6 +61,7 @@ class TierCounters:
     load_misses: int = 0         # asked for, then gone when read (evicted, changed meanwhile, tier down)
     evicted: int = 0
     deleted: int = 0
+    expired: int = 0             # past the tier's retention: never served, removed
     integrity_failures: int = 0
     temp_removed: int = 0        # half-written files (a writer died mid-chunk) deleted at start
     errors: int = 0
@@ -95,6 +96,14 @@ class TierIndex(ABC):
     def _removed(self, keys: Sequence[BlockHash]) -> None:
         if self._removals is not None:
             self._removals.extend(keys)
+
+    def stored_times(self, keys: Sequence[BlockHash]) -> dict[BlockHash, float]:
+        """When each of ``keys`` held here was first stored (what retention counts from; none: unknown here)."""
+        return {}
+
+    def expire(self) -> list[BlockHash]:
+        """Remove what is past the tier's retention; returns the keys (none: a tier without retention here)."""
+        return []
 
     @abstractmethod
     def contains(self, keys: Sequence[BlockHash]) -> int | None:
@@ -179,7 +188,9 @@ class LowerIndex(TierIndex):
         """Reserve room per key; False where the key is present or no room can be made."""
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None: ...
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure],
+                       stored_at: Mapping[BlockHash, float] | None = None) -> None:
+        """Publish the written keys (``stored_at``: when L1 first stored them, so retention keeps counting)."""
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:

@@ -45,8 +45,9 @@ class CpuIndex(IndexedTier):
 
     medium = Medium.CPU
 
-    def __init__(self, num_slots: int, slot_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "cpu") -> None:
-        super().__init__(eviction)
+    def __init__(self, num_slots: int, slot_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "cpu",
+                 retention_s: float = 0.0) -> None:
+        super().__init__(eviction, retention_s)
         if slot_bytes <= 0:
             raise ValueError(f"L1 slots must hold at least one byte, got {slot_bytes}")
         self.name = name
@@ -67,6 +68,7 @@ class CpuIndex(IndexedTier):
         self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False
     ) -> list[int | None]:
         """Reserve a slot per key; ``None`` where the key is present already or no room can be made."""
+        self.expire()            # a chunk past retention is stored again, not kept as present
         out: list[int | None] = []
         for key, size in zip(keys, nbytes, strict=True):
             if size > self.slot_bytes:
@@ -96,10 +98,12 @@ class CpuIndex(IndexedTier):
     ) -> None:
         self.publish(keys, failed)
 
-    def complete_promotion(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None:
+    def complete_promotion(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure],
+                           stored_at: Mapping[BlockHash, float] | None = None) -> None:
         """Chunks read up from a lower tier into reserved slots: a failed one is dropped, and counted by the
-        tier it came from (a read or its checks failed there, not here)."""
-        self.publish(keys, failed, own_errors=False)
+        tier it came from (a read or its checks failed there, not here). ``stored_at``: when that tier has them
+        first stored, so their retention keeps running here."""
+        self.publish(keys, failed, own_errors=False, stored_at=stored_at)
 
     def is_private(self, key: BlockHash) -> bool:
         entry = self.entries.get(key)
@@ -119,6 +123,10 @@ class CpuIndex(IndexedTier):
     def take_spills(self) -> list[Spill]:
         spills, self._spill_queue = self._spill_queue, []
         return spills
+
+    def spilling_times(self, keys: Sequence[BlockHash]) -> dict[BlockHash, float]:
+        """When the chunks being spilled were first stored."""
+        return {key: self._spilling[key].stored_at for key in keys if key in self._spilling}
 
     def finish_spills(self, keys: Sequence[BlockHash]) -> None:
         """The spilled bytes were copied out (or given up): free their slots."""

@@ -65,8 +65,8 @@ class DiskIndex(IndexedTier, LowerIndex):
     medium = Medium.DISK
 
     def __init__(self, capacity_bytes: int, fmt: ChunkFormat | None = None, eviction: str = DEFAULT_EVICTION,
-                 name: str = "disk") -> None:
-        super().__init__(eviction)
+                 name: str = "disk", retention_s: float = 0.0) -> None:
+        super().__init__(eviction, retention_s)
         if capacity_bytes <= HEADER_BYTES:
             raise ValueError(f"L2 capacity {capacity_bytes} B cannot hold a chunk")
         self.name = name
@@ -87,9 +87,13 @@ class DiskIndex(IndexedTier, LowerIndex):
         common = set(maps[0]).intersection(*maps[1:])
         partial = set().union(*maps) - common
         self._deletes.extend(partial)
-        for key in sorted(common, key=lambda k: max(m[k].mtime_ns for m in maps)):
-            self._reserve(key, Entry(max(m[key].nbytes for m in maps), ready=True))
+        written = {key: max(m[key].mtime_ns for m in maps) for key in common}
+        for key in sorted(common, key=written.__getitem__):
+            entry = Entry(max(m[key].nbytes for m in maps), ready=True)
+            self._reserve(key, entry)
+            self._stamp(key, entry, at=written[key] / 1e9)      # its age runs from when it was written
             self.policy.insert(key)
+        self.expire()               # what passed its retention while nothing ran: deleted, never served
         self._trim_to(self._capacity)
         return len(partial)
 
@@ -110,9 +114,10 @@ class DiskIndex(IndexedTier, LowerIndex):
         """Reserve room for each key's file (header included); False where present or no room."""
         return self._reserve_bytes(keys, nbytes, self._capacity)
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {},
+                       stored_at: Mapping[BlockHash, float] | None = None) -> None:
         """Publish the written keys; a key that failed on some rank may be whole on others: delete it there."""
-        self.publish(keys, failed)
+        self.publish(keys, failed, stored_at=stored_at)
         self._deletes.extend(k for k in keys if k in failed)
 
     # -- loads ---------------------------------------------------------------

@@ -12,11 +12,20 @@ published by `publish` (ready, evictable) → pinned while a transfer reads it
 The eviction policy sees inserts (publish), uses (`touch`, on a hit) and
 removals; pins are not its business: a pinned victim it proposes is set aside
 and offered again after the eviction.
+
+Retention (``retention_s``, 0: none): an entry older than that since it was
+stored is never served — `has`, `contains` and `pin` pass it by — and
+`expire` removes it (its room given back as for any removal), oldest first
+in time order, so a sweep costs only what it removes. Age is wall-clock time
+(a disk tier's chunks keep their file's time across restarts).
 """
 from __future__ import annotations
 
+import bisect
+import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercache.contracts.keys import BlockHash
@@ -32,16 +41,59 @@ class Entry:
     pins: int = 0
     hits: int = 0        # loads served from this tier
     private: bool = False  # L1 only: a preempted request's swap copy, never written to a lower tier
+    stored_at: float = 0.0  # wall-clock seconds when it became readable (retention counts from it)
 
 
 class IndexedTier(TierIndex):
     """The index base the client tiers (scheduler side) and the server's stores share."""
 
-    def __init__(self, eviction: str) -> None:
+    def __init__(self, eviction: str, retention_s: float = 0.0) -> None:
         super().__init__()
         self.policy = eviction_policies.get(eviction)()
         self.entries: dict[BlockHash, Entry] = {}
         self._used = 0
+        self.retention_s = retention_s
+        self.clock: Callable[[], float] = time.time      # wall clock: a file's time carries across restarts
+        self._stored: deque[tuple[float, BlockHash]] = deque()   # (stored_at, key) in time order, with retention
+
+    def _fresh_since(self) -> float:
+        """Entries stored before this are past retention (-inf without one)."""
+        return self.clock() - self.retention_s if self.retention_s > 0 else float("-inf")
+
+    def _readable(self, entry: Entry | None, since: float) -> bool:
+        return entry is not None and entry.ready and entry.stored_at >= since
+
+    def _stamp(self, key: BlockHash, entry: Entry, at: float | None = None) -> None:
+        entry.stored_at = self.clock() if at is None else at
+        if self.retention_s > 0:
+            if self._stored and self._stored[-1][0] > entry.stored_at:     # an older chunk copied in: in order
+                bisect.insort(self._stored, (entry.stored_at, key))
+            else:
+                self._stored.append((entry.stored_at, key))
+
+    def stored_times(self, keys: Sequence[BlockHash]) -> dict[BlockHash, float]:
+        return {key: entry.stored_at for key in keys if (entry := self.entries.get(key)) is not None and entry.ready}
+
+    def expire(self) -> list[BlockHash]:
+        """Remove the entries past retention (pinned ones at a later sweep); returns their keys."""
+        if not self._stored:
+            return []
+        since = self._fresh_since()
+        gone: list[BlockHash] = []
+        busy: list[tuple[float, BlockHash]] = []
+        while self._stored and self._stored[0][0] < since:
+            at, key = self._stored.popleft()
+            entry = self.entries.get(key)
+            if entry is None or not entry.ready or entry.stored_at != at:
+                continue                          # gone already, or stored again since
+            if entry.pins:
+                busy.append((at, key))
+                continue
+            self._drop(key, entry)
+            gone.append(key)
+        self._stored.extendleft(reversed(busy))
+        self.counters.expired += len(gone)
+        return gone
 
     @abstractmethod
     def _release(self, key: BlockHash, entry: Entry) -> None:
@@ -56,21 +108,23 @@ class IndexedTier(TierIndex):
         return len(self.entries)
 
     def has(self, key: BlockHash) -> bool:
-        entry = self.entries.get(key)
-        return entry is not None and entry.ready
+        return self._readable(self.entries.get(key), self._fresh_since())
 
     def contains(self, keys: Sequence[BlockHash]) -> int:
         entries = self.entries
+        since = self._fresh_since()
         n = 0
         for key in keys:
             entry = entries.get(key)
-            if entry is None or not entry.ready:
+            if entry is None or not entry.ready or entry.stored_at < since:
                 break
             n += 1
         return self.count_lookup(len(keys), n)
 
     def held_keys(self) -> list[BlockHash]:
-        return [key for key, entry in self.entries.items() if entry.ready and not entry.private]
+        since = self._fresh_since()
+        return [key for key, entry in self.entries.items() if entry.ready and not entry.private
+                and entry.stored_at >= since]
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         removed = 0
@@ -86,9 +140,11 @@ class IndexedTier(TierIndex):
         self.entries[key] = entry
         self._used += entry.nbytes
 
-    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), own_errors: bool = True) -> None:
+    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), own_errors: bool = True,
+                stored_at: Mapping[BlockHash, float] | None = None) -> None:
         """Make written keys visible and drop the ``failed`` ones — counted as this tier's errors unless
-        ``own_errors`` is False (the copy failed at its source, which counts it).
+        ``own_errors`` is False (the copy failed at its source, which counts it). ``stored_at``: when the
+        chunks copied here from another tier were first stored (their retention keeps running; default now).
 
         Keys are published tail first so that, under LRU, a chain's head is the
         most recently used and outlives its tail.
@@ -103,6 +159,7 @@ class IndexedTier(TierIndex):
                 self.counters.errors += own_errors
             else:
                 entry.ready = True
+                self._stamp(key, entry, None if stored_at is None else stored_at.get(key))
                 self.policy.insert(key)
                 self.counters.stored += 1
 
@@ -118,9 +175,10 @@ class IndexedTier(TierIndex):
     def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
         """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
         pinned = []
+        since = self._fresh_since()
         for i, key in enumerate(keys):
             entry = self.entries.get(key)
-            if entry is None or not entry.ready:
+            if not self._readable(entry, since):
                 self.unpin(keys[:i])
                 raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
             entry.pins += 1
@@ -149,6 +207,7 @@ class IndexedTier(TierIndex):
 
     def _reserve_bytes(self, keys: Sequence[BlockHash], nbytes: Sequence[int], capacity: int) -> list[bool]:
         """Reserve ``nbytes[i]`` for each new key, evicting to make room; False where present or no room."""
+        self.expire()            # a chunk past retention is stored again, not kept as present
         out = []
         for key, size in zip(keys, nbytes, strict=True):
             if key in self.entries or size > capacity:

@@ -37,8 +37,9 @@ class MetadataIndex(IndexedTier, LowerIndex):
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
         return self._reserve_bytes(keys, [1] * len(keys), self._capacity)   # one unit per chunk
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
-        self.publish(keys, failed)
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {},
+                       stored_at: Mapping[BlockHash, float] | None = None) -> None:
+        self.publish(keys, failed, stored_at=stored_at)
 
     def prepare_load(self, keys: Sequence[BlockHash]) -> None:
         self.pin(keys)

@@ -110,10 +110,12 @@ class RedisTransport(RemoteTransport):
     cluster pipeline to a cluster (`tiercache.tiers.redis_channels`)."""
 
     def __init__(self, url: str, storage: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
-                 timeout_s: float = 2.0, retry_interval_s: float = 1.0, cluster: bool = False,
-                 name: str = "redis", writer: bool = True, codec_threads: CodecThreads | None = None) -> None:
+                 renew_on_read: bool = True, timeout_s: float = 2.0, retry_interval_s: float = 1.0,
+                 cluster: bool = False, name: str = "redis", writer: bool = True,
+                 codec_threads: CodecThreads | None = None) -> None:
         super().__init__(name, storage, fmt, retry_interval_s, writer, where=url, codec_threads=codec_threads)
         self.ttl_s = ttl_s
+        self.renew_on_read = renew_on_read      # False under a retention: a read must not extend a chunk's life
         self.transport_errors = transport_errors()
         self._client = fast_client(url, cluster, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         channel = PipelinedValues(self._client, self._rkey, ttl_s) if cluster else \
@@ -156,7 +158,7 @@ class RedisTransport(RemoteTransport):
     def _after_read(self, keys: Sequence[BlockHash]) -> None:
         """With a TTL, give chunks just read a full one again, so the TTL ends a chunk nobody reads, not a hot
         one."""
-        if not self.ttl_s:
+        if not self.ttl_s or not self.renew_on_read:
             return
         try:
             pipe = self._client.pipeline(transaction=False)

@@ -222,7 +222,8 @@ class RemoteIndex(LowerIndex):
             self.counters.store_rejected += len(keys)
         return [ok] * len(keys)
 
-    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {}) -> None:
+    def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {},
+                       stored_at: Mapping[BlockHash, float] | None = None) -> None:
         self.counters.stored += len(keys) - len(failed)
         self.counters.errors += len(failed)
         if self._absent:

@@ -1,0 +1,129 @@
+"""Retention: a chunk older than its tier's limit is never served and is removed; its age keeps counting when it
+moves between tiers, and a disk tier drops what expired while nothing ran. Clocks are the tiers' own
+(`IndexedTier.clock`), moved by the tests: no test waits for time to pass."""
+import os
+import time
+
+import pytest
+import redis
+
+from tests.conftest import Stack
+from tests.support.stack_ops import load, lookup, put
+from tiercache.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _stack(tmp_path, clock: Clock | None = None, cpu=0.0, disk=0.0, **extra) -> Stack:
+    s = Stack(num_blocks=64, cpu_chunks=4, cpu={"retention": cpu},
+              disk={"enabled": True, "path": str(tmp_path), "write_mode": "write-through", "retention": disk},
+              **extra)
+    if clock is not None:
+        for tier in s.manager.tiers:
+            tier.clock = clock
+    return s
+
+
+def _files(tmp_path) -> list:
+    return [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def test_a_chunk_past_its_retention_is_never_served_and_is_removed(tmp_path):
+    clock = Clock()
+    s = _stack(tmp_path, clock, cpu=200, disk=100)
+    try:
+        a, a_kv = put(s, "a", seed=1)
+        s.offload.drain()
+        keys = list(s.manager.lookup(a).runs[0].keys)
+        disk = s.lower("disk")
+        assert s.cpu.contains(keys) == 2 and disk.contains(keys) == 2 and len(_files(tmp_path)) == 2
+        clock.now += 150                                            # past the disk's retention, within L1's
+        assert disk.contains(keys) == 0                             # never served, before any sweep
+        got = load(s, a)                                            # L1 still may
+        assert got is not None and bool((got == a_kv).all())
+        s.offload.run(s.manager.take_background())                  # the sweep: the files are deleted
+        s.offload.drain()
+        assert disk.counters.expired == 2 and not disk.entries and _files(tmp_path) == []
+        clock.now += 100                                            # past L1's too
+        assert lookup(s, a).num_hit_blocks == 0 and load(s, a) is None
+        s.offload.run(s.manager.take_background())
+        assert s.cpu.counters.expired == 2 and not s.cpu.entries
+    finally:
+        s.close()
+
+
+def test_a_chunk_keeps_its_age_when_it_moves_between_tiers(tmp_path):
+    """Promoted from disk into L1, a chunk's clock does not start again: retention bounds the age of the KV,
+    wherever it is (so a chunk older than L1's retention cannot come back through L1)."""
+    clock = Clock()
+    s = _stack(tmp_path, clock, cpu=100, disk=1000)
+    try:
+        a, _ = put(s, "a", seed=1)
+        s.offload.drain()
+        keys = list(s.manager.lookup(a).runs[0].keys)
+        born = s.lower("disk").stored_times(keys)
+        assert born == s.cpu.stored_times(keys)                      # written through with L1's time
+        s.cpu.delete(keys)
+        clock.now += 60
+        assert load(s, a) is not None                                # promoted from disk
+        assert s.cpu.stored_times(keys) == born                      # its age, not the promotion's time
+        clock.now += 50                                              # 110 s after it was stored
+        assert s.cpu.contains(keys) == 0 and load(s, a) is None      # past L1's 100 s, wherever it comes from
+    finally:
+        s.close()
+
+
+def test_a_disk_tier_drops_what_expired_while_it_was_down(tmp_path):
+    s = _stack(tmp_path)
+    try:
+        a, _ = put(s, "a", seed=1)
+        b, _ = put(s, "b", seed=2)
+        s.offload.drain()
+    finally:
+        s.close()
+    files = _files(tmp_path)
+    assert len(files) == 4
+    old = time.time() - 7200
+    for f in files[:2]:
+        os.utime(f, (old, old))                                      # two files written two hours ago
+    s = _stack(tmp_path, disk=3600)
+    try:
+        s.offload.run(s.manager.take_background())                   # the deletes the restart planned
+        s.offload.drain()
+        disk = s.lower("disk")
+        assert disk.counters.expired == 2 and len(disk.entries) == 2
+        assert sorted(map(str, _files(tmp_path))) == sorted(map(str, files[2:]))
+    finally:
+        s.close()
+
+
+def test_redis_values_expire_at_the_retention_and_reads_do_not_renew_them(redis_server):
+    s = Stack(num_blocks=64, cpu_chunks=2, redis={"enabled": True, "url": redis_server.url, "ttl": 1000,
+                                                  "retention": 30})
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        a, a_kv = put(s, "a", seed=3)
+        s.offload.drain()
+        keys = list(s.manager.lookup(a).runs[0].keys)
+        rkeys = [s.transport("redis")._rkey(k) for k in keys]
+        assert all(0 < client.ttl(k) <= 30 for k in rkeys)           # the retention, not the longer ttl
+        s.cpu.delete(keys)
+        got = load(s, a)
+        assert got is not None and bool((got == a_kv).all())
+        assert all(0 < client.ttl(k) <= 30 for k in rkeys)           # a read did not give it the ttl again
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("section", ["cpu", "disk", "redis"])
+def test_a_negative_retention_is_one_config_error(section):
+    from tiercache.config import TierCacheConfig
+
+    with pytest.raises(ConfigError, match=f"{section}.retention"):
+        TierCacheConfig().replace(**{section: {"retention": -1}})
