@@ -127,3 +127,96 @@ def test_a_negative_retention_is_one_config_error(section):
 
     with pytest.raises(ConfigError, match=f"{section}.retention"):
         TierCacheConfig().replace(**{section: {"retention": -1}})
+
+
+def _store(tmp_path, clock: Clock | None, retention: float, capacity: int = 1 << 20):
+    from tiercache.server.store import ChunkStore, StoreConfig
+
+    store = ChunkStore(StoreConfig(capacity, disk_path=str(tmp_path / "serve-disk"), disk_capacity=64 << 20,
+                                   retention_s=retention))
+    if clock is not None:
+        for tier in store.tiers:
+            tier.clock = clock
+    return store
+
+
+def _value(i: int) -> bytes:
+    from tests.support.grpc_clients import NS, chunks
+    from tiercache.wire.chunk_format import ChunkFormat
+
+    meta, raw = chunks(i + 1)[i]
+    assert meta.namespace == NS
+    return meta.key, ChunkFormat().encode(meta, raw)
+
+
+def test_the_servers_chunks_expire_in_memory_and_on_disk_and_keep_their_age_when_spilled(tmp_path):
+    from tests.support.grpc_clients import NS
+
+    clock = Clock()
+    key, value = _value(0)
+    store = _store(tmp_path, clock, retention=100, capacity=len(value) + 16)    # room for one chunk
+    assert store.put(NS, key, value).name == "STORED"
+    born = store.memory.stored_times(list(store.memory.entries))
+    clock.now += 60
+    key2, value2 = _value(1)
+    assert store.put(NS, key2, value2).name == "STORED"                 # the first spills to disk
+    assert store.disk.stored_times(list(store.disk.entries)) == born           # with its age
+    spilled = store.disk.path(next(iter(store.disk.entries)))
+    assert abs(spilled.stat().st_mtime - next(iter(born.values()))) < 1        # the file's time too
+    clock.now += 50                                                             # 110 s after the first came
+    assert store.get_value(NS, key) is None and store.get_value(NS, key2) is not None
+    assert store.expire() == 1 and not store.disk.entries and not spilled.exists()
+    clock.now += 100
+    assert store.contains(NS, [key2]) == 0 and store.expire() == 1 and not store.memory.entries
+
+
+def test_a_restarted_server_drops_what_expired_while_it_was_down(tmp_path):
+    from tests.support.grpc_clients import NS
+
+    store = _store(tmp_path, None, retention=0)
+    key, value = _value(0)
+    store.put(NS, key, value)
+    assert store.flush() >= 1                                                   # memory written down
+    files = [p for p in (tmp_path / "serve-disk").rglob("*.chunk")]
+    old = time.time() - 7200
+    for f in files:
+        os.utime(f, (old, old))
+    again = _store(tmp_path, None, retention=3600)
+    assert again.disk.counters.expired == len(files) == 1 and not again.disk.entries
+    assert again.get_value(NS, key) is None and not any(f.exists() for f in files)
+
+
+def test_a_running_server_sweeps_expired_chunks_without_being_asked(tmp_path):
+    """`tiercache serve --retention 1`: a second after a chunk came it is gone from the server's memory, though
+    nobody asked for it again (the sweep runs every second)."""
+    pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
+    from tests.conftest import CacheServerProcess
+    from tests.support.grpc_clients import NS, Client, chunks, raw_call
+    from tiercache.wire import tiercache_pb2 as pb
+
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--retention", "1")
+    try:
+        tier = Client(server.address, NS)
+        items = chunks(2)
+        assert tier.write_chunks(items) == ()
+        deadline = time.monotonic() + 60
+        while pb.StatsReply.FromString(raw_call(server, "Stats", b"")).tiers[0].chunks:
+            assert time.monotonic() < deadline, "the server never swept its expired chunks"
+            time.sleep(0.2)
+        assert tier.contains([m.key for m, _ in items]) == 0
+    finally:
+        server.stop()
+
+
+def test_bad_retentions_are_one_clear_line(tmp_path):
+    from tiercache.server.tenants import load_tenants
+
+    tokens = tmp_path / "tenants.toml"
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token-0123456789"\nretention = 60\n')
+    with pytest.raises(ConfigError, match="retention needs the tenant's own store"):
+        load_tenants(str(tokens))
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token-0123456789"\nmemory = "1MiB"\nretention = "soon"\n')
+    with pytest.raises(ConfigError, match="retention must be seconds"):
+        load_tenants(str(tokens))
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token-0123456789"\nmemory = "1MiB"\nretention = 60\n')
+    assert load_tenants(str(tokens))[0].retention == 60.0

@@ -563,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "advertised in Health; -1: none, bytes go over gRPC)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
     v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lfu-da)")
+    v.add_argument("--retention", type=float, default=0.0, metavar="SECONDS",
+                   help="keep a chunk at most this long after it came, in memory and on disk (0: no limit); "
+                        "a tenant with its own store may set its own (retention in the tenants file)")
     v.add_argument("--shm-dir", metavar="DIR", default="",
                    help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
                         "which clients on this host read and write directly")
@@ -622,7 +625,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tiercache.server.app import ServeConfig, run
 
     config = ServeConfig(host=args.host, port=args.port, data_port=args.data_port, capacity=args.capacity,
-                         eviction=args.eviction or DEFAULT_EVICTION,
+                         eviction=args.eviction or DEFAULT_EVICTION, retention=args.retention,
                          disk=args.disk, disk_capacity=_disk_capacity(args), shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,

@@ -64,8 +64,11 @@ class ServeConfig:
     idle_timeout: float = IDLE_TIMEOUT_S
     grace: float = 5.0
     metrics_port: int = 0
+    retention: float = 0.0      # seconds a chunk is kept after it came (0: no limit); tenants may set their own
 
     def __post_init__(self) -> None:
+        if self.retention < 0:
+            raise ConfigError("--retention", self.retention, "must be 0 (no limit) or positive seconds")
         if not 0 <= self.port < 65536:
             raise ConfigError("--port", self.port, "must be 0..65535 (0: any free port)")
         if not -1 <= self.data_port < 65536:
@@ -141,7 +144,7 @@ class CacheServer:
         tenants = load_tenants(config.auth_token_file)
         try:
             self.tenancy = Tenancy(tenants, StoreConfig(config.capacity, config.eviction, config.disk,
-                                                        config.disk_capacity, config.shm_dir))
+                                                        config.disk_capacity, config.shm_dir, config.retention))
         except StoreDirectoryError as err:
             flag = {"shm": "--shm-dir", "disk": "--disk"}[err.tier]
             raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None
@@ -175,7 +178,7 @@ class CacheServer:
             self.service.data_port = self.data.port
         self._stopped = threading.Event()
         self._metrics = None
-        self._collector = Collector()
+        self._collector = Collector(chores=[store.expire for store in self.tenancy.stores.values()])
 
     async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
         limit = config.max_message    # gRPC refuses a larger message from its length prefix, before any handler

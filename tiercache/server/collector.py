@@ -17,14 +17,21 @@ examines only what came since.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
+from collections.abc import Callable, Sequence
 
 COLLECT_EVERY_S = 1.0
 
+log = logging.getLogger(__name__)
+
 
 class Collector:
-    def __init__(self, every_s: float = COLLECT_EVERY_S) -> None:
+    """Collects on a clock; ``chores`` run on the same clock first (the stores' retention sweeps)."""
+
+    def __init__(self, every_s: float = COLLECT_EVERY_S, chores: Sequence[Callable[[], object]] = ()) -> None:
         self.every_s = every_s
+        self.chores = tuple(chores)
         self.collections = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiercache-gc", daemon=True)
@@ -44,5 +51,10 @@ class Collector:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
+            for chore in self.chores:
+                try:
+                    chore()
+                except OSError as err:        # a file a sweep could not delete: tried again at the next
+                    log.warning("tiercache serve: a periodic sweep failed: %s", err)
             gc.collect()
             self.collections += 1

@@ -30,6 +30,7 @@ indexes, and file I/O happens outside it — a key being written is invisible
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -85,6 +86,7 @@ class StoreConfig:
     disk_path: str = ""
     disk_capacity: int = 0
     shm_path: str = ""
+    retention_s: float = 0.0       # seconds a chunk is kept after it came (0: no limit), memory and disk
 
 
 class ChunkStore:
@@ -95,13 +97,14 @@ class ChunkStore:
         self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle
         try:
             self.memory: MemoryChunks | ShmChunks = (
-                ShmChunks(config.shm_path, config.capacity, config.eviction) if config.shm_path
-                else MemoryChunks(config.capacity, config.eviction, pool=self.pool))
+                ShmChunks(config.shm_path, config.capacity, config.eviction, retention_s=config.retention_s)
+                if config.shm_path
+                else MemoryChunks(config.capacity, config.eviction, pool=self.pool, retention_s=config.retention_s))
         except OSError as err:
             raise StoreDirectoryError("shm", config.shm_path, err.strerror or str(err)) from None
         try:
-            self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction) if config.disk_path \
-                else None
+            self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction,
+                                   retention_s=config.retention_s) if config.disk_path else None
         except OSError as err:
             raise StoreDirectoryError("disk", config.disk_path, err.strerror or str(err)) from None
         if self.disk is not None:
@@ -206,9 +209,10 @@ class ChunkStore:
             self.hot.add((k,))
             if tier is self.memory:
                 return value
-            reserved = self._reserve_in_memory(k, value)
+            born = tier.stored_times([k]).get(k)           # promoted: its age keeps counting in memory
+            reserved = self._reserve_in_memory(k, value, born)
             spills = self._take_spills()
-        self._finish_memory_write(k, value, reserved)
+        self._finish_memory_write(k, value, reserved, born)
         self._write_spills(spills)
         return value
 
@@ -233,6 +237,7 @@ class ChunkStore:
         whose value the caller has checked (`check_value`)."""
         k = store_key(namespace, key)
         with self._lock:
+            self._expire_locked()           # a chunk past retention is stored again, not kept as present
             self._namespaces.add(namespace)
             if self.memory.has(k) or k in self.memory.entries or (self.disk is not None and self.disk.has(k)):
                 self.counters["put_present"] += 1
@@ -248,14 +253,15 @@ class ChunkStore:
             self.counters["put_stored" if ok else "put_rejected"] += 1
         return PutOutcome.STORED if ok else PutOutcome.REJECTED
 
-    def _reserve_in_memory(self, k: StoreKey, stored: Stored) -> bool:
+    def _reserve_in_memory(self, k: StoreKey, stored: Stored, stored_at: float | None = None) -> bool:
         """Under the lock: room in memory (taken at once in process memory; reserved for
-        `_finish_memory_write` when memory is files)."""
+        `_finish_memory_write` when memory is files). ``stored_at``: a promoted chunk's age."""
         if isinstance(self.memory, MemoryChunks):
-            return self.memory.add(k, stored)
+            return self.memory.add(k, stored, stored_at)
         return self.memory.reserve(k, value_size(stored))
 
-    def _finish_memory_write(self, k: StoreKey, stored: Stored, reserved: bool) -> bool:
+    def _finish_memory_write(self, k: StoreKey, stored: Stored, reserved: bool,
+                             stored_at: float | None = None) -> bool:
         """Outside the lock: write a reserved chunk's file when memory is files; False if that failed."""
         if not reserved or isinstance(self.memory, MemoryChunks):
             return reserved
@@ -266,7 +272,7 @@ class ChunkStore:
             self._warn.warning("write shm", "writing a chunk to %s failed: %s", self.memory.root, err)
             failed = [k]
         with self._lock:
-            self.memory.publish([k], failed)
+            self.memory.publish([k], failed, stored_at=None if stored_at is None else {k: stored_at})
         return not failed
 
     def adopt(self, namespace: bytes, key: bytes, name: str) -> PutOutcome:
@@ -288,6 +294,7 @@ class ChunkStore:
             src.unlink(missing_ok=True)
             raise ChunkFormatError(f"incoming file {name}: {err}") from None
         with self._lock:
+            self._expire_locked()
             self._namespaces.add(namespace)
             if shm.has(k) or k in shm.entries or (self.disk is not None and self.disk.has(k)):
                 src.unlink(missing_ok=True)
@@ -374,9 +381,22 @@ class ChunkStore:
             finally:
                 if spill.file is not None and not spill.keep_file:
                     spill.file.unlink(missing_ok=True)
+        for spill in spills:
+            if spill.stored_at and spill.key not in failed:     # the file's time is its chunk's age at a restart
+                with contextlib.suppress(OSError):       # a file without it ages from the spill: no worse
+                    os.utime(self.disk.path(spill.key), (spill.stored_at, spill.stored_at))
         with self._lock:
-            self.disk.publish([s.key for s in spills], failed)
+            self.disk.publish([s.key for s in spills], failed,
+                              stored_at={s.key: s.stored_at for s in spills if s.stored_at})
         return failed
+
+    def expire(self) -> int:
+        """Remove what is past retention from memory and disk (the server's sweep, every second)."""
+        with self._lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        return sum(len(tier.expire()) for tier in self.tiers)
 
     def stats(self) -> dict[str, object]:
         with self._lock:

@@ -43,7 +43,7 @@ from tiercache.server.values import Messages, Stored
 
 FIELD = "--auth-token-file"
 DEFAULT = "default"
-_KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats", "admin", "write"}
+_KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats", "admin", "write", "retention"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +59,7 @@ class Tenant:
     delete: bool = True
     stats: bool = True
     admin: bool = False                  # Stats of every store and the server's own counters
+    retention: float | None = None       # seconds its chunks are kept (its own store only); None: --retention
 
 
 def load_tenants(path: str) -> list[Tenant]:
@@ -116,7 +117,15 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
         sizes[field] = parse_size(entry.get(field, 0), f"{FIELD} {where} {field}")
         if sizes[field] < 0:
             raise ConfigError(FIELD, path, f"{where}: {field} must be >= 0")
-    return Tenant(name, token, sizes["memory"], sizes["disk"], tuple(reads), **flags)
+    retention = entry.get("retention")
+    if retention is not None:
+        if isinstance(retention, bool) or not isinstance(retention, (int, float)) or retention < 0:
+            raise ConfigError(FIELD, path, f"{where}: retention must be seconds (0: no limit)")
+        if not sizes["memory"]:
+            raise ConfigError(FIELD, path, f"{where}: retention needs the tenant's own store (a memory quota): "
+                                           "tenants in the shared pool keep --retention")
+    return Tenant(name, token, sizes["memory"], sizes["disk"], tuple(reads), **flags,
+                  retention=None if retention is None else float(retention))
 
 
 def _quotas(tenants: Sequence[Tenant], total: int, attr: str, flag: str) -> int:
@@ -204,11 +213,13 @@ class Tenancy:
         pooled = [t for t in tenants if not t.memory]
         if pooled:
             self.stores["pool"] = ChunkStore(StoreConfig(pool_memory, store.eviction, store.disk_path, pool_disk,
-                                                         store.shm_path))
+                                                         store.shm_path, store.retention_s))
         for t in tenants:
             if t.memory:
                 root = str(Path(store.disk_path) / "tenants" / t.name) if store.disk_path and t.disk else ""
-                self.stores[t.name] = ChunkStore(StoreConfig(t.memory, store.eviction, root, t.disk))
+                retention = store.retention_s if t.retention is None else t.retention
+                self.stores[t.name] = ChunkStore(StoreConfig(t.memory, store.eviction, root, t.disk,
+                                                             retention_s=retention))
                 self._views[t.name] = self.stores[t.name]
             else:   # a server without named tenants keeps the unscoped layout of before
                 self._views[t.name] = ScopedStore(self.stores["pool"], t.name) if named else self.stores["pool"]

@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections import deque
 from pathlib import Path
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
@@ -55,8 +56,8 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
     medium = Medium.CPU
 
     def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory",
-                 pool: BufferPool | None = None) -> None:
-        super().__init__(eviction)
+                 pool: BufferPool | None = None, retention_s: float = 0.0) -> None:
+        super().__init__(eviction, retention_s)
         self.name = name
         self._capacity = capacity_bytes
         self.pool = pool or BufferPool()
@@ -67,7 +68,7 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
     def capacity_bytes(self) -> int:
         return self._capacity
 
-    def add(self, key: StoreKey, stored: Stored) -> bool:
+    def add(self, key: StoreKey, stored: Stored, stored_at: float | None = None) -> bool:
         size = value_size(stored)
         self.pool.shrink(self._capacity - self._used - size)     # spare buffers make room before chunks do
         ok = self._reserve_bytes([key], [size], self._capacity)[0]
@@ -75,7 +76,7 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
         if not ok:
             return False
         self.values[key] = stored
-        self.publish([key])
+        self.publish([key], stored_at=None if stored_at is None else {key: stored_at})
         return True
 
     def stats(self) -> dict[str, object]:
@@ -89,7 +90,7 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
         return self.values[key]
 
     def _set_aside(self, key: StoreKey, entry: Entry) -> Spill:
-        return Spill(key, entry.nbytes, value=self.values[key])
+        return Spill(key, entry.nbytes, value=self.values[key], stored_at=entry.stored_at)
 
     def _release(self, key: StoreKey, entry: Entry) -> None:
         stored = self.values.pop(key)
@@ -107,9 +108,10 @@ class DiskChunks(IndexedTier):
     medium = Medium.DISK
 
     def __init__(
-        self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk"
+        self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk",
+        retention_s: float = 0.0,
     ) -> None:
-        super().__init__(eviction)
+        super().__init__(eviction, retention_s)
         self.name = name
         self.root = Path(root)
         self._capacity = capacity_bytes
@@ -130,8 +132,12 @@ class DiskChunks(IndexedTier):
             self.counters.integrity_failures += scan.bad
             self.counters.temp_removed += scan.temp
             for chunk in scan.found:
-                self._reserve(store_key(namespace, chunk.key), Entry(chunk.nbytes, ready=True))
-                self.policy.insert(store_key(namespace, chunk.key))
+                k, entry = store_key(namespace, chunk.key), Entry(chunk.nbytes, ready=True)
+                self._reserve(k, entry)
+                self._stamp(k, entry, at=chunk.mtime_ns / 1e9)     # a file's time is when its chunk came
+                self.policy.insert(k)
+        self._stored = deque(sorted(self._stored))   # namespaces were read one after another: in time order
+        self.expire()           # what passed its retention while the server was down: deleted, never served
         self._trim_to(self._capacity)
 
     @property
@@ -187,13 +193,13 @@ class ShmChunks(_SpillsOnEviction, DiskChunks):
     medium = Medium.CPU
 
     def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION,
-                 name: str = "memory") -> None:
+                 name: str = "memory", retention_s: float = 0.0) -> None:
         root = Path(root).resolve()
         self.spill: list[Spill] | None = None      # set before the index is rebuilt: that may evict
         self._aside = root / ".spill"
         shutil.rmtree(self._aside, ignore_errors=True)   # a previous run's half-spilled files
         self._aside.mkdir(parents=True)
-        super().__init__(root, capacity_bytes, eviction, name)
+        super().__init__(root, capacity_bytes, eviction, name, retention_s)
         os.chmod(self.root, 0o700)      # KV of every tenant lies here: the server's user (and its clients) only
         self.instance = secrets.token_hex(16)
         tmp = self.root / f"{INSTANCE_FILE}.tmp"
@@ -211,7 +217,7 @@ class ShmChunks(_SpillsOnEviction, DiskChunks):
         except OSError:
             self.counters.errors += 1
             return None
-        return Spill(key, entry.nbytes, file=aside)
+        return Spill(key, entry.nbytes, file=aside, stored_at=entry.stored_at)
 
     def unspilled(self, on_disk) -> list[Spill]:
         return [Spill(k, e.nbytes, file=self.path(k), keep_file=True)

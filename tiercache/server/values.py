@@ -33,6 +33,7 @@ class Spill:
     value: Stored | None = None
     file: Path | None = None
     keep_file: bool = False    # flush copies; eviction moves
+    stored_at: float = 0.0     # when the chunk first came (0: now): its age keeps counting on disk
 
 
 def value_pieces(stored: Stored) -> list[memoryview]:
