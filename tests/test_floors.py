@@ -27,9 +27,10 @@ FLOORS: list[dict[str, list[str]]] = [
     {"client_tiers": ["tiercache.tiers"], "server": ["tiercache.server"]},
     {"transfer": ["tiercache.transfer"], "scheduler": ["tiercache.manager", "tiercache.lookup",
                                                        "tiercache.tier_events"]},
-    # what a replica publishes about itself: its descriptor and its KV events (vLLM's wire format)
+    # what a replica publishes about itself: its descriptor, its measured load rates and its KV events (vLLM's
+    # wire format)
     {"build": ["tiercache.build"], "replica_events": ["tiercache.fleet.descriptor", "tiercache.fleet.kv_events",
-                                                      "tiercache.fleet.replica_events"]},
+                                                      "tiercache.fleet.replica_events", "tiercache.fleet.load_rates"]},
     {"connector": ["tiercache.connector"]},
     {"connectors": ["tiercache.connectors"]},
     {"engine": ["tiercache.engine"]},

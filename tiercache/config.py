@@ -379,6 +379,24 @@ def is_host_port(address: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
+def read_listing(path: str | Path, flag: str, key: str) -> tuple[dict, list]:
+    """A YAML (or JSON) file holding a non-empty list under ``key``: the whole mapping and the list; a
+    `ConfigError` naming ``flag`` and the file otherwise (the router's tenants and replicas files)."""
+    import yaml
+
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(flag, source, f"cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(flag, source, f"not YAML or JSON ({str(err).splitlines()[0]})") from None
+    entries = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{source}: {key}", entries, "must be a non-empty list")
+    return data, entries
+
+
 def read_secret(path: str, field_name: str) -> str:
     """The stripped contents of a secret file; a `ConfigError` naming ``field_name`` otherwise."""
     try:

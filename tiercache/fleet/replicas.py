@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tiercache.config import read_listing
 from tiercache.engine.openai_api import ApiError, chat_template
 from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import GivenDescriptor, ReplicaDescriptor
@@ -147,18 +148,8 @@ def load_replicas(path: str | Path) -> list[ReplicaEntry]:
     ``model``, ``key_scheme``, ``block_size``, ``tokenizer``, ``chat_template`` and ``events``, over what its
     tiercache connector writes to ``descriptor_file`` (`GivenDescriptor`); relative paths are read from the
     file's folder. A `ConfigError` naming the file and the field otherwise."""
-    import yaml
-
     source = str(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as err:
-        raise ConfigError("--replicas", source, f"cannot read: {err.strerror or err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError("--replicas", source, f"not YAML or JSON ({str(err).splitlines()[0]})") from None
-    entries = data.get("replicas") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError(f"{source}: replicas", entries, "must be a non-empty list")
+    _, entries = read_listing(path, "--replicas", "replicas")
     folder = Path(path).parent
     out = []
     for i, entry in enumerate(entries):

@@ -28,8 +28,7 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from tiercache.config import read_listing
 from tiercache.errors import ConfigError
 
 
@@ -65,15 +64,7 @@ class Tenants:
     def load(cls, path: str | Path) -> Tenants:
         """Read and check a tenants file; a `ConfigError` naming the file and the field otherwise."""
         source = str(path)
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as err:
-            raise ConfigError("--tenants", source, f"cannot read: {err.strerror or err}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError("--tenants", source, f"not YAML or JSON ({str(err).splitlines()[0]})") from None
-        entries = data.get("tenants") if isinstance(data, dict) else None
-        if not isinstance(entries, list) or not entries:
-            raise ConfigError(f"{source}: tenants", entries, "must be a non-empty list")
+        data, entries = read_listing(path, "--tenants", "tenants")
         secret = data.get("salt_secret")
         if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
             raise ConfigError(f"{source}: salt_secret", "…", "must be a string of at least 16 characters")
