@@ -179,6 +179,11 @@ def test_a_conversation_comes_back_to_the_vllm_replica_that_holds_it_and_the_pre
     again = client.completions.create(model=SERVED, prompt=prompt + " again", max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == score["replicas"][0]["cached_tokens"] > 0
+    from support.fleet import metric
+    names = [server.url.removeprefix("http://") for server in servers]
+    assert sum(metric(router.url, "tiercache_route_index_keys", replica=n, medium="GPU") for n in names) > 0
+    # every block vLLM stored was named by the router
+    assert all(metric(router.url, "tiercache_route_unnamed_blocks_total", replica=n) == 0 for n in names)
 
 
 def test_another_tenants_prefix_on_vllm_is_neither_predicted_nor_hit(vllm_fleet):

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from tiercache.config import read_listing
 from tiercache.engine.openai_api import ApiError, chat_template
-from tiercache.errors import ConfigError
+from tiercache.errors import ConfigError, RegistryError
 from tiercache.fleet.descriptor import GivenDescriptor, ReplicaDescriptor
 from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
 from tiercache.fleet.routing import Candidate, Rates
@@ -269,17 +269,19 @@ class Fleet:
                     if resp.status == 200 else None)
 
     def _up(self, replica: Replica, descriptor: ReplicaDescriptor | None) -> None:
+        scheme = None
         if descriptor is not None:
             try:
                 replica.encoder = self._encoder(descriptor)
-            except ConfigError as err:      # checked once, here: routed by load alone, not a 500 per request
+                scheme = key_schemes.get(descriptor.key_scheme)
+            except (ConfigError, RegistryError) as err:   # checked once, here: load alone, not a 500 per request
                 log.warning("tiercache route: replica %s: %s; routed by load alone", replica.name, err)
                 descriptor = None
         replica.descriptor, replica.up, replica.since = descriptor, True, time.monotonic()
         replica.learn_loads(descriptor)
-        if descriptor is None or descriptor.events is None:
+        if descriptor is None or descriptor.events is None or scheme is None:
             return
-        replica.scheme = key_schemes.get(descriptor.key_scheme)(descriptor)
+        replica.scheme = scheme(descriptor)
         replica.index.rename(replica.scheme)
         replica.follower = EventFollower(replica.name, descriptor.events, replica.index,
                                          resync=lambda: self._announce(replica))

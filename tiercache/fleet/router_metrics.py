@@ -6,6 +6,9 @@ Families (labels in braces):
 - ``tiercache_route_requests_total{replica}``, ``..._prompt_tokens_total{replica}``,
   ``..._failures_total{replica}`` (a request it could not be reached for);
 - ``tiercache_route_index_keys{replica,medium}``: blocks and chunks the router knows it holds;
+- ``tiercache_route_unnamed_blocks_total{replica}``: a vLLM replica's stored blocks the router could not
+  name (parent never seen, extra keys beyond a salt): left out of its predictions;
+- ``tiercache_route_load_tokens_per_second{replica,medium}``: the load rates it weighs cached tokens by;
 - ``tiercache_route_events_total{replica,kind}``: batches applied, duplicates, gaps, replayed, resyncs,
   restarts, undecodable;
 - ``tiercache_route_predicted_cached_tokens_total{replica}``, ``..._reported_cached_tokens_total{replica}``,
@@ -53,15 +56,25 @@ class RouterCollector(Collector):
             yield family
         keys = GaugeMetricFamily("tiercache_route_index_keys", "blocks and chunks indexed",
                                  labels=["replica", "medium"])
+        unnamed = CounterMetricFamily("tiercache_route_unnamed_blocks", "stored blocks the router could not name",
+                                      labels=["replica"])
+        loads = GaugeMetricFamily("tiercache_route_load_tokens_per_second", "load rate per tier medium",
+                                  labels=["replica", "medium"])
         events = CounterMetricFamily("tiercache_route_events", "KV event batches by outcome",
                                      labels=["replica", "kind"])
         for r in replicas:
             for medium, n in r.index.num_keys().items():
                 keys.add_metric([r.name, medium], n)
+            if r.index.names is not None:
+                unnamed.add_metric([r.name], r.index.names.unnamed)
+            for medium, rate in r.rates.load.items():
+                loads.add_metric([r.name, medium], rate)
             if r.follower is not None:
                 for kind, n in r.follower.counters.as_dict().items():
                     events.add_metric([r.name, kind], n)
         yield keys
+        yield unnamed
+        yield loads
         yield events
         yield CounterMetricFamily("tiercache_route_failovers", "requests moved to another replica",
                                   value=self.router.failovers)
