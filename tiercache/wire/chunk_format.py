@@ -156,7 +156,6 @@ class ChunkSealer:
         if active not in keys:
             raise ValueError(f"the active key id {active} is not among the keys ({', '.join(map(str, keys))})")
         self.active = active
-        self.key_ids = tuple(sorted(keys))
         self._aes = {key_id: algorithms.AES(key) for key_id, key in keys.items()}
         self._scratch = threading.local()      # each codec thread's plaintext buffer, kept across chunks
 

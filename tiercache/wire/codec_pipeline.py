@@ -173,7 +173,8 @@ class CodecPipeline:
         # raw and not sealed: no codec work to move off the transfer thread
         self._pool = None if threads is None or (fmt.codec.code == fmt.raw.code and not fmt.sealed) else threads
         self._landings = threading.local()    # each transfer thread's landing buffers, kept across batches
-        self._seal_buffers = SealBuffers(keep=2 * (self._pool.threads + 2) if self._pool is not None else 2)
+        # as many as can be in flight: one being written, the next, one sealing on each codec thread
+        self._seal_buffers = SealBuffers(keep=self._pool.threads + 2 if self._pool is not None else 2)
         self._warn = ThrottledLog(log)        # refused chunks: one line per 10 s, with a count
 
     def encoded(self, items: Sequence[tuple[ChunkMeta, Buffer]],
