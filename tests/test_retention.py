@@ -1,6 +1,7 @@
 """Retention: a chunk older than its tier's limit is never served and is removed; its age keeps counting when it
 moves between tiers, and a disk tier drops what expired while nothing ran. Clocks are the tiers' own
 (`IndexedTier.clock`), moved by the tests: no test waits for time to pass."""
+import json
 import os
 import time
 
@@ -206,6 +207,8 @@ def test_a_running_server_sweeps_expired_chunks_without_being_asked(tmp_path):
         assert tier.contains([m.key for m, _ in items]) == 0
     finally:
         server.stop()
+    events = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    assert sum(e.get("chunks", 0) for e in events if e.get("event") == "expired") == 2     # audited as it went
 
 
 def test_bad_retentions_are_one_clear_line(tmp_path):

@@ -85,9 +85,19 @@ def read_sealer(path: str, field_name: str = "format.encryption_keys_file") -> C
     if len(active) != 1:
         raise ConfigError(field_name, path, f"must mark exactly one key 'active' (marks {len(active)})")
     try:
-        return ChunkSealer(keys, active[0])
+        sealer = ChunkSealer(keys, active[0])
     except ValueError as err:
         raise ConfigError(field_name, path, str(err)) from None
+    # which keys a process reads and writes with, once per keys file and key set: a rotation shows as the
+    # active id changing (ids only, never a key)
+    if (path, active[0], tuple(sorted(keys))) not in _keys_announced:
+        _keys_announced.add((path, active[0], tuple(sorted(keys))))
+        log.info("encryption at rest: writing under key %d, reading keys %s", active[0], sorted(keys),
+                 extra={"event": "encryption_keys", "active": active[0], "readable": sorted(keys)})
+    return sealer
+
+
+_keys_announced: set[tuple[str, int, tuple[int, ...]]] = set()
 
 
 def chunk_format(config: TierCacheConfig) -> ChunkFormat:

@@ -136,6 +136,16 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
 
 
 
+def _expiry_sweep(owner: str, store):
+    """One store's retention sweep, logged as a JSON line per sweep that removed something (``store``: the
+    tenant whose own store it is, or ``pool``) and counted in its tiers' ``expired`` counters."""
+    def sweep() -> None:
+        removed = store.expire()
+        if removed:
+            log.info("expired %d chunks", removed, extra={"event": "expired", "store": owner, "chunks": removed})
+    return sweep
+
+
 class CacheServer:
     """A running server: `start`, then `wait` until `stop` (from a signal or another thread)."""
 
@@ -178,7 +188,7 @@ class CacheServer:
             self.service.data_port = self.data.port
         self._stopped = threading.Event()
         self._metrics = None
-        self._collector = Collector(chores=[store.expire for store in self.tenancy.stores.values()])
+        self._collector = Collector(chores=[_expiry_sweep(name, store) for name, store in self.tenancy.stores.items()])
 
     async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
         limit = config.max_message    # gRPC refuses a larger message from its length prefix, before any handler
