@@ -21,7 +21,6 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections import deque
 from pathlib import Path
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
@@ -136,7 +135,6 @@ class DiskChunks(IndexedTier):
                 self._reserve(k, entry)
                 self._stamp(k, entry, at=chunk.mtime_ns / 1e9)     # a file's time is when its chunk came
                 self.policy.insert(k)
-        self._stored = deque(sorted(self._stored))   # namespaces were read one after another: in time order
         self.expire()           # what passed its retention while the server was down: deleted, never served
         self._trim_to(self._capacity)
 

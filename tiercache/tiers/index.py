@@ -16,15 +16,14 @@ and offered again after the eviction.
 Retention (``retention_s``, 0: none): an entry older than that since it was
 stored is never served — `has`, `contains` and `pin` pass it by — and
 `expire` removes it (its room given back as for any removal), oldest first
-in time order, so a sweep costs only what it removes. Age is wall-clock time
+from a heap of store times, so a sweep costs only what it removes. Age is wall-clock time
 (a disk tier's chunks keep their file's time across restarts).
 """
 from __future__ import annotations
 
-import bisect
+import heapq
 import time
 from abc import abstractmethod
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ class IndexedTier(TierIndex):
         self._used = 0
         self.retention_s = retention_s
         self.clock: Callable[[], float] = time.time      # wall clock: a file's time carries across restarts
-        self._stored: deque[tuple[float, BlockHash]] = deque()   # (stored_at, key) in time order, with retention
+        self._stored: list[tuple[float, BlockHash]] = []   # heap of (stored_at, key), kept only with retention
 
     def _fresh_since(self) -> float:
         """Entries stored before this are past retention (-inf without one)."""
@@ -66,10 +65,7 @@ class IndexedTier(TierIndex):
     def _stamp(self, key: BlockHash, entry: Entry, at: float | None = None) -> None:
         entry.stored_at = self.clock() if at is None else at
         if self.retention_s > 0:
-            if self._stored and self._stored[-1][0] > entry.stored_at:     # an older chunk copied in: in order
-                bisect.insort(self._stored, (entry.stored_at, key))
-            else:
-                self._stored.append((entry.stored_at, key))
+            heapq.heappush(self._stored, (entry.stored_at, key))     # a chunk copied in may be older than others
 
     def stored_times(self, keys: Sequence[BlockHash]) -> dict[BlockHash, float]:
         return {key: entry.stored_at for key in keys if (entry := self.entries.get(key)) is not None and entry.ready}
@@ -82,7 +78,7 @@ class IndexedTier(TierIndex):
         gone: list[BlockHash] = []
         busy: list[tuple[float, BlockHash]] = []
         while self._stored and self._stored[0][0] < since:
-            at, key = self._stored.popleft()
+            at, key = heapq.heappop(self._stored)
             entry = self.entries.get(key)
             if entry is None or not entry.ready or entry.stored_at != at:
                 continue                          # gone already, or stored again since
@@ -91,7 +87,8 @@ class IndexedTier(TierIndex):
                 continue
             self._drop(key, entry)
             gone.append(key)
-        self._stored.extendleft(reversed(busy))
+        for item in busy:
+            heapq.heappush(self._stored, item)
         self.counters.expired += len(gone)
         return gone
 
