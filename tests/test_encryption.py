@@ -3,6 +3,7 @@ tenant's key, a flipped bit, a relabeled header, key rotation; chunk files and R
 import os
 import struct
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -70,6 +71,19 @@ def test_the_header_is_authenticated_a_ciphertext_cannot_be_passed_off_as_anothe
     forged = packed + struct.pack("<I", zlib.crc32(packed)) + sealed[HEADER_BYTES:]
     with pytest.raises(SignatureError):
         decode(forged, NS, other.key, TENANT)
+
+
+def test_the_parent_is_authenticated_a_chunk_cannot_be_moved_into_another_chain():
+    """A store that rewrote a sealed chunk's parent could hide it from a purge by prompt: refused."""
+    meta, raw = chunk(1)
+    sealed = ChunkFormat(signer=TENANT).encode(replace(meta, parent=BlockHash(bytes([7]) * 32)), raw)
+    assert decode(sealed, NS, meta.key, TENANT).meta.parent == bytes([7]) * 32
+    body = list(cf._BODY.unpack(sealed[:cf._BODY.size]))
+    body[9] = bytes(32)                                               # "the first chunk of its request"
+    packed = cf._BODY.pack(*body)
+    forged = packed + struct.pack("<I", zlib.crc32(packed)) + sealed[HEADER_BYTES:]
+    with pytest.raises(SignatureError):
+        decode(forged, NS, meta.key, TENANT)
 
 
 def test_a_rotation_reads_old_chunks_in_its_grace_writes_new_ones_under_the_new_key_then_retires_the_old():

@@ -12,6 +12,7 @@ from tests.conftest import BLOCK, CHUNK, SMALL
 from tests.support.engine_runs import assert_back_to_baseline, offload, run_sequential, shared_prompts
 from tiercache.contracts.keys import chunk_keys
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
+from tiercache.wire.chunk_format import HEADER_BYTES
 
 
 def reference(prompts):
@@ -49,7 +50,7 @@ def test_two_ranks_give_the_same_tokens_and_each_files_its_own_half(tmp_path):
     with engine(1, with_disk(tmp_path / "tp1")) as one:
         run_sequential(one, prompts[:1])
     (one_size,) = {f.stat().st_size for f in (tmp_path / "tp1").rglob("*.chunk")}
-    assert len(sizes) == 1 and (one_size - 124) == 2 * (sizes.pop() - 124)        # each rank holds half the heads
+    assert len(sizes) == 1 and (one_size - HEADER_BYTES) == 2 * (sizes.pop() - HEADER_BYTES)   # each rank holds half the heads
 
 
 def test_deployments_of_two_tp_sizes_share_a_disk_path_and_never_read_each_others_chunks(tmp_path):

@@ -344,8 +344,9 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
     handlers(kv, slab, bpc, L1).register(engine)
 
-    def chunk_meta(key: BlockHash, chunk_blocks: int) -> ChunkMeta:
-        return ChunkMeta(storage, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks))
+    def chunk_meta(key: BlockHash, chunk_blocks: int, parent: BlockHash | None = None) -> ChunkMeta:
+        return ChunkMeta(storage, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks),
+                         parent)
 
     for transport in transports.values():
         CpuLowerHandlers(slab, transport, chunk_meta, L1).register(engine)

@@ -12,6 +12,7 @@ class StoredChunk:
     key: BlockHash
     nbytes: int        # file size, header included
     mtime_ns: int
+    parent: BlockHash | None = None   # from its header: the chunk before it in its request
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,7 @@ class CpuLowerHandlers:
     still move.
     """
 
-    def __init__(self, slab: HostSlab, lower: Transport, chunk_meta: Callable[[BlockHash, int], ChunkMeta],
+    def __init__(self, slab: HostSlab, lower: Transport, chunk_meta: Callable[..., ChunkMeta],
                  l1: str = "cpu") -> None:
         self.slab = slab
         self.lower = lower
@@ -162,7 +162,7 @@ class CpuLowerHandlers:
     def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> KeyFailures:
         items = []
         for c in plan.chunks:
-            meta = self.chunk_meta(c.key, c.chunk_blocks)
+            meta = self.chunk_meta(c.key, c.chunk_blocks, c.parent)   # the parent goes into the header
             items.append((meta, self.slab.memory(c.slot)[:meta.raw_len]))  # type: ignore[arg-type]
         return self.lower.write_chunks(items)
 

@@ -174,6 +174,6 @@ def scan_chunk_files(directory: Path, namespace: bytes) -> ScanResult:
             bad += 1
             path.unlink(missing_ok=True)
             continue
-        found.append(StoredChunk(key, st.st_size, st.st_mtime_ns))
+        found.append(StoredChunk(key, st.st_size, st.st_mtime_ns, parsed[0].parent))
     found.sort(key=lambda c: c.mtime_ns)
     return ScanResult(tuple(found), bad, temp)
