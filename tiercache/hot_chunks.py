@@ -35,3 +35,8 @@ class HotChunks:
     def top(self, n: int = 10) -> list[tuple[BlockHash, int]]:
         """The ``n`` most served keys with their counts, most served first."""
         return self._counts.most_common(n)
+
+    def forget(self, keys: Iterable[BlockHash]) -> None:
+        """Drop the counts of keys that were purged (a key is a prompt's fingerprint)."""
+        for key in keys:
+            self._counts.pop(key, None)

@@ -43,6 +43,7 @@ is keyed by the hash of its last block (`tiercache.contracts.keys`).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
@@ -59,12 +60,15 @@ from tiercache.contracts.plan import (
     TransferPlan,
     WriteBackOrder,
 )
+from tiercache.contracts.purge import PurgeOrder, PurgeReport, order_selectors
 from tiercache.hot_chunks import HotChunks
 from tiercache.lookup import PrefixFinder, PrefixLookup
 from tiercache.policies import AdmissionPolicy
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
+
+log = logging.getLogger(__name__)
 
 
 class JobKind(Enum):
@@ -146,10 +150,12 @@ class CacheManager:
     # -- lookup (PrefixFinder) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
         """Longest run of chunks of a request, after the blocks already in L0, found in any tier."""
+        self.apply_purges()
         return self.finder.lookup(block_hashes, num_computed_blocks)
 
     def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
         """Like `lookup`, for explicit chunk keys covering ``num_blocks`` blocks (e.g. a swapped-out request)."""
+        self.apply_purges()
         return self.finder.lookup_chunks(keys, num_blocks, num_computed_blocks)
 
     def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
@@ -189,6 +195,7 @@ class CacheManager:
                       for (k, n), slot in zip(sizes, slots) if slot is not None]
             if not chunks:
                 continue
+            self.l1.link([(c.key, c.parent) for c in chunks])
             lower.prepare_load([c.key for c in chunks])
             if lower is not self._spill_to:
                 self._keep_on_close(chunks)
@@ -279,6 +286,7 @@ class CacheManager:
             for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
             if slot is not None
         ]
+        self.l1.link([(c.key, c.parent) for c in chunks])     # a purge meanwhile finds them by their chain
         if not private:
             self._keep_on_close(chunks)
         return self._plan(JobKind.STORE, None, self.l1, Priority.STORE, chunks, private=private) if chunks else None
@@ -288,6 +296,7 @@ class CacheManager:
         sizes = [lower.reserve_bytes(self.block_layout.blocks(c.chunk_blocks)) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
+        lower.link([(c.key, c.parent) for c in taken])
         for part in self._split(taken, lower):
             self._background.append(self._plan(kind, self.l1, lower, Priority.STORE, part, lower))
         return [c for c, good in zip(chunks, ok) if not good]
@@ -298,16 +307,45 @@ class CacheManager:
         n = min(self.transfer_workers if lower.parallel_jobs else 1, len(chunks))
         return [chunks[i::n] for i in range(n)] if n else []
 
+    # -- purges ----------------------------------------------------------------
+    def purge(self, order: PurgeOrder) -> PurgeReport:
+        """Take what ``order`` selects out of L1 and every tier with an index here (a chain is followed across
+        them: it may run from L1 into the disk); the lower tiers' bytes go with the next deletes. A chunk being
+        read or written goes when its transfer ends, and is not served meanwhile."""
+        report = PurgeReport()
+        tiers = [t for t in self.tiers if t.indexed]
+        chosen = order.selector([pair for t in tiers for pair in t.links()] if order.roots else ())
+        for tier in tiers:
+            keys, nbytes = tier.purge(chosen)
+            report.add(tier.name, len(keys), nbytes)
+            self.hot.forget(keys)
+        return report
+
+    def apply_purges(self) -> None:
+        """Apply the purges the shared tiers' stores made (they reach this engine's own tiers this way), before
+        this step looks anything up or stores anything."""
+        for tier in self.lower:
+            orders = tier.take_purges()
+            if not orders:
+                continue
+            for order in orders:
+                report = self.purge(order)
+                log.info("applied a purge from %s: %d chunks, %d bytes", tier.name, report.chunks, report.nbytes,
+                         extra={"event": "purge_applied", "source": tier.name, "selectors": order_selectors(order),
+                                "tiers": report.tiers})
+            tier.purges_applied()
+
     def take_background(self) -> list[TransferPlan]:
         """Deletes, promotions, spills and write-through copies planned since the last call, to be run. A
         delete goes first: on its tier's link it also runs first (prefetch priority), before the writes
         that the room it frees was given to."""
+        self.apply_purges()
         for tier in self.tiers:                  # past retention: never served again, their room given back
             tier.expire()
         deletes = self._plan_deletes()
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
-            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes) for s in spills]
+            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes, parent=s.parent) for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
         deletes += self._plan_deletes()   # the spills may have evicted from the tier they went to
@@ -369,6 +407,7 @@ class CacheManager:
                     self._promoting.pop(key, None)
             elif job.kind is JobKind.SPILL:
                 job.lower.complete_store(keys, failed, self.l1.spilling_times(keys))
+                job.lower.link([(c.key, c.parent) for c in job.plan.chunks])
                 self.l1.finish_spills(keys)
             elif job.kind is JobKind.COPY_DOWN:
                 job.lower.complete_store(keys, failed, self.l1.stored_times(keys))
@@ -413,7 +452,8 @@ class CacheManager:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
                  if e.ready and e.pins == 0 and not e.private and self._worth_spilling(key, e.hits)]
-        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes) for key, e in dirty], self._spill_to)
+        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes, parent=e.parent)
+                         for key, e in dirty], self._spill_to)
         return self.take_background()
 
     def cancel(self, plan: TransferPlan) -> JobOutcome:

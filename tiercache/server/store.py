@@ -35,11 +35,12 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.purge import PurgeOrder, PurgeReport
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
 from tiercache.log_limits import ThrottledLog
@@ -60,7 +61,7 @@ from tiercache.server.values import (
 )
 from tiercache.tiers.index import IndexedTier
 from tiercache.wire.chunk_files import write_chunk_file
-from tiercache.wire.chunk_format import HEADER_BYTES, KEYED, check_payload
+from tiercache.wire.chunk_format import HEADER_BYTES, KEYED, check_payload, header_parent
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,10 @@ class ChunkStore:
             if tier is self.memory:
                 return value
             born = tier.stored_times([k]).get(k)           # promoted: its age keeps counting in memory
+            parent = tier.entries[k].parent if k in tier.entries else None
             reserved = self._reserve_in_memory(k, value, born)
+            if reserved:
+                self.memory.link([(k, parent)])
             spills = self._take_spills()
         self._finish_memory_write(k, value, reserved, born)
         self._write_spills(spills)
@@ -246,6 +250,7 @@ class ChunkStore:
             if not reserved:
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
+            self.memory.link([(k, header_parent(value_pieces(stored)[0][:HEADER_BYTES]))])
             spills = self._take_spills()
         ok = self._finish_memory_write(k, stored, reserved)
         self._write_spills(spills)
@@ -304,6 +309,7 @@ class ChunkStore:
                 src.unlink(missing_ok=True)
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
+            shm.link([(k, header_parent(header))])
             final = shm.path(k)
             try:
                 final.parent.mkdir(exist_ok=True)
@@ -356,6 +362,7 @@ class ChunkStore:
         kept = []
         for spill in spills:
             if self.disk.reserve(spill.key, spill.nbytes):
+                self.disk.link([(spill.key, spill.parent)])
                 kept.append(spill)
             elif spill.file is not None and not spill.keep_file:
                 spill.file.unlink(missing_ok=True)
@@ -389,6 +396,27 @@ class ChunkStore:
             self.disk.publish([s.key for s in spills], failed,
                               stored_at={s.key: s.stored_at for s in spills if s.stored_at})
         return failed
+
+    def purge(self, order: PurgeOrder, namespaces: Set[bytes] | None = None) -> PurgeReport:
+        """Take what ``order`` selects out of memory and disk, among the chunks of ``namespaces`` (None: all of
+        this store's). A chain is followed across both tiers and across namespaces (a TP deployment files
+        each rank's share of a chunk under a namespace of its own, with one key)."""
+        if order.namespaces:
+            wanted = set(order.namespaces)
+            namespaces = wanted if namespaces is None else set(namespaces) & wanted
+        report = PurgeReport()
+        with self._lock:
+            def mine(k: bytes) -> bool:
+                return namespaces is None or k[:NAMESPACE_DIGEST_BYTES] in namespaces
+
+            links = [(k[NAMESPACE_DIGEST_BYTES:], e.parent) for t in self.tiers for k, e in t.entries.items()
+                     if e.parent is not None and mine(k)] if order.roots else []
+            selected = order.selector(links)
+            for tier in self.tiers:
+                keys, nbytes = tier.purge(lambda k, at: mine(k) and selected(k[NAMESPACE_DIGEST_BYTES:], at))
+                report.add(tier.name, len(keys), nbytes)
+                self.hot.forget(keys)
+        return report
 
     def expire(self) -> int:
         """Remove what is past retention from memory and disk (the server's sweep, every second)."""

@@ -89,14 +89,15 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
         return self.values[key]
 
     def _set_aside(self, key: StoreKey, entry: Entry) -> Spill:
-        return Spill(key, entry.nbytes, value=self.values[key], stored_at=entry.stored_at)
+        return Spill(key, entry.nbytes, value=self.values[key], stored_at=entry.stored_at, parent=entry.parent)
 
     def _release(self, key: StoreKey, entry: Entry) -> None:
         stored = self.values.pop(key)
         self.pool.give(stored)
 
     def unspilled(self, on_disk) -> list[Spill]:
-        return [Spill(k, value_size(v), value=v) for k, v in self.values.items() if not on_disk(k)]
+        return [Spill(k, value_size(v), value=v, parent=self.entries[k].parent)
+                for k, v in self.values.items() if not on_disk(k)]
 
 
 MANIFEST = ".namespace"     # in a tenant-scoped directory: the namespace its chunks' headers name
@@ -131,7 +132,8 @@ class DiskChunks(IndexedTier):
             self.counters.integrity_failures += scan.bad
             self.counters.temp_removed += scan.temp
             for chunk in scan.found:
-                k, entry = store_key(namespace, chunk.key), Entry(chunk.nbytes, ready=True)
+                k = store_key(namespace, chunk.key)
+                entry = Entry(chunk.nbytes, ready=True, parent=chunk.parent)   # entries' parents: chunk keys
                 self._reserve(k, entry)
                 self._stamp(k, entry, at=chunk.mtime_ns / 1e9)     # a file's time is when its chunk came
                 self.policy.insert(k)
@@ -215,8 +217,8 @@ class ShmChunks(_SpillsOnEviction, DiskChunks):
         except OSError:
             self.counters.errors += 1
             return None
-        return Spill(key, entry.nbytes, file=aside, stored_at=entry.stored_at)
+        return Spill(key, entry.nbytes, file=aside, stored_at=entry.stored_at, parent=entry.parent)
 
     def unspilled(self, on_disk) -> list[Spill]:
-        return [Spill(k, e.nbytes, file=self.path(k), keep_file=True)
+        return [Spill(k, e.nbytes, file=self.path(k), keep_file=True, parent=e.parent)
                 for k, e in self.entries.items() if e.ready and not on_disk(k)]

@@ -34,6 +34,7 @@ class Spill:
     file: Path | None = None
     keep_file: bool = False    # flush copies; eviction moves
     stored_at: float = 0.0     # when the chunk first came (0: now): its age keeps counting on disk
+    parent: bytes | None = None  # the chunk key before it in its request (from its header)
 
 
 def value_pieces(stored: Stored) -> list[memoryview]:

@@ -15,7 +15,7 @@ reported with its `Failure`, never raised.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -23,6 +23,7 @@ from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure, KeyFailures
+from tiercache.contracts.purge import PurgeOrder
 from tiercache.contracts.scan import ScanResult
 from tiercache.wire.chunk_format import ChunkMeta
 
@@ -62,6 +63,7 @@ class TierCounters:
     evicted: int = 0
     deleted: int = 0
     expired: int = 0             # past the tier's retention: never served, removed
+    purged: int = 0              # taken out by a purge
     integrity_failures: int = 0
     temp_removed: int = 0        # half-written files (a writer died mid-chunk) deleted at start
     errors: int = 0
@@ -143,6 +145,23 @@ class TierIndex(ABC):
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
+
+    def purge(self, chosen: Callable[[bytes, float], bool]) -> tuple[list[bytes], int]:
+        """Take out what ``chosen(key, stored_at)`` picks (keys, bytes); a tier without an index here (its store
+        purges itself) takes nothing."""
+        return [], 0
+
+    def links(self) -> list[tuple[bytes, bytes | None]]:
+        """(key, parent) of the chunks held here whose parent is known (none without an index here)."""
+        return []
+
+    def take_purges(self) -> list[PurgeOrder]:
+        """Purges this tier's store made since the last call, for the engine to apply to its own tiers (a
+        shared store tells every engine under it); then `purges_applied`."""
+        return []
+
+    def purges_applied(self) -> None:
+        """What `take_purges` returned is applied to every tier of this engine."""
 
     @property
     def available(self) -> bool:

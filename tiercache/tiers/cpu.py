@@ -35,6 +35,7 @@ class Spill:
     slot: int
     nbytes: int
     hits: int
+    parent: BlockHash | None = None
 
 
 MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
@@ -147,7 +148,7 @@ class CpuIndex(IndexedTier):
             del self.entries[key]   # hidden at once; bytes and slot stay counted until finish_spills
             self._removed((key,))
             self._spilling[key] = entry
-            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits))
+            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits, entry.parent))
             return False
         self._drop(key, entry, in_policy=False)
         return True

@@ -89,7 +89,7 @@ class DiskIndex(IndexedTier, LowerIndex):
         self._deletes.extend(partial)
         written = {key: max(m[key].mtime_ns for m in maps) for key in common}
         for key in sorted(common, key=written.__getitem__):
-            entry = Entry(max(m[key].nbytes for m in maps), ready=True)
+            entry = Entry(max(m[key].nbytes for m in maps), ready=True, parent=maps[0][key].parent)
             self._reserve(key, entry)
             self._stamp(key, entry, at=written[key] / 1e9)      # its age runs from when it was written
             self.policy.insert(key)

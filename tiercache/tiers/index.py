@@ -18,6 +18,11 @@ stored is never served — `has`, `contains` and `pin` pass it by — and
 `expire` removes it (its room given back as for any removal), oldest first
 from a heap of store times, so a sweep costs only what it removes. Age is wall-clock time
 (a disk tier's chunks keep their file's time across restarts).
+
+Purges (`purge`): what a `PurgeOrder`'s selector picks leaves at once; a
+pinned entry (being read) or a reservation (being written) is marked and
+becomes unreadable at once, and goes when its last reader unpins it or when
+it would have been published.
 """
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class Entry:
     hits: int = 0        # loads served from this tier
     private: bool = False  # L1 only: a preempted request's swap copy, never written to a lower tier
     stored_at: float = 0.0  # wall-clock seconds when it became readable (retention counts from it)
+    parent: bytes | None = None  # the chunk before it in its request (`link`), for purges by prompt
+    purged: bool = False    # purged while pinned or reserved: unreadable, dropped when let go
 
 
 class IndexedTier(TierIndex):
@@ -60,7 +67,7 @@ class IndexedTier(TierIndex):
         return self.clock() - self.retention_s if self.retention_s > 0 else float("-inf")
 
     def _readable(self, entry: Entry | None, since: float) -> bool:
-        return entry is not None and entry.ready and entry.stored_at >= since
+        return entry is not None and entry.ready and entry.stored_at >= since and not entry.purged
 
     def _stamp(self, key: BlockHash, entry: Entry, at: float | None = None) -> None:
         entry.stored_at = self.clock() if at is None else at
@@ -113,7 +120,7 @@ class IndexedTier(TierIndex):
         n = 0
         for key in keys:
             entry = entries.get(key)
-            if entry is None or not entry.ready or entry.stored_at < since:
+            if entry is None or not entry.ready or entry.stored_at < since or entry.purged:
                 break
             n += 1
         return self.count_lookup(len(keys), n)
@@ -121,7 +128,23 @@ class IndexedTier(TierIndex):
     def held_keys(self) -> list[BlockHash]:
         since = self._fresh_since()
         return [key for key, entry in self.entries.items() if entry.ready and not entry.private
-                and entry.stored_at >= since]
+                and entry.stored_at >= since and not entry.purged]
+
+    def links(self) -> list[tuple[bytes, bytes | None]]:
+        """(key, parent) of every entry whose parent is known: the chains a purge by prompt follows."""
+        return [(key, entry.parent) for key, entry in self.entries.items() if entry.parent is not None]
+
+    def purge(self, chosen: Callable[[bytes, float], bool]) -> tuple[list[bytes], int]:
+        """Take out every entry ``chosen(key, stored_at)`` picks: (their keys, their bytes). A pinned one or a
+        reservation is unreadable from now on and goes when let go (`unpin`, `publish`)."""
+        gone = [(key, entry) for key, entry in self.entries.items() if not entry.purged and chosen(key, entry.stored_at)]
+        for key, entry in gone:
+            if entry.pins or not entry.ready:
+                entry.purged = True
+            else:
+                self._drop(key, entry)
+        self.counters.purged += len(gone)
+        return [key for key, _ in gone], sum(entry.nbytes for _, entry in gone)
 
     def delete(self, keys: Sequence[BlockHash]) -> int:
         removed = 0
@@ -151,9 +174,9 @@ class IndexedTier(TierIndex):
             entry = self.entries.get(key)
             if entry is None or entry.ready:
                 continue
-            if key in bad:
+            if key in bad or entry.purged:
                 self._drop(key, entry)
-                self.counters.errors += own_errors
+                self.counters.errors += own_errors and not entry.purged
             else:
                 entry.ready = True
                 self._stamp(key, entry, None if stored_at is None else stored_at.get(key))
@@ -161,13 +184,16 @@ class IndexedTier(TierIndex):
                 self.counters.stored += 1
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
-        """Tell a chain-aware eviction policy each resident chunk's parent (the chunk before it in its request)."""
+        """Record each chunk's parent (the chunk before it in its request), for purges by prompt — from its
+        reservation on, so a purge finds a chunk still being written — and, once it is resident, for a
+        chain-aware eviction policy."""
         link = getattr(self.policy, "link", None)
-        if link is None:
-            return
         for child, parent in pairs:
-            if parent is not None and child in self.entries:
-                link(child, parent)
+            entry = self.entries.get(child)
+            if parent is not None and entry is not None:
+                entry.parent = parent
+                if link is not None and entry.ready:
+                    link(child, parent)
 
     def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
         """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
@@ -184,7 +210,10 @@ class IndexedTier(TierIndex):
 
     def unpin(self, keys: Sequence[BlockHash]) -> None:
         for key in keys:
-            self.entries[key].pins -= 1
+            entry = self.entries[key]
+            entry.pins -= 1
+            if entry.purged and entry.pins == 0 and entry.ready:
+                self._drop(key, entry)
 
     def touch(self, keys: Sequence[BlockHash]) -> None:
         """The keys served a hit: tell the policy, tail first, so under LRU the chain's head is the newest."""
