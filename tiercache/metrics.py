@@ -17,7 +17,9 @@ Families (labels in braces):
   saved), failed loads, planned and cancelled stores, swaps, token hit ratio;
 - ``tiercache_server_*`` (`tiercache serve`): calls per RPC, chunks stored,
   present and rejected, get hits and misses, bytes in and out, rejected calls
-  per status code; ``tiercache_server_namespaces``.
+  per status code, purges and what they took; ``tiercache_server_namespaces``;
+  with tenants, ``tiercache_server_tenant_*{tenant}``: bytes, namespaces,
+  purges.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from prometheus_client.registry import Collector
 
 TIER_GAUGES = ("available", "capacity_bytes", "used_bytes", "chunks", "key_hit_ratio")
 TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "stored", "store_rejected", "loaded", "load_misses", "evicted",
-                 "deleted", "expired", "integrity_failures", "temp_removed", "errors", "outages")
+                 "deleted", "expired", "purged", "integrity_failures", "temp_removed", "errors", "outages")
 LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_limit_gbps")
 LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
 CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
@@ -85,11 +87,17 @@ class StatsCollector(Collector):
                                          labels=["tenant"])
                 spaces = GaugeMetricFamily("tiercache_server_tenant_namespaces", "namespaces a tenant holds "
                                            "chunks in", labels=["tenant"])
+                purges = {field: CounterMetricFamily(f"tiercache_server_tenant_{field}", f"a tenant's "
+                                                     f"{field.replace('_', ' ')}", labels=["tenant"])
+                          for field in ("purges", "purged_chunks", "purged_bytes")}
                 for name, one in sorted(tenants.items()):
                     used.add_metric([name], float(one["used_bytes"]))
                     spaces.add_metric([name], float(one["namespaces"]))
+                    for field, family in purges.items():
+                        family.add_metric([name], float(one.get(field, 0)))
                 yield used
                 yield spaces
+                yield from purges.values()
         if "lookups" in connector:
             for name in CONNECTOR_COUNTERS:
                 yield CounterMetricFamily(f"tiercache_connector_{name}", f"connector {name.replace('_', ' ')}",

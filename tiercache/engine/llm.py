@@ -177,6 +177,11 @@ class LLMEngine:
             events += self._manager.take_events()
         return events
 
+    def apply_purges(self) -> None:
+        """Apply the purges the shared tiers announced (each step does; an idle engine's loop calls this)."""
+        if self._manager is not None:
+            self._manager.apply_purges()
+
     def held_kv(self) -> list[TierEvent]:
         """Everything held now, as arrivals: the pool's cached blocks and every local tier's chunks (a remote
         tier's index is its server's; it is not listed). A router that lost events starts again from it."""

@@ -150,6 +150,7 @@ class EngineLoop:
             self._run_calls()
             self._admit()
             if not self.engine.has_unfinished():
+                self.engine.apply_purges()         # idle: a purge still reaches this engine's tiers now
                 self._publish()
                 self._wake.wait(0.5)
                 self._wake.clear()

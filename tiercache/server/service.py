@@ -34,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -46,9 +48,11 @@ from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.purge import POLL_INTERVAL_S, PurgeOrder, order_selectors
 from tiercache.errors import ChunkFormatError
 from tiercache.server.fair import Hold, InflightBytes
 from tiercache.server.limits import ServerLimits, StreamWatch, end_call
+from tiercache.server.purge_log import MAX_WATCHER_ID, PurgeLog
 from tiercache.server.store import PutOutcome
 from tiercache.server.tenants import Tenancy, Tenant
 from tiercache.server.values import check_value
@@ -70,6 +74,9 @@ log = logging.getLogger("tiercache.server")
 STREAM_SILENT_S = 0.25   # a stream of a tenant over its share silent this long gives its slot to another tenant
 REQUEST_SILENT_S = 0.1    # a call whose one request has not come for this long gives its slot to a newcomer
                           # (a client sends a unary call's request with its headers, in one write)
+DEFAULT_PURGE_WAIT_S = 5.0   # a Purge waits this long (unless it says) for the engines to apply it
+MAX_PURGE_WAIT_S = 60.0
+MAX_PURGES_PER_REPLY = 256    # a client far behind catches up over several polls
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
 
 
@@ -111,6 +118,24 @@ class _TaskCall:
                 raise
             self._task.uncancel()
             raise _Rejected(*self._ended) from None
+
+
+@dataclass(slots=True)
+class _AfterEngines:
+    """A purge made: its reply goes once the engines polling for purges applied it, or its wait is over."""
+    reply: pb.PurgeReply
+    seq: int
+    wait_s: float
+
+    async def settle(self, purges: PurgeLog) -> bytes:
+        give_up = time.monotonic() + self.wait_s
+        while True:
+            applied, pending = purges.pending(self.seq)
+            if not pending or time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(POLL_INTERVAL_S / 5)
+        self.reply.engines_applied, self.reply.engines_pending = applied, pending
+        return self.reply.SerializeToString()
 
 
 class _Request:
@@ -169,12 +194,14 @@ class CacheService:
                                     share_silent_s=REQUEST_SILENT_S, take_back_own=True)
         self.serving = True
         self.data_port = 0          # set by the server when its data channel listens
+        self.purge_log = PurgeLog()
+        self.purged: dict[str, Counter[str]] = {}       # per tenant: purges, chunks and bytes taken
         self.counters: Counter[str] = Counter()
 
     # -- registration --------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
         unary = {"Contains": self.contains, "Delete": self.delete, "Stats": self.stats, "Local": self.local,
-                 "Adopt": self.adopt, "Touch": self.touch}
+                 "Adopt": self.adopt, "Touch": self.touch, "Purge": self.purge, "Purges": self.purges}
         rpc = {name: grpc.stream_unary_rpc_method_handler(self._guard_unary(fn), _identity, _identity)
                for name, fn in unary.items()}
         rpc["Health"] = grpc.stream_unary_rpc_method_handler(self._guard_unary(self.health, auth=False),
@@ -197,7 +224,10 @@ class CacheService:
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
                     work = (lambda: fn(request, context, tenant)) if auth else (lambda: fn(request, context))
-                    return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+                    reply = await asyncio.get_running_loop().run_in_executor(self.pool, work)
+                if isinstance(reply, _AfterEngines):      # outside its slot, holding no thread
+                    reply = await reply.settle(self.purge_log)
+                return reply
             except BaseException as err:
                 self._end(name, context, err)
                 return b""
@@ -487,6 +517,68 @@ class CacheService:
             reply.hot_chunks.add(namespace=namespace, key=key, hits=hits)
         return reply.SerializeToString()
 
+    def purge(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> _AfterEngines:
+        self._allowed(tenant, "purge")
+        req = self._parse(pb.PurgeRequest, request)
+        whose = tenant
+        if req.tenant and req.tenant != tenant.name:
+            if not tenant.admin:
+                raise _Rejected(grpc.StatusCode.PERMISSION_DENIED, f"tenant {tenant.name!r} may not purge another "
+                                                                   "tenant's chunks (that takes admin)")
+            whose = self.tenancy.tenants.get(req.tenant)
+            if whose is None:
+                raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: there is no tenant {req.tenant!r}")
+        if not 0 <= req.wait_s <= MAX_PURGE_WAIT_S:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: wait_s {req.wait_s} is not 0..{MAX_PURGE_WAIT_S}")
+        order = replace(self._purge_order(req.spec), issued_at=time.time())
+        started = time.perf_counter()
+        report = self.tenancy.purge(whose, order)
+        seq = self.purge_log.append(whose.name, order)
+        took = time.perf_counter() - started
+        counts = self.purged.setdefault(whose.name, Counter())
+        counts.update(purges=1, purged_chunks=report.chunks, purged_bytes=report.nbytes)
+        self.counters.update(purges=1, purged_chunks=report.chunks, purged_bytes=report.nbytes)
+        log.info("purge %d of tenant %s by %s: %d chunks, %d bytes", seq, whose.name, tenant.name, report.chunks,
+                 report.nbytes, extra={"event": "purge", "seq": seq, "tenant": whose.name, "by": tenant.name,
+                                       "peer": context.peer(), "selectors": order_selectors(order),
+                                       "tiers": report.tiers, "seconds": round(took, 6)})
+        reply = pb.PurgeReply(seq=seq)
+        for name, (chunks, nbytes) in report.tiers.items():
+            reply.tiers.add(name=name, chunks=chunks, bytes=nbytes)
+        return _AfterEngines(reply, seq, req.wait_s or DEFAULT_PURGE_WAIT_S)
+
+    def _purge_order(self, spec: pb.PurgeSpec) -> PurgeOrder:
+        if len(spec.roots) > MAX_KEYS_PER_CALL or len(spec.namespaces) > MAX_KEYS_PER_CALL:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: more than {MAX_KEYS_PER_CALL} keys or "
+                                                              "namespaces in one call")
+        if not math.isfinite(spec.stored_before) or spec.stored_before < 0:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: stored_before {spec.stored_before} is not a "
+                                                              "time")
+        try:
+            return PurgeOrder(tuple(spec.roots), spec.stored_before or None, spec.everything,
+                              tuple(dict.fromkeys(spec.namespaces)))
+        except ValueError as err:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: {err}") from None
+
+    def purges(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
+        req = self._parse(pb.PurgesRequest, request)
+        if not 0 < len(req.watcher) <= MAX_WATCHER_ID:
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purges: watcher must be 1..{MAX_WATCHER_ID} "
+                                                              "characters")
+        if len(req.namespaces) > MAX_KEYS_PER_CALL or any(len(n) != NAMESPACE_DIGEST_BYTES for n in req.namespaces):
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purges: namespaces must be {NAMESPACE_DIGEST_BYTES}-"
+                                                              f"byte digests, at most {MAX_KEYS_PER_CALL}")
+        found, lost, latest = self.purge_log.poll(tenant.name, req.watcher, (tenant.name, *tenant.reads_from),
+                                          req.namespaces, req.applied, req.instance)
+        complete_to = found[MAX_PURGES_PER_REPLY - 1].seq if len(found) > MAX_PURGES_PER_REPLY else latest
+        reply = pb.PurgesReply(instance=self.purge_log.instance, lost=lost, now=time.time(), complete_to=complete_to)
+        for p in found[:MAX_PURGES_PER_REPLY]:
+            o = p.order
+            reply.purges.add(seq=p.seq, issued_at=o.issued_at, spec=pb.PurgeSpec(
+                namespaces=o.namespaces, roots=o.roots, stored_before=o.stored_before or 0.0,
+                everything=o.everything))
+        return reply.SerializeToString()
+
     def health(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self._parse(pb.HealthRequest, request)
         status = pb.HealthReply.SERVING if self.serving else pb.HealthReply.NOT_SERVING
@@ -552,6 +644,8 @@ class CacheService:
                  "hot_chunks": sorted((h for one in per.values() for h in one["hot_chunks"]),
                                       key=lambda h: -h[2])[:10],
                  "tenants": self.tenancy.usage()}
+            for name, counts in self.purged.items():
+                s["tenants"][name].update(counts)
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
                        "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,

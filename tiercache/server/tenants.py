@@ -10,6 +10,7 @@ is the tenant ``default``, with every right) or a TOML table of tenants::
     reads_from = ["public"]        # other tenants whose chunks it may read, never write or delete
     delete = true                  # Delete (default true)
     stats = true                   # Stats of its own store (default true); admin = true: the whole server
+    purge = true                   # Purge its own chunks (default false); with admin = true: any tenant's
 
     [tenants.public]               # e.g. a system prompt every tenant may read, written by one
     token = "…"
@@ -32,18 +33,21 @@ import hashlib
 import hmac
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tiercache.config import parse_size, read_secret, read_token
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.purge import PurgeOrder, PurgeReport
 from tiercache.errors import ConfigError
 from tiercache.server.store import ChunkStore, PutOutcome, StoreConfig
 from tiercache.server.values import Messages, Stored
 
 FIELD = "--auth-token-file"
 DEFAULT = "default"
-_KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats", "admin", "write", "retention"}
+_KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats", "admin", "write", "retention",
+         "purge"}
+_OFF_BY_DEFAULT = ("admin", "purge")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ class Tenant:
     delete: bool = True
     stats: bool = True
     admin: bool = False                  # Stats of every store and the server's own counters
+    purge: bool = False                  # Purge its own chunks (with admin: any tenant's)
     retention: float | None = None       # seconds its chunks are kept (its own store only); None: --retention
 
 
@@ -66,10 +71,10 @@ def load_tenants(path: str) -> list[Tenant]:
     """The tenants an ``--auth-token-file`` names (see the module doc); `ConfigError` naming the file and the
     entry for anything wrong."""
     if not path:
-        return [Tenant(DEFAULT, None, admin=True)]
+        return [Tenant(DEFAULT, None, admin=True, purge=True)]
     text = read_secret(path, FIELD)
     if not text.lstrip().startswith("[tenants."):
-        return [Tenant(DEFAULT, read_token(path, FIELD), admin=True)]
+        return [Tenant(DEFAULT, read_token(path, FIELD), admin=True, purge=True)]
     try:
         table = tomllib.loads(text).get("tenants", {})
     except tomllib.TOMLDecodeError as err:
@@ -107,8 +112,8 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
     if not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
         raise ConfigError(FIELD, path, f"{where}: reads_from must be a list of tenant names")
     flags = {}
-    for flag in ("write", "delete", "stats", "admin"):
-        value = entry.get(flag, flag != "admin")
+    for flag in ("write", "delete", "stats", "admin", "purge"):
+        value = entry.get(flag, flag not in _OFF_BY_DEFAULT)
         if not isinstance(value, bool):
             raise ConfigError(FIELD, path, f"{where}: {flag} must be true or false")
         flags[flag] = value
@@ -185,6 +190,13 @@ class ScopedStore:
     def flush(self) -> int:
         return 0          # the pool is flushed once, by its owner
 
+    def purge(self, order: PurgeOrder) -> PurgeReport:
+        """Purge among this tenant's namespaces of the pool (those of ``order``, when it names some)."""
+        mine = self._mine()
+        if order.namespaces:
+            mine &= {self._ns(n) for n in order.namespaces}
+        return self._pool.purge(replace(order, namespaces=()), mine)
+
     def stats(self) -> dict[str, object]:
         """This tenant's part of the pool: per tier its chunks and bytes (the capacity is the pool's), its hot
         chunks and namespaces; the pool's own counters are everyone's, and left out."""
@@ -245,6 +257,10 @@ class Tenancy:
 
     def flush(self) -> int:
         return sum(s.flush() for s in self.stores.values())
+
+    def purge(self, tenant: Tenant, order: PurgeOrder) -> PurgeReport:
+        """Take what ``order`` selects out of ``tenant``'s chunks, in every tier of its store."""
+        return self._views[tenant.name].purge(order)
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tenant: the namespaces it holds chunks in and their bytes, over every tier of its store (or its

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import grpc
 
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.purge import PurgeOrder
+from tiercache.tiers.purge_watch import PurgeWatch
 from tiercache.tiers.remote_index import RemoteIndex
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat
@@ -29,6 +31,20 @@ class GrpcIndex(RemoteIndex):
         self._server = ServerChannel(address, auth_token, lookup_timeout_s, retry_interval_s, max_message_bytes)
         self._local_or_bulk = local == "auto" or bulk == "auto"
         self.parallel_jobs = False
+        self._purges: PurgeWatch | None = None
+
+    def attach(self, storage_digests: Sequence[bytes]) -> None:
+        super().attach(storage_digests)
+        if self._purges is None:           # the purges the server makes reach this engine's own tiers too
+            self._purges = PurgeWatch(self._server.purges, self._server.metadata, self._storage, self.name,
+                                      timeout_s=max(1.0, self.lookup_timeout_s))
+
+    def take_purges(self) -> list[PurgeOrder]:
+        return self._purges.take() if self._purges is not None else []
+
+    def purges_applied(self) -> None:
+        if self._purges is not None:
+            self._purges.applied()
 
     def check_health(self) -> pb.HealthReply | None:
         """The server's health at start, or None — and the tier down, probed until it answers — when it is away.
@@ -48,6 +64,8 @@ class GrpcIndex(RemoteIndex):
         return reply
 
     def close(self) -> None:
+        if self._purges is not None:
+            self._purges.close()
         super().close()
         self._server.close()
 

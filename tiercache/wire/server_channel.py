@@ -39,9 +39,10 @@ class ServerChannel:
             ("grpc.enable_retries", 0),
         ])
         unary = {n: self.channel.unary_unary(method(n), _identity, _identity)
-                 for n in ("Contains", "Delete", "Health", "Local", "Adopt", "Touch")}
+                 for n in ("Contains", "Delete", "Health", "Local", "Adopt", "Touch", "Purge", "Purges")}
         self.contains, self.delete, self._health = unary["Contains"], unary["Delete"], unary["Health"]
         self.local, self.adopt, self.touch = unary["Local"], unary["Adopt"], unary["Touch"]
+        self.purge, self.purges = unary["Purge"], unary["Purges"]
         self.get = self.channel.unary_stream(method("Get"), _identity, _identity)
         self.put = self.channel.stream_unary(method("Put"), _identity, _identity)
 

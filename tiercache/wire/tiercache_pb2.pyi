@@ -178,3 +178,83 @@ class TouchReply(_message.Message):
     TOUCHED_FIELD_NUMBER: _ClassVar[int]
     touched: int
     def __init__(self, touched: _Optional[int] = ...) -> None: ...
+
+class PurgeSpec(_message.Message):
+    __slots__ = ("namespaces", "roots", "stored_before", "everything")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    roots: _containers.RepeatedScalarFieldContainer[bytes]
+    stored_before: float
+    everything: bool
+    def __init__(self, namespaces: _Optional[_Iterable[bytes]] = ..., roots: _Optional[_Iterable[bytes]] = ..., stored_before: _Optional[float] = ..., everything: _Optional[bool] = ...) -> None: ...
+
+class PurgeRequest(_message.Message):
+    __slots__ = ("spec", "tenant", "wait_s")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    spec: PurgeSpec
+    tenant: str
+    wait_s: float
+    def __init__(self, spec: _Optional[_Union[PurgeSpec, _Mapping]] = ..., tenant: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class PurgedTier(_message.Message):
+    __slots__ = ("name", "chunks", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    chunks: int
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PurgeReply(_message.Message):
+    __slots__ = ("tiers", "seq", "engines_applied", "engines_pending")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[PurgedTier]
+    seq: int
+    engines_applied: int
+    engines_pending: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[PurgedTier, _Mapping]]] = ..., seq: _Optional[int] = ..., engines_applied: _Optional[int] = ..., engines_pending: _Optional[int] = ...) -> None: ...
+
+class PurgesRequest(_message.Message):
+    __slots__ = ("watcher", "namespaces", "applied", "instance")
+    WATCHER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    watcher: str
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    applied: int
+    instance: str
+    def __init__(self, watcher: _Optional[str] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., applied: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+
+class LoggedPurge(_message.Message):
+    __slots__ = ("seq", "spec", "issued_at")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    spec: PurgeSpec
+    issued_at: float
+    def __init__(self, seq: _Optional[int] = ..., spec: _Optional[_Union[PurgeSpec, _Mapping]] = ..., issued_at: _Optional[float] = ...) -> None: ...
+
+class PurgesReply(_message.Message):
+    __slots__ = ("purges", "instance", "lost", "now", "complete_to")
+    PURGES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_TO_FIELD_NUMBER: _ClassVar[int]
+    purges: _containers.RepeatedCompositeFieldContainer[LoggedPurge]
+    instance: str
+    lost: bool
+    now: float
+    complete_to: int
+    def __init__(self, purges: _Optional[_Iterable[_Union[LoggedPurge, _Mapping]]] = ..., instance: _Optional[str] = ..., lost: _Optional[bool] = ..., now: _Optional[float] = ..., complete_to: _Optional[int] = ...) -> None: ...
