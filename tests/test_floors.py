@@ -36,7 +36,8 @@ FLOORS: list[dict[str, list[str]]] = [
     {"engine": ["tiercache.engine"]},
     # the router: above the engines it fronts (it parses requests as their API servers do)
     {"fleet": ["tiercache.fleet"]},
-    {"bench": ["tiercache.bench"]},
+    # the deployment-wide tools: above the router (a purge hashes a prompt as a replica does)
+    {"bench": ["tiercache.bench"], "purging": ["tiercache.purging"]},
     {"cli": ["tiercache.cli"]},
 ]
 

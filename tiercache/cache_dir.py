@@ -1,4 +1,4 @@
-"""What a disk tier keeps in its directory, and emptying it (``tiercache cache info | clear``).
+"""What a disk tier keeps in its directory, emptying it (``tiercache cache info | clear``), and purging from it.
 
 A disk tier (L2) lays its chunks out as ``<path>/<storage digest hex>/<key[:2]>/<key hex>.chunk`` (see
 `tiercache.wire.chunk_files`), plus ``.tmp`` files a writer left half-written. Only files of that layout
@@ -11,7 +11,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiercache.contracts.purge import PurgeOrder
+from tiercache.errors import ChunkFormatError
 from tiercache.wire.chunk_files import SUFFIX, TEMP_SUFFIX
+from tiercache.wire.chunk_format import HEADER_BYTES, read_header
 
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -69,3 +72,47 @@ def clear(root: Path) -> CacheDirUsage:
         with contextlib.suppress(OSError):     # not empty: something else lives there
             d.rmdir()
     return removed
+
+
+def purge(root: Path, order: PurgeOrder) -> tuple[int, int]:
+    """Remove the chunk files ``order`` selects (and temp files of selected keys: half-written chunks hold KV
+    too); returns (files, bytes). A chunk's age is its file's time (retention sets it to the chunk's first
+    store); its parent is in its header. A file whose header cannot be read is taken by a purge of
+    everything or by age only. A running engine that indexed a removed file finds it gone: a miss. Passes
+    repeat while they find something, so a temp file renamed into place meanwhile is taken as well."""
+    removed = nbytes = 0
+    for _ in range(4):
+        files, size = _purge_pass(root, order)
+        removed += files
+        nbytes += size
+        if not files:
+            break
+    return removed, nbytes
+
+
+def _key_of(f: Path) -> bytes:
+    return bytes.fromhex(f.name.removesuffix(TEMP_SUFFIX).removesuffix(SUFFIX))
+
+
+def _purge_pass(root: Path, order: PurgeOrder) -> tuple[int, int]:
+    files = [f for digest, f in _chunk_files(root)
+             if not order.namespaces or bytes.fromhex(digest.name) in order.namespaces]
+    links = []
+    if order.roots:
+        for f in files:
+            if f.name.endswith(TEMP_SUFFIX):
+                continue
+            with contextlib.suppress(OSError, ChunkFormatError), open(f, "rb") as fh:
+                links.append((_key_of(f), read_header(fh.read(HEADER_BYTES))[0].parent))
+    chosen = order.selector(links)
+    removed = nbytes = 0
+    for f in files:
+        try:
+            st = f.stat()
+            if chosen(_key_of(f), st.st_mtime):
+                f.unlink()
+                removed += 1
+                nbytes += st.st_size
+        except FileNotFoundError:            # renamed into place or removed meanwhile: the next pass sees it
+            continue
+    return removed, nbytes

@@ -1,0 +1,172 @@
+"""``tiercache purge``: take KV out of a deployment — a tenant's, a namespace's, a prompt's, or by age.
+
+What it reaches (docs/architecture.md, "Purge"):
+- a `tiercache serve` (``--server``): its ``Purge`` call takes the chunks out of the server's memory and
+  disk, and the server passes the purge on to every engine under it, whose client tier polls for purges and
+  applies them to the engine's L1 and local disk; the call answers once those engines have (or its wait
+  is over) and says how many did;
+- disk tier directories (``--disk-path``): the files themselves, temp files included, for an engine that is
+  stopped or has no shared server (a running engine that indexed a removed file finds it gone: a miss).
+
+A prompt is named by its text (``--prompt``), a chat (``--messages``) or token ids (``--tokens``), hashed as
+the engine that served it does (``--replica``: a running `tiercache api`'s URL, or a replica descriptor file
+— the one a vLLM connector writes with ``router_descriptor``, completed by ``--model``, ``--tokenizer`` and
+``--chat-template``), or by chunk keys (``--keys``). Everything stored after the prompt's chunks in any
+request goes too: a later chunk's KV encodes the earlier tokens.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiercache.contracts.purge import PurgeOrder
+from tiercache.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSource:
+    """How the engine that served a prompt names its chunks, and the prompt."""
+    replica: str                    # URL of a `tiercache api`, or a descriptor JSON file
+    text: str | None = None
+    messages_file: str | None = None
+    tokens: tuple[int, ...] | None = None
+    model: str = ""
+    tokenizer: str = ""
+    chat_template: str = ""
+    cache_salt: str = ""
+    keep_first: int = 0             # leading tokens not purged (a shared system prompt)
+
+
+@dataclass(slots=True)
+class PurgeResult:
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)     # "server/memory", "disk:/path", ...
+    engines_applied: int = 0
+    engines_pending: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"tiers": self.tiers, "chunks": sum(t["chunks"] for t in self.tiers.values()),
+                "bytes": sum(t["bytes"] for t in self.tiers.values()),
+                "engines": {"applied": self.engines_applied, "pending": self.engines_pending},
+                "seconds": round(self.seconds, 3)}
+
+
+def read_descriptor(src: PromptSource):
+    """The replica descriptor a prompt is hashed by (flags fill what a connector's file leaves out)."""
+    from tiercache.fleet.descriptor import ReplicaDescriptor
+
+    where = src.replica
+    try:
+        if where.startswith(("http://", "https://")):
+            with urllib.request.urlopen(where.rstrip("/") + "/tiercache/replica", timeout=10) as reply:
+                data = json.load(reply)
+        else:
+            data = json.loads(Path(where).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError("--replica", where, f"cannot read a replica descriptor: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--replica", where, "is not a replica descriptor (a JSON object)")
+    if src.model and data.get("model") and data["model"] != src.model:
+        raise ConfigError("--model", src.model, f"the replica at {where} serves {data['model']!r}: a prompt for "
+                                                "another model names other chunks")
+    given = {"model": src.model, "tokenizer": src.tokenizer, "chat_template": src.chat_template}
+    data = {"instance": "purge", **data, **{k: v for k, v in given.items() if v and k not in data}}
+    if "model" not in data:
+        raise ConfigError("--model", "", f"the descriptor {where} names no model: give --model")
+    return ReplicaDescriptor.from_dict(data, "--replica")
+
+
+def prompt_keys(src: PromptSource) -> tuple[bytes, ...]:
+    """The chunk keys of the prompt from ``keep_first`` tokens on, as its replica's tiers name them."""
+    from tiercache.fleet.prefix_index import key_schemes
+    from tiercache.fleet.replicas import PromptEncoder
+
+    descriptor = read_descriptor(src)
+    if not descriptor.chunk_tokens:
+        raise ConfigError("--replica", src.replica, "names an engine without tiers: nothing of it to purge")
+    if src.tokens is not None:
+        tokens = list(src.tokens)
+    else:
+        encoder = PromptEncoder(descriptor.tokenizer, descriptor.chat_template)
+        if src.messages_file:
+            try:
+                messages = json.loads(Path(src.messages_file).read_text())
+            except (OSError, ValueError) as err:
+                raise ConfigError("--messages", src.messages_file, f"cannot read: {err}") from None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise ConfigError("--messages", src.messages_file, "must be a JSON list of chat messages")
+            tokens = encoder.encode_chat(messages)
+        else:
+            tokens = encoder.encode(src.text or "")
+    keys = key_schemes.get(descriptor.key_scheme)(descriptor).keys(tokens, src.cache_salt).chunk_keys
+    if not keys:
+        raise ConfigError("--prompt", f"{len(tokens)} tokens", f"is shorter than one chunk "
+                                                              f"({descriptor.chunk_tokens} tokens): nothing is stored")
+    skip = src.keep_first // descriptor.chunk_tokens        # whole chunks inside the kept tokens stay
+    if skip >= len(keys):
+        raise ConfigError("--keep-first", src.keep_first, f"keeps every chunk of the prompt ({len(keys)})")
+    return tuple(keys[skip:])
+
+
+def parse_hex_list(text: str, flag: str, size: int) -> tuple[bytes, ...]:
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            value = bytes.fromhex(item)
+        except ValueError:
+            raise ConfigError(flag, item, "is not hex") from None
+        if len(value) != size:
+            raise ConfigError(flag, item, f"must be {size} bytes ({2 * size} hex digits)")
+        out.append(value)
+    if not out:
+        raise ConfigError(flag, text, "names nothing")
+    return tuple(out)
+
+
+def purge_server(address: str, token: str | None, order: PurgeOrder, tenant: str, wait_s: float,
+                 result: PurgeResult, timeout_s: float = 120.0) -> None:
+    """One ``Purge`` call; a refusal raises `PurgeRefused` with the server's status and words."""
+    import grpc
+
+    from tiercache.wire import tiercache_pb2 as pb
+    from tiercache.wire.grpc_messages import AUTH_HEADER, method
+
+    spec = pb.PurgeSpec(namespaces=order.namespaces, roots=order.roots, stored_before=order.stored_before or 0.0,
+                        everything=order.everything)
+    request = pb.PurgeRequest(spec=spec, tenant=tenant, wait_s=wait_s)
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(method("Purge"), lambda b: b, lambda b: b)
+        try:
+            raw = call(request.SerializeToString(), timeout=timeout_s,
+                       metadata=((AUTH_HEADER, f"Bearer {token}"),) if token else ())
+        except grpc.RpcError as err:
+            raise PurgeRefused(f"{address}: {err.code().name}: {err.details()}") from None
+    reply = pb.PurgeReply.FromString(raw)
+    for t in reply.tiers:
+        result.tiers[f"server/{t.name}"] = {"chunks": t.chunks, "bytes": t.bytes}
+    result.engines_applied += reply.engines_applied
+    result.engines_pending += reply.engines_pending
+
+
+class PurgeRefused(Exception):
+    """A server refused the purge (no right, unknown tenant, bad request): its status and words."""
+
+
+def purge(order: PurgeOrder, server: str = "", token: str | None = None, tenant: str = "", wait_s: float = 0.0,
+          disk_paths: tuple[str, ...] = ()) -> PurgeResult:
+    """Purge every place named; the server first (it passes the purge on to the engines under it)."""
+    from tiercache import cache_dir
+
+    result = PurgeResult()
+    started = time.perf_counter()
+    if server:
+        purge_server(server, token, order, tenant, wait_s, result)
+    for path in disk_paths:
+        files, nbytes = cache_dir.purge(Path(path), order)
+        result.tiers[f"disk:{path}"] = {"chunks": files, "bytes": nbytes}
+    result.seconds = time.perf_counter() - started
+    return result
+
