@@ -311,3 +311,24 @@ def test_a_prompt_is_hashed_as_its_replica_does_and_purged_from_a_disk_directory
     left = {f.name for f in disk.rglob("*.chunk*")}
     assert {f"{k.hex()}.chunk" for k in mine_keys[:kept] + other_keys} <= left       # the system prompt stays
     assert not {f"{k.hex()}.chunk" for k in mine_keys[kept:]} & left and not half_written.exists()
+
+
+def test_a_purge_reaches_redis_values_by_their_headers(redis_server, tmp_path):
+    import redis
+
+    from tiercache.tiers.redis import RedisTransport, redis_key
+
+    tier = RedisTransport(redis_server.url, NS)
+    try:
+        assert tier.write_chunks(chain("abcdef") + chain("xy", parent="c") + chain("pq")) == ()
+    finally:
+        tier.close()
+    out = run_cli("purge", "--redis", redis_server.url, "--keys", key("c").hex())
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tiers"]["redis"]["chunks"] == 6
+    left = set(redis.Redis.from_url(redis_server.url).keys("tiercache:*"))
+    assert left == {redis_key(NS, key(n)) for n in "abpq"}                 # the keyspace holds nothing of it
+    out = run_cli("purge", "--redis", redis_server.url, "--older-than", "60")
+    assert out.returncode == 2 and "values carry no store time" in out.stderr and out.stderr.count("\n") == 1
+    out = run_cli("purge", "--redis", "redis://127.0.0.1:1", "--everything")
+    assert out.returncode == 1 and "purge refused by redis://127.0.0.1:1" in out.stderr

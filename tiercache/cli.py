@@ -629,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--wait", type=lambda t: _finite(t, 0.0), default=0.0, metavar="SECONDS",
                     help="longest wait for the engines under the server to apply it (default 5, at most 60)")
     pu.add_argument("--disk-path", action="append", default=[], help="a disk tier's directory (repeatable)")
+    pu.add_argument("--redis", default="", metavar="URL", help="a Redis tier's URL (not with --older-than: its "
+                                                               "values carry no store time)")
+    pu.add_argument("--redis-cluster", action="store_true", help="--redis is a Redis Cluster")
     pu.set_defaults(func=cmd_purge)
 
     st = sub.add_parser("stats", help="a running `tiercache serve`: its tiers, counters and most read chunks (JSON)")
@@ -679,8 +682,11 @@ def cmd_purge(args: argparse.Namespace) -> int:
     from tiercache.contracts.purge import PurgeOrder
     from tiercache.purging import PromptSource, PurgeRefused, parse_hex_list, prompt_keys, purge
 
-    if not args.server and not args.disk_path:
-        raise ConfigError("--server", "", "names nowhere to purge: give --server and/or --disk-path")
+    if not args.server and not args.disk_path and not args.redis:
+        raise ConfigError("--server", "", "names nowhere to purge: give --server, --redis and/or --disk-path")
+    if args.redis and args.older_than is not None:
+        raise ConfigError("--older-than", args.older_than, "cannot reach Redis: its values carry no store time "
+                                                           "(bound their age with redis.retention)")
     if args.server and not is_host_port(args.server):
         raise ConfigError("--server", args.server, "expected host:port")
     for path in args.disk_path:
@@ -711,7 +717,8 @@ def cmd_purge(args: argparse.Namespace) -> int:
     order = PurgeOrder(roots, stored_before, args.everything, namespaces)
     token = read_token(args.auth_token_file, "--auth-token-file") if args.auth_token_file else None
     try:
-        result = purge(order, args.server or "", token, args.tenant, args.wait, tuple(args.disk_path))
+        result = purge(order, args.server or "", token, args.tenant, args.wait, tuple(args.disk_path), args.redis,
+                       args.redis_cluster)
     except PurgeRefused as err:
         print(f"tiercache: error: purge refused by {err}", file=sys.stderr)
         return 1

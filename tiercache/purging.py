@@ -5,6 +5,8 @@ What it reaches (docs/architecture.md, "Purge"):
   disk, and the server passes the purge on to every engine under it, whose client tier polls for purges and
   applies them to the engine's L1 and local disk; the call answers once those engines have (or its wait
   is over) and says how many did;
+- a Redis (``--redis``): the values of the tier's layout, found by ``SCAN`` and their headers (its values
+  carry no store time: an age does not reach them, ``redis.retention`` does);
 - disk tier directories (``--disk-path``): the files themselves, temp files included, for an engine that is
   stopped or has no shared server (a running engine that indexed a removed file finds it gone: a miss).
 
@@ -16,14 +18,17 @@ request goes too: a later chunk's KV encodes the earlier tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiercache.contracts.purge import PurgeOrder
-from tiercache.errors import ConfigError
+from tiercache.errors import ChunkFormatError, ConfigError
+from tiercache.wire.chunk_format import HEADER_BYTES, read_header
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +160,77 @@ class PurgeRefused(Exception):
     """A server refused the purge (no right, unknown tenant, bad request): its status and words."""
 
 
+REDIS_KEY = re.compile(rb"tiercache:([0-9a-f]{32}):([0-9a-f]{64})")    # `tiercache.tiers.redis.redis_key`
+REDIS_BATCH = 1000
+
+
+def purge_redis(url: str, order: PurgeOrder, cluster: bool = False) -> tuple[int, int]:
+    """Unlink the values ``order`` selects from a Redis (keys of the tier's layout only): (values, bytes). Its
+    parents come from the values' headers (one pipelined ``GETRANGE`` per value). Passes repeat while they
+    find something, so a value written meanwhile by a writer that started before is taken as well."""
+    if order.stored_before is not None:
+        raise ConfigError("--older-than", order.stored_before, "cannot reach Redis: its values carry no store "
+                                                               "time (bound their age with redis.retention)")
+    import redis
+
+    from tiercache.tiers.redis import fast_client
+
+    client = fast_client(url, cluster, socket_timeout=30, socket_connect_timeout=5)
+    try:
+        removed = nbytes = 0
+        for _ in range(4):
+            values, size = _redis_pass(client, order)
+            removed += values
+            nbytes += size
+            if not values:
+                break
+        return removed, nbytes
+    except redis.exceptions.RedisError as err:
+        raise PurgeRefused(f"{url}: {type(err).__name__}: {err}") from None
+    finally:
+        client.close()
+
+
+def _redis_pass(client, order: PurgeOrder) -> tuple[int, int]:
+    patterns = [b"tiercache:%s:*" % n.hex().encode() for n in order.namespaces] or [b"tiercache:*"]
+    found: list[tuple[bytes, bytes]] = []          # (Redis key, chunk key)
+    for pattern in patterns:
+        for name in client.scan_iter(match=pattern, count=REDIS_BATCH):
+            m = REDIS_KEY.fullmatch(name)
+            if m:
+                found.append((name, bytes.fromhex(m.group(2).decode())))
+    links = []
+    if order.roots:
+        for batch in _batches(found):
+            pipe = client.pipeline(transaction=False)
+            for name, _ in batch:
+                pipe.getrange(name, 0, HEADER_BYTES - 1)
+            for (_, chunk), header in zip(batch, pipe.execute(raise_on_error=False)):
+                with contextlib.suppress(ChunkFormatError, TypeError):
+                    links.append((chunk, read_header(header)[0].parent))
+    chosen = order.selector(links)
+    doomed = [name for name, chunk in found if chosen(chunk, 0.0)]
+    removed = nbytes = 0
+    for batch in _batches(doomed):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.strlen(name)
+            pipe.unlink(name)
+        replies = pipe.execute(raise_on_error=False)
+        for size, gone in zip(replies[::2], replies[1::2]):
+            if gone == 1:
+                removed += 1
+                nbytes += size if isinstance(size, int) else 0
+    return removed, nbytes
+
+
+def _batches(items: list, n: int = REDIS_BATCH):
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
 def purge(order: PurgeOrder, server: str = "", token: str | None = None, tenant: str = "", wait_s: float = 0.0,
-          disk_paths: tuple[str, ...] = ()) -> PurgeResult:
+          disk_paths: tuple[str, ...] = (), redis_url: str = "", redis_cluster: bool = False) -> PurgeResult:
     """Purge every place named; the server first (it passes the purge on to the engines under it)."""
     from tiercache import cache_dir
 
@@ -164,6 +238,9 @@ def purge(order: PurgeOrder, server: str = "", token: str | None = None, tenant:
     started = time.perf_counter()
     if server:
         purge_server(server, token, order, tenant, wait_s, result)
+    if redis_url:
+        values, nbytes = purge_redis(redis_url, order, redis_cluster)
+        result.tiers["redis"] = {"chunks": values, "bytes": nbytes}
     for path in disk_paths:
         files, nbytes = cache_dir.purge(Path(path), order)
         result.tiers[f"disk:{path}"] = {"chunks": files, "bytes": nbytes}
