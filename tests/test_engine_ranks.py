@@ -50,7 +50,8 @@ def test_two_ranks_give_the_same_tokens_and_each_files_its_own_half(tmp_path):
     with engine(1, with_disk(tmp_path / "tp1")) as one:
         run_sequential(one, prompts[:1])
     (one_size,) = {f.stat().st_size for f in (tmp_path / "tp1").rglob("*.chunk")}
-    assert len(sizes) == 1 and (one_size - HEADER_BYTES) == 2 * (sizes.pop() - HEADER_BYTES)   # each rank holds half the heads
+    # each rank holds half the heads
+    assert len(sizes) == 1 and (one_size - HEADER_BYTES) == 2 * (sizes.pop() - HEADER_BYTES)
 
 
 def test_deployments_of_two_tp_sizes_share_a_disk_path_and_never_read_each_others_chunks(tmp_path):

@@ -12,8 +12,9 @@ import pytest
 from tests.conftest import CacheServerProcess
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.purge import PurgeOrder, chain_closure
+from tiercache.purging import REDIS_KEY
 from tiercache.server.tiers import DiskChunks, MemoryChunks
-from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
+from tiercache.wire.chunk_format import ChunkMeta
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
@@ -326,9 +327,43 @@ def test_a_purge_reaches_redis_values_by_their_headers(redis_server, tmp_path):
     out = run_cli("purge", "--redis", redis_server.url, "--keys", key("c").hex())
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["tiers"]["redis"]["chunks"] == 6
-    left = set(redis.Redis.from_url(redis_server.url).keys("tiercache:*"))
+    left = {k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)}
     assert left == {redis_key(NS, key(n)) for n in "abpq"}                 # the keyspace holds nothing of it
     out = run_cli("purge", "--redis", redis_server.url, "--older-than", "60")
     assert out.returncode == 2 and "values carry no store time" in out.stderr and out.stderr.count("\n") == 1
     out = run_cli("purge", "--redis", "redis://127.0.0.1:1", "--everything")
     assert out.returncode == 1 and "purge refused by redis://127.0.0.1:1" in out.stderr
+
+
+def test_an_engine_reading_redis_applies_a_purge_announced_there_before_its_values_go(redis_server, tmp_path):
+    import redis
+
+    from tests.support.engine_runs import offload, run_sequential, shared_prompts
+    from tiercache.engine import EngineConfig, LLMEngine
+    from tiercache.purging import purge
+
+    prompts = shared_prompts(n=2, suffix=80)
+    cfg = EngineConfig(enable_prefix_caching=False)
+    with LLMEngine(engine_cfg=cfg) as plain:
+        expect = [s.output_token_ids for s in run_sequential(plain, prompts)]
+    tiers = offload(redis={"enabled": True, "url": redis_server.url},
+                    disk={"enabled": True, "path": str(tmp_path / "disk"), "write_mode": "write-through"})
+    with LLMEngine(engine_cfg=cfg, offload=tiers) as engine:
+        first = run_sequential(engine, prompts[:1])[0]
+        for _ in range(3):
+            engine.step()
+        keys = chunk_keys(first.block_hashes, 4)
+        manager = engine.connector.scheduler.manager
+        assert set(keys) <= set(manager.l1.held_keys()) and manager.by_name["redis"].present(keys) == len(keys)
+        result = {}
+        purging = threading.Thread(target=lambda: result.update(r=purge(PurgeOrder(roots=keys[:1]),
+                                                                          redis_url=redis_server.url, wait_s=20)))
+        purging.start()
+        while purging.is_alive():
+            engine.step()
+        report = result["r"]
+        assert (report.engines_applied, report.engines_pending) == (1, 0) and report.tiers["redis"]["chunks"] == 4
+        assert not set(keys) & {k for t in (manager.l1, manager.by_name["disk"]) for k in t.entries}
+        assert not [k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)]
+        seq = run_sequential(engine, prompts[1:])[0]
+        assert seq.metrics.external_hit_tokens == 0 and seq.output_token_ids == expect[1]

@@ -5,8 +5,10 @@ What it reaches (docs/architecture.md, "Purge"):
   disk, and the server passes the purge on to every engine under it, whose client tier polls for purges and
   applies them to the engine's L1 and local disk; the call answers once those engines have (or its wait
   is over) and says how many did;
-- a Redis (``--redis``): the values of the tier's layout, found by ``SCAN`` and their headers (its values
-  carry no store time: an age does not reach them, ``redis.retention`` does);
+- a Redis (``--redis``): the purge is announced in the stream ``tiercache:purges``, which every engine
+  reading that Redis polls and applies to its own L1 and disk, as under a server; once they have, the values
+  of the tier's layout it selects are unlinked, found by ``SCAN`` and their headers (Redis values carry no
+  store time: an age does not reach them, ``redis.retention`` does);
 - disk tier directories (``--disk-path``): the files themselves, temp files included, for an engine that is
   stopped or has no shared server (a running engine that indexed a removed file finds it gone: a miss).
 
@@ -26,8 +28,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercache.contracts.purge import PurgeOrder
+from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, WATCHER_TTL_S, PurgeOrder
 from tiercache.errors import ChunkFormatError, ConfigError
+from tiercache.tiers.purge_watch import REDIS_APPLIED, REDIS_KEEP, REDIS_STREAM, redis_now, stream_id
+from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import HEADER_BYTES, read_header
 
 
@@ -136,7 +140,6 @@ def purge_server(address: str, token: str | None, order: PurgeOrder, tenant: str
     """One ``Purge`` call; a refusal raises `PurgeRefused` with the server's status and words."""
     import grpc
 
-    from tiercache.wire import tiercache_pb2 as pb
     from tiercache.wire.grpc_messages import AUTH_HEADER, method
 
     spec = pb.PurgeSpec(namespaces=order.namespaces, roots=order.roots, stored_before=order.stored_before or 0.0,
@@ -164,10 +167,12 @@ REDIS_KEY = re.compile(rb"tiercache:([0-9a-f]{32}):([0-9a-f]{64})")    # `tierca
 REDIS_BATCH = 1000
 
 
-def purge_redis(url: str, order: PurgeOrder, cluster: bool = False) -> tuple[int, int]:
-    """Unlink the values ``order`` selects from a Redis (keys of the tier's layout only): (values, bytes). Its
-    parents come from the values' headers (one pipelined ``GETRANGE`` per value). Passes repeat while they
-    find something, so a value written meanwhile by a writer that started before is taken as well."""
+def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool = False, wait_s: float = 0.0) -> None:
+    """Announce the purge to the engines reading this Redis (the stream ``tiercache:purges``), wait until those
+    that polled within the last few seconds applied it to their L1 and disks (or ``wait_s`` passed), then
+    unlink the values it selects (keys of the tier's layout only; parents from the values' headers, one
+    pipelined ``GETRANGE`` each). Deleting after the engines applied it leaves none of them a copy to write
+    back; passes repeat while they find something, so a write already on its way is taken as well."""
     if order.stored_before is not None:
         raise ConfigError("--older-than", order.stored_before, "cannot reach Redis: its values carry no store "
                                                                "time (bound their age with redis.retention)")
@@ -177,6 +182,8 @@ def purge_redis(url: str, order: PurgeOrder, cluster: bool = False) -> tuple[int
 
     client = fast_client(url, cluster, socket_timeout=30, socket_connect_timeout=5)
     try:
+        position = _announce(client, order)
+        applied, pending = _wait_for_engines(client, position, wait_s or DEFAULT_WAIT_S)
         removed = nbytes = 0
         for _ in range(4):
             values, size = _redis_pass(client, order)
@@ -184,11 +191,42 @@ def purge_redis(url: str, order: PurgeOrder, cluster: bool = False) -> tuple[int
             nbytes += size
             if not values:
                 break
-        return removed, nbytes
     except redis.exceptions.RedisError as err:
         raise PurgeRefused(f"{url}: {type(err).__name__}: {err}") from None
     finally:
         client.close()
+    result.tiers["redis"] = {"chunks": removed, "bytes": nbytes}
+    result.engines_applied += applied
+    result.engines_pending += pending
+
+
+def _announce(client, order: PurgeOrder) -> tuple[int, int]:
+    spec = pb.PurgeSpec(namespaces=order.namespaces, roots=order.roots, everything=order.everything)
+    entry = client.xadd(REDIS_STREAM, {"spec": spec.SerializeToString(), "at": f"{redis_now(client):.6f}"},
+                        maxlen=REDIS_KEEP, approximate=True)
+    return stream_id(entry)
+
+
+def _wait_for_engines(client, position: tuple[int, int], wait_s: float) -> tuple[int, int]:
+    """(applied, pending) among the engines that polled the stream within ``WATCHER_TTL_S``; entries of engines
+    gone for an hour are dropped."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        now = redis_now(client)
+        done = pending = 0
+        for watcher, value in client.hgetall(REDIS_APPLIED).items():
+            at, _, seen = value.decode().partition(" ")
+            age = now - float(seen or 0)
+            if age > 3600:
+                client.hdel(REDIS_APPLIED, watcher)
+            elif age < WATCHER_TTL_S:
+                if stream_id(at) >= position:
+                    done += 1
+                else:
+                    pending += 1
+        if not pending or time.monotonic() >= give_up:
+            return done, pending
+        time.sleep(POLL_INTERVAL_S / 5)
 
 
 def _redis_pass(client, order: PurgeOrder) -> tuple[int, int]:
@@ -239,8 +277,7 @@ def purge(order: PurgeOrder, server: str = "", token: str | None = None, tenant:
     if server:
         purge_server(server, token, order, tenant, wait_s, result)
     if redis_url:
-        values, nbytes = purge_redis(redis_url, order, redis_cluster)
-        result.tiers["redis"] = {"chunks": values, "bytes": nbytes}
+        purge_redis(redis_url, order, result, redis_cluster, wait_s)
     for path in disk_paths:
         files, nbytes = cache_dir.purge(Path(path), order)
         result.tiers[f"disk:{path}"] = {"chunks": files, "bytes": nbytes}

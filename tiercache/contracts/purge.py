@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 from tiercache.contracts.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
 
-POLL_INTERVAL_S = 0.5     # how often a client tier asks its server for purges to apply to its engine's tiers
+POLL_INTERVAL_S = 0.5     # how often a client tier asks its store for purges to apply to its engine's tiers
+WATCHER_TTL_S = 10.0      # an engine that has not polled for this long is not waited for
+DEFAULT_WAIT_S = 5.0      # how long a purge waits for the engines to apply it, unless told
 
 
 @dataclass(frozen=True, slots=True)

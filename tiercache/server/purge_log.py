@@ -27,9 +27,8 @@ from collections import OrderedDict, deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from tiercache.contracts.purge import PurgeOrder
+from tiercache.contracts.purge import WATCHER_TTL_S, PurgeOrder
 
-WATCHER_TTL_S = 10.0     # an engine that has not polled for this long is not waited for
 MAX_WATCHER_ID = 64
 
 

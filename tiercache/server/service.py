@@ -48,7 +48,7 @@ from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
-from tiercache.contracts.purge import POLL_INTERVAL_S, PurgeOrder, order_selectors
+from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, PurgeOrder, order_selectors
 from tiercache.errors import ChunkFormatError
 from tiercache.server.fair import Hold, InflightBytes
 from tiercache.server.limits import ServerLimits, StreamWatch, end_call
@@ -74,7 +74,6 @@ log = logging.getLogger("tiercache.server")
 STREAM_SILENT_S = 0.25   # a stream of a tenant over its share silent this long gives its slot to another tenant
 REQUEST_SILENT_S = 0.1    # a call whose one request has not come for this long gives its slot to a newcomer
                           # (a client sends a unary call's request with its headers, in one write)
-DEFAULT_PURGE_WAIT_S = 5.0   # a Purge waits this long (unless it says) for the engines to apply it
 MAX_PURGE_WAIT_S = 60.0
 MAX_PURGES_PER_REPLY = 256    # a client far behind catches up over several polls
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
@@ -529,7 +528,8 @@ class CacheService:
             if whose is None:
                 raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: there is no tenant {req.tenant!r}")
         if not 0 <= req.wait_s <= MAX_PURGE_WAIT_S:
-            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purge: wait_s {req.wait_s} is not 0..{MAX_PURGE_WAIT_S}")
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"Purge: wait_s {req.wait_s} is not 0..{MAX_PURGE_WAIT_S}")
         order = replace(self._purge_order(req.spec), issued_at=time.time())
         started = time.perf_counter()
         report = self.tenancy.purge(whose, order)
@@ -545,7 +545,7 @@ class CacheService:
         reply = pb.PurgeReply(seq=seq)
         for name, (chunks, nbytes) in report.tiers.items():
             reply.tiers.add(name=name, chunks=chunks, bytes=nbytes)
-        return _AfterEngines(reply, seq, req.wait_s or DEFAULT_PURGE_WAIT_S)
+        return _AfterEngines(reply, seq, req.wait_s or DEFAULT_WAIT_S)
 
     def _purge_order(self, spec: pb.PurgeSpec) -> PurgeOrder:
         if len(spec.roots) > MAX_KEYS_PER_CALL or len(spec.namespaces) > MAX_KEYS_PER_CALL:

@@ -13,7 +13,7 @@ import grpc
 
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.purge import PurgeOrder
-from tiercache.tiers.purge_watch import PurgeWatch
+from tiercache.tiers.purge_watch import ServerPurges
 from tiercache.tiers.remote_index import RemoteIndex
 from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat
@@ -31,12 +31,12 @@ class GrpcIndex(RemoteIndex):
         self._server = ServerChannel(address, auth_token, lookup_timeout_s, retry_interval_s, max_message_bytes)
         self._local_or_bulk = local == "auto" or bulk == "auto"
         self.parallel_jobs = False
-        self._purges: PurgeWatch | None = None
+        self._purges: ServerPurges | None = None
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         super().attach(storage_digests)
         if self._purges is None:           # the purges the server makes reach this engine's own tiers too
-            self._purges = PurgeWatch(self._server.purges, self._server.metadata, self._storage, self.name,
+            self._purges = ServerPurges(self._server.purges, self._server.metadata, self._storage, self.name,
                                       timeout_s=max(1.0, self.lookup_timeout_s))
 
     def take_purges(self) -> list[PurgeOrder]:

@@ -137,7 +137,8 @@ class IndexedTier(TierIndex):
     def purge(self, chosen: Callable[[bytes, float], bool]) -> tuple[list[bytes], int]:
         """Take out every entry ``chosen(key, stored_at)`` picks: (their keys, their bytes). A pinned one or a
         reservation is unreadable from now on and goes when let go (`unpin`, `publish`)."""
-        gone = [(key, entry) for key, entry in self.entries.items() if not entry.purged and chosen(key, entry.stored_at)]
+        gone = [(key, entry) for key, entry in self.entries.items()
+                if not entry.purged and chosen(key, entry.stored_at)]
         for key, entry in gone:
             if entry.pins or not entry.ready:
                 entry.purged = True

@@ -9,7 +9,9 @@ and Redis's own ``maxmemory`` policy bounds their size.
 
 - `RedisIndex` (scheduler side): lookups — one pipelined ``EXISTS`` batch
   over every writing rank's key of each chunk — on the index's lookup thread,
-  over connections of their own with a short ``lookup_timeout``.
+  over connections of their own with a short ``lookup_timeout``; and the
+  purges announced in ``tiercache:purges`` (`RedisPurges`), for the engine's
+  own tiers.
 - `RedisTransport` (worker side, one per rank): pipelined stores and loads
   on transfer threads, through one value channel: a raw socket borrowed from
   redis-py's pool for a standalone server, redis-py's cluster pipeline for a
@@ -24,7 +26,9 @@ import logging
 from collections.abc import Sequence
 
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.purge import PurgeOrder
 from tiercache.tiers.channels import ValueChannel
+from tiercache.tiers.purge_watch import RedisPurges
 from tiercache.tiers.redis_channels import PipelinedValues, RawSocketValues
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.remote_index import RemoteIndex
@@ -84,8 +88,23 @@ class RedisIndex(RemoteIndex):
         self._client = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                    socket_connect_timeout=lookup_timeout_s)
         self.parallel_jobs = cluster   # one redis-server is one thread; a cluster's nodes work side by side
+        self._purges: RedisPurges | None = None
+
+    def attach(self, storage_digests: Sequence[bytes]) -> None:
+        super().attach(storage_digests)
+        if self._purges is None:           # what `tiercache purge --redis` takes out reaches this engine too
+            self._purges = RedisPurges(self._client, self._storage, self.name)
+
+    def take_purges(self) -> list[PurgeOrder]:
+        return self._purges.take() if self._purges is not None else []
+
+    def purges_applied(self) -> None:
+        if self._purges is not None:
+            self._purges.applied()
 
     def close(self) -> None:
+        if self._purges is not None:
+            self._purges.close()
         super().close()
         self._client.close()
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, KeyFailures, TransferPlan
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.kernels.cuda import make_copier
