@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiercache.contracts.purge import PurgeOrder
+from tiercache.contracts.purge import PurgeOrder, repeat_passes
 from tiercache.errors import ChunkFormatError
 from tiercache.wire.chunk_files import SUFFIX, TEMP_SUFFIX
 from tiercache.wire.chunk_format import HEADER_BYTES, read_header
@@ -80,14 +80,7 @@ def purge(root: Path, order: PurgeOrder) -> tuple[int, int]:
     store); its parent is in its header. A file whose header cannot be read is taken by a purge of
     everything or by age only. A running engine that indexed a removed file finds it gone: a miss. Passes
     repeat while they find something, so a temp file renamed into place meanwhile is taken as well."""
-    removed = nbytes = 0
-    for _ in range(4):
-        files, size = _purge_pass(root, order)
-        removed += files
-        nbytes += size
-        if not files:
-            break
-    return removed, nbytes
+    return repeat_passes(lambda: _purge_pass(root, order))
 
 
 def _key_of(f: Path) -> bytes:

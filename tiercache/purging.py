@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, WATCHER_TTL_S, PurgeOrder
+from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, WATCHER_TTL_S, PurgeOrder, repeat_passes
 from tiercache.errors import ChunkFormatError, ConfigError
 from tiercache.tiers.purge_watch import REDIS_APPLIED, REDIS_KEEP, REDIS_STREAM, redis_now, stream_id
 from tiercache.wire import tiercache_pb2 as pb
@@ -184,13 +184,7 @@ def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool 
     try:
         position = _announce(client, order)
         applied, pending = _wait_for_engines(client, position, wait_s or DEFAULT_WAIT_S)
-        removed = nbytes = 0
-        for _ in range(4):
-            values, size = _redis_pass(client, order)
-            removed += values
-            nbytes += size
-            if not values:
-                break
+        removed, nbytes = repeat_passes(lambda: _redis_pass(client, order))
     except redis.exceptions.RedisError as err:
         raise PurgeRefused(f"{url}: {type(err).__name__}: {err}") from None
     finally:

@@ -24,7 +24,7 @@ first chunk), and purges by namespace, tenant or age take it.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tiercache.contracts.keys import HASH_BYTES, NAMESPACE_DIGEST_BYTES, BlockHash
@@ -76,6 +76,19 @@ def order_selectors(order: PurgeOrder) -> dict[str, object]:
     if order.namespaces:
         out["namespaces"] = [n.hex() for n in order.namespaces]
     return out
+
+
+def repeat_passes(one_pass: Callable[[], tuple[int, int]], passes: int = 4) -> tuple[int, int]:
+    """Run a store's purge pass (returning what it took: chunks, bytes) until one takes nothing, at most
+    ``passes`` times: what a writer already on its way put down meanwhile goes too. The sums."""
+    removed = nbytes = 0
+    for _ in range(passes):
+        chunks, size = one_pass()
+        removed += chunks
+        nbytes += size
+        if not chunks:
+            break
+    return removed, nbytes
 
 
 def chain_closure(roots: Iterable[bytes], links: Iterable[tuple[bytes, bytes | None]]) -> frozenset[bytes]:
