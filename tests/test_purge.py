@@ -14,7 +14,7 @@ from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.purge import PurgeOrder, chain_closure
 from tiercache.purging import REDIS_KEY
 from tiercache.server.tiers import DiskChunks, MemoryChunks
-from tiercache.wire.chunk_format import ChunkMeta
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
@@ -367,3 +367,61 @@ def test_an_engine_reading_redis_applies_a_purge_announced_there_before_its_valu
         assert not [k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)]
         seq = run_sequential(engine, prompts[1:])[0]
         assert seq.metrics.external_hit_tokens == 0 and seq.output_token_ids == expect[1]
+
+
+# -- transfers on their way when an engine applies a purge ------------------------------------------------------------
+def test_a_store_or_a_copy_down_on_its_way_when_a_purge_is_applied_lands_nowhere(redis_server):
+    import redis
+
+    from tests.conftest import CHUNK, Stack
+
+    s = Stack(redis={"enabled": True, "url": redis_server.url})          # L1 and Redis, written through
+    values = redis.Redis.from_url(redis_server.url)
+    try:
+        def compute(req: str, seed: int):
+            hashes = s.hasher.hash_blocks([seed * 1000 + t for t in range(2 * CHUNK)])
+            s.blocks.allocate(req, 2 * CHUNK)
+            ids = s.blocks.block_ids(req)
+            s.fill(req, ids, seed)
+            return hashes, ids
+
+        hashes, ids = compute("r1", 1)
+        store = s.manager.plan_store(hashes, ids)               # L0 → L1, on its way
+        s.manager.purge(PurgeOrder(everything=True))
+        s.run(store)
+        s.offload.drain()
+        assert s.cpu.num_chunks == 0 and not [k for k in values.keys("tiercache:*") if REDIS_KEY.fullmatch(k)]
+
+        hashes, ids = compute("r2", 2)
+        s.run(s.manager.plan_store(hashes, ids))                 # in L1; its copies to Redis planned
+        copies = s.manager.take_background()
+        assert copies and s.cpu.num_chunks == 2
+        s.manager.purge(PurgeOrder(everything=True))             # while the copies are on their way
+        s.run(copies)
+        s.offload.drain()                                        # the deletes of what landed meanwhile
+        assert s.cpu.num_chunks == 0
+        assert not [k for k in values.keys("tiercache:*") if REDIS_KEY.fullmatch(k)]
+    finally:
+        s.close()
+
+
+def test_a_chunk_purged_while_the_server_reads_it_from_disk_is_neither_served_nor_promoted(tmp_path):
+    from tiercache.server.store import ChunkStore, StoreConfig
+
+    items = chain("ab")
+    size = len(ChunkFormat().encode(*items[0]))
+    store = ChunkStore(StoreConfig(size, disk_path=str(tmp_path / "disk"), disk_capacity=1 << 20))
+    for meta, raw in items:                                   # b pushes a out of memory, onto the disk
+        assert store.put(NS, meta.key, ChunkFormat().encode(meta, raw)).value == "stored"
+    assert store.disk.has(NS + key("a"))
+    read = store._read_file
+
+    def read_then_purged(*args):                              # the purge comes while the file is read
+        value = read(*args)
+        purging = threading.Thread(target=store.purge, args=(PurgeOrder(everything=True),))
+        purging.start()
+        purging.join()                                        # the store's lock is free while a file is read
+        return value
+    store._read_file = read_then_purged
+    assert store.get_value(NS, key("a")) is None
+    assert not store.memory.entries and not store.disk.entries

@@ -80,12 +80,13 @@ class JobKind(Enum):
     DELETE = auto()      # a lower tier's bytes of chunks that left its index
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _InFlight:
     plan: TransferPlan
     kind: JobKind
     lower: LowerIndex | None = None
     private: bool = False
+    purged: tuple[BlockHash, ...] = ()   # a copy to a remote tier purged while on its way: deleted once landed
 
 
 class CacheManager:
@@ -319,6 +320,9 @@ class CacheManager:
             keys, nbytes = tier.purge(chosen)
             report.add(tier.name, len(keys), nbytes)
             self.hot.forget(keys)
+        for job in self._in_flight.values():   # copies on their way to a store that keeps no index here
+            if job.kind in (JobKind.SPILL, JobKind.COPY_DOWN) and not job.lower.indexed:
+                job.purged += tuple(k for k in job.plan.keys if chosen(k, 0.0))
         return report
 
     def apply_purges(self) -> None:
@@ -395,8 +399,8 @@ class CacheManager:
             elif job.kind is JobKind.STORE:
                 self.l1.complete_store(keys, failed)
                 self.l1.link([(c.key, c.parent) for c in job.plan.chunks])
-                if self._through and not job.private:
-                    stored = [c for c in job.plan.chunks if c.key not in failed]
+                if self._through and not job.private:         # what landed and was not purged meanwhile
+                    stored = [c for c in job.plan.chunks if c.key not in failed and self.l1.has(c.key)]
                     for lower in self._through:
                         self._copy_down(stored, lower)
             elif job.kind is JobKind.PROMOTE:      # retention keeps counting from the first store
@@ -413,6 +417,8 @@ class CacheManager:
                 job.lower.complete_store(keys, failed, self.l1.stored_times(keys))
                 job.lower.link([(c.key, c.parent) for c in job.plan.chunks])
                 self.l1.unpin(keys)
+            if job.purged:                 # landed after the purge was applied here: taken out again
+                job.lower.delete(job.purged)
             # DELETE: nothing was reserved; a delete that failed leaves a stray file or value, which a restart
             # re-verifies (disk) or the server evicts (remote)
 

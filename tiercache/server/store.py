@@ -198,7 +198,11 @@ class ChunkStore:
             tier.pin([k])
         value = self._read_file(tier, k, namespace, key)
         with self._lock:
+            purged = tier.entries[k].purged
             tier.unpin([k])
+            if purged:                       # purged while it was read: neither served nor promoted
+                self.counters["get_misses"] += 1
+                return None
             if value is None:
                 tier.counters.integrity_failures += 1
                 tier.delete([k])
