@@ -425,3 +425,20 @@ def test_a_chunk_purged_while_the_server_reads_it_from_disk_is_neither_served_no
     store._read_file = read_then_purged
     assert store.get_value(NS, key("a")) is None
     assert not store.memory.entries and not store.disk.entries
+
+
+def test_purges_are_numbered_per_tenant_and_an_engine_sees_only_its_own_and_its_grants():
+    """A tenant learns nothing of another's purges — not even how many there were."""
+    from tiercache.server.purge_log import PurgeLog
+
+    log = PurgeLog(keep=2)
+    for _ in range(3):
+        log.append("acme", PurgeOrder(everything=True))
+    assert log.append("initech", PurgeOrder(everything=True)) == 1
+    found, lost, latest = log.poll("initech", "w1", ("initech",), (), {}, "")
+    assert [(p.tenant, p.seq) for p in found] == [("initech", 1)] and latest == {"initech": 1} and not lost
+    assert log.pending("initech", 1) == (0, 1)                       # w1 has it, not yet applied
+    log.poll("initech", "w1", ("initech",), (), {"initech": 1}, log.instance)
+    assert log.pending("initech", 1) == (1, 0)
+    found, lost, latest = log.poll("beta", "w2", ("beta", "acme"), (), {"acme": 0}, log.instance)   # granted acme
+    assert lost and [(p.tenant, p.seq) for p in found] == [("acme", 2), ("acme", 3)] and latest == {"acme": 3}

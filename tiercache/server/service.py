@@ -123,13 +123,14 @@ class _TaskCall:
 class _AfterEngines:
     """A purge made: its reply goes once the engines polling for purges applied it, or its wait is over."""
     reply: pb.PurgeReply
+    tenant: str
     seq: int
     wait_s: float
 
     async def settle(self, purges: PurgeLog) -> bytes:
         give_up = time.monotonic() + self.wait_s
         while True:
-            applied, pending = purges.pending(self.seq)
+            applied, pending = purges.pending(self.tenant, self.seq)
             if not pending or time.monotonic() >= give_up:
                 break
             await asyncio.sleep(POLL_INTERVAL_S / 5)
@@ -545,7 +546,7 @@ class CacheService:
         reply = pb.PurgeReply(seq=seq)
         for name, (chunks, nbytes) in report.tiers.items():
             reply.tiers.add(name=name, chunks=chunks, bytes=nbytes)
-        return _AfterEngines(reply, seq, req.wait_s or DEFAULT_WAIT_S)
+        return _AfterEngines(reply, whose.name, seq, req.wait_s or DEFAULT_WAIT_S)
 
     def _purge_order(self, spec: pb.PurgeSpec) -> PurgeOrder:
         if len(spec.roots) > MAX_KEYS_PER_CALL or len(spec.namespaces) > MAX_KEYS_PER_CALL:
@@ -568,13 +569,18 @@ class CacheService:
         if len(req.namespaces) > MAX_KEYS_PER_CALL or any(len(n) != NAMESPACE_DIGEST_BYTES for n in req.namespaces):
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"Purges: namespaces must be {NAMESPACE_DIGEST_BYTES}-"
                                                               f"byte digests, at most {MAX_KEYS_PER_CALL}")
+        if len(req.applied) > 1 + len(tenant.reads_from):
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, "Purges: applied names more tenants than the caller sees")
         found, lost, latest = self.purge_log.poll(tenant.name, req.watcher, (tenant.name, *tenant.reads_from),
-                                          req.namespaces, req.applied, req.instance)
-        complete_to = found[MAX_PURGES_PER_REPLY - 1].seq if len(found) > MAX_PURGES_PER_REPLY else latest
-        reply = pb.PurgesReply(instance=self.purge_log.instance, lost=lost, now=time.time(), complete_to=complete_to)
-        for p in found[:MAX_PURGES_PER_REPLY]:
+                                                  req.namespaces, dict(req.applied), req.instance)
+        if len(found) > MAX_PURGES_PER_REPLY:      # a client far behind: the rest at its next polls
+            found = found[:MAX_PURGES_PER_REPLY]
+            latest = {t: max((p.seq for p in found if p.tenant == t), default=req.applied.get(t, 0))
+                      for t in latest}
+        reply = pb.PurgesReply(instance=self.purge_log.instance, lost=lost, now=time.time(), complete_to=latest)
+        for p in found:
             o = p.order
-            reply.purges.add(seq=p.seq, issued_at=o.issued_at, spec=pb.PurgeSpec(
+            reply.purges.add(seq=p.seq, tenant=p.tenant, issued_at=o.issued_at, spec=pb.PurgeSpec(
                 namespaces=o.namespaces, roots=o.roots, stored_before=o.stored_before or 0.0,
                 everything=o.everything))
         return reply.SerializeToString()

@@ -12,7 +12,7 @@ fell behind its log (``lost``) gets everything stored until now purged.
 
 Two feeds, one per kind of shared tier:
 - `ServerPurges`: a `tiercache serve`'s ``Purges`` call (`tiercache.server.purge_log`); positions are the
-  server's purge numbers, numbered anew by a restarted server (a new ``instance``).
+  server's purge numbers, per tenant seen, numbered anew by a restarted server (a new ``instance``).
 - `RedisPurges`: the stream ``tiercache:purges`` that `tiercache purge --redis` appends to; positions are
   stream ids, and the engine acknowledges in the hash ``tiercache:purges:applied`` (its id → "position
   time").
@@ -40,10 +40,11 @@ MAX_PER_POLL = 256
 
 @dataclass(slots=True)
 class Fetched:
-    """One poll's answer: the purges after the position asked, up to ``complete_to``."""
+    """One poll's answer: the purges after the positions asked, and per feed how far it is complete (a
+    server numbers each tenant's purges apart; Redis has one feed, "")."""
     instance: str
-    purges: list[tuple[object, PurgeOrder]] = field(default_factory=list)   # (position, order), in order
-    complete_to: object = None
+    purges: list[tuple[str, object, PurgeOrder]] = field(default_factory=list)   # (feed, position, order)
+    complete_to: dict[str, object] = field(default_factory=dict)
     lost: bool = False
 
 
@@ -56,10 +57,10 @@ class PurgeWatch(ABC):
         self.watcher = secrets.token_hex(8)
         self._lock = threading.Lock()
         self._instance = ""
-        self._applied = self.start            # the last purge applied, of `_instance`
-        self._received = self.start           # the last purge fetched, of `_instance`
+        self._applied: dict[str, object] = {}     # per feed, the last purge applied (of `_instance`)
+        self._received: dict[str, object] = {}    # per feed, the last purge fetched
         self._ready: list[PurgeOrder] = []
-        self._taken: tuple[str, object] | None = None   # handed to the scheduler, not yet applied: up to which
+        self._taken: tuple[str, dict[str, object]] | None = None   # handed to the scheduler, not yet applied
         self.polls = self.errors = 0
         self._stop = threading.Event()
         self._interval_s = interval_s
@@ -67,7 +68,7 @@ class PurgeWatch(ABC):
         self._thread.start()
 
     @abstractmethod
-    def _fetch(self, applied: object, instance: str) -> Fetched:
+    def _fetch(self, applied: dict[str, object], instance: str) -> Fetched:
         """Tell the store ``applied`` and ask for what came after it; raises while the store is away."""
 
     def _run(self) -> None:
@@ -83,19 +84,20 @@ class PurgeWatch(ABC):
     def poll(self) -> int:
         """Ask once (the watch thread does, every interval); returns how many new purges came."""
         with self._lock:
-            applied, instance = self._applied, self._instance
+            applied, instance = dict(self._applied), self._instance
         got = self._fetch(applied, instance)
         self.polls += 1
         with self._lock:
             if got.instance != self._instance:     # a store started anew: its purges are numbered anew
-                self._instance, self._applied, self._received = got.instance, self.start, self.start
+                self._instance, self._applied, self._received = got.instance, {}, {}
             new = [PurgeOrder(everything=True, issued_at=time.time())] if got.lost else []
-            new += [order for position, order in got.purges if position > self._received]
+            new += [order for feed, position, order in got.purges
+                    if position > self._received.get(feed, self.start)]
             self._ready += new
-            if got.complete_to is not None:
-                self._received = max(self._received, got.complete_to)
+            for feed, position in got.complete_to.items():
+                self._received[feed] = max(self._received.get(feed, self.start), position)
             if not self._ready and self._taken is None:    # nothing of it for this engine: applied, as it were
-                self._applied = self._received
+                self._applied = dict(self._received)
             return len(new)
 
     def take(self) -> list[PurgeOrder]:
@@ -104,14 +106,15 @@ class PurgeWatch(ABC):
             return []
         with self._lock:
             ready, self._ready = self._ready, []
-            self._taken = (self._instance, self._received)
+            self._taken = (self._instance, dict(self._received))
         return ready
 
     def applied(self) -> None:
         """Everything `take` returned is applied: the next poll says so."""
         with self._lock:
             if self._taken is not None and self._taken[0] == self._instance:
-                self._applied = max(self._applied, self._taken[1])
+                for feed, position in self._taken[1].items():
+                    self._applied[feed] = max(self._applied.get(feed, self.start), position)
             self._taken = None
 
     def close(self) -> None:
@@ -137,14 +140,14 @@ class ServerPurges(PurgeWatch):
         self._timeout_s = timeout_s
         super().__init__(name, interval_s)
 
-    def _fetch(self, applied: object, instance: str) -> Fetched:
+    def _fetch(self, applied: dict[str, object], instance: str) -> Fetched:
         request = pb.PurgesRequest(watcher=self.watcher, namespaces=self._namespaces, applied=applied,
                                    instance=instance)
         reply = pb.PurgesReply.FromString(self._call(request.SerializeToString(), timeout=self._timeout_s,
                                                      metadata=self._metadata))
         offset = time.time() - reply.now
-        return Fetched(reply.instance, [(p.seq, order_of(p.spec, p.issued_at, offset)) for p in reply.purges],
-                       reply.complete_to, reply.lost)
+        return Fetched(reply.instance, [(p.tenant, p.seq, order_of(p.spec, p.issued_at, offset))
+                                        for p in reply.purges], dict(reply.complete_to), reply.lost)
 
 
 def stream_id(raw: bytes | str) -> tuple[int, int]:
@@ -167,10 +170,10 @@ class RedisPurges(PurgeWatch):
         self._namespaces = set(namespaces)
         super().__init__(name, interval_s)
 
-    def _fetch(self, applied: object, instance: str) -> Fetched:
+    def _fetch(self, applied: dict[str, object], instance: str) -> Fetched:
         now = redis_now(self._client)
         offset = time.time() - now
-        ms, seq = applied if isinstance(applied, tuple) else self.start
+        ms, seq = applied.get("", self.start)
         self._client.hset(REDIS_APPLIED, self.watcher, f"{ms}-{seq} {now:.3f}")
         entries = self._client.xrange(REDIS_STREAM, min=f"({ms}-{seq}", max="+", count=MAX_PER_POLL)
         lost = False
@@ -182,6 +185,5 @@ class RedisPurges(PurgeWatch):
             spec = pb.PurgeSpec.FromString(fields[b"spec"])
             if spec.namespaces and self._namespaces.isdisjoint(spec.namespaces):
                 continue
-            purges.append((stream_id(raw_id), order_of(spec, float(fields[b"at"]), offset)))
-        last = stream_id(entries[-1][0]) if entries else None
-        return Fetched("", purges, last, lost)
+            purges.append(("", stream_id(raw_id), order_of(spec, float(fields[b"at"]), offset)))
+        return Fetched("", purges, {"": stream_id(entries[-1][0])} if entries else {}, lost)

@@ -225,28 +225,44 @@ class PurgeReply(_message.Message):
 
 class PurgesRequest(_message.Message):
     __slots__ = ("watcher", "namespaces", "applied", "instance")
+    class AppliedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WATCHER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     watcher: str
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
-    applied: int
+    applied: _containers.ScalarMap[str, int]
     instance: str
-    def __init__(self, watcher: _Optional[str] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., applied: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
+    def __init__(self, watcher: _Optional[str] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., applied: _Optional[_Mapping[str, int]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class LoggedPurge(_message.Message):
-    __slots__ = ("seq", "spec", "issued_at")
+    __slots__ = ("seq", "spec", "issued_at", "tenant")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     spec: PurgeSpec
     issued_at: float
-    def __init__(self, seq: _Optional[int] = ..., spec: _Optional[_Union[PurgeSpec, _Mapping]] = ..., issued_at: _Optional[float] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq: _Optional[int] = ..., spec: _Optional[_Union[PurgeSpec, _Mapping]] = ..., issued_at: _Optional[float] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PurgesReply(_message.Message):
     __slots__ = ("purges", "instance", "lost", "now", "complete_to")
+    class CompleteToEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PURGES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
@@ -256,5 +272,5 @@ class PurgesReply(_message.Message):
     instance: str
     lost: bool
     now: float
-    complete_to: int
-    def __init__(self, purges: _Optional[_Iterable[_Union[LoggedPurge, _Mapping]]] = ..., instance: _Optional[str] = ..., lost: _Optional[bool] = ..., now: _Optional[float] = ..., complete_to: _Optional[int] = ...) -> None: ...
+    complete_to: _containers.ScalarMap[str, int]
+    def __init__(self, purges: _Optional[_Iterable[_Union[LoggedPurge, _Mapping]]] = ..., instance: _Optional[str] = ..., lost: _Optional[bool] = ..., now: _Optional[float] = ..., complete_to: _Optional[_Mapping[str, int]] = ...) -> None: ...
