@@ -114,7 +114,7 @@ def test_lz4_garbage_with_matching_checksums_is_a_codec_error():
     blob = bytearray(ChunkFormat("lz4").encode(m, payload(m)))
     garbage = b"\xff" * (len(blob) - HEADER_BYTES)
     fields = list(_BODY.unpack(bytes(blob[:_BODY.size])))
-    fields[13] = xxhash.xxh3_64_intdigest(garbage)   # payload checksum of the garbage
+    fields[14] = xxhash.xxh3_64_intdigest(garbage)   # payload checksum of the garbage
     body = _BODY.pack(*fields)
     forged = body + _CRC.pack(zlib.crc32(body)) + garbage
     with pytest.raises(CodecError):

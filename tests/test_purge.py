@@ -5,7 +5,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -33,7 +33,7 @@ def chain(names: str, parent: str | None = None, nbytes: int = 1 << 15):
     out, prev = [], parent
     for name in names:
         raw = bytes([ord(name)]) * nbytes
-        out.append((ChunkMeta(NS, key(name), 16, "uint8", (nbytes,), key(prev) if prev else None), raw))
+        out.append((ChunkMeta(NS, key(name), 16, "uint8", (nbytes,), key(prev) if prev else None, time.time()), raw))
         prev = name
     return out
 
@@ -168,9 +168,9 @@ def test_a_purge_by_age_takes_what_is_older_and_keeps_what_is_newer(tenant_serve
         between = time.time()
         time.sleep(0.5)
         assert acme.write_chunks(chain("pq")) == ()
-        out = run_cli("purge", "--server", tenant_server.address, "--auth-token-file", str(tmp_path / "acme.token"),
-                      "--older-than", str(time.time() - between))
-        assert out.returncode == 0 and json.loads(out.stdout)["chunks"] == 2, out.stderr
+        from tiercache.purging import purge          # in this process: the age is measured from now, not later
+        report = purge(PurgeOrder(stored_before=between), tenant_server.address, TOKENS["acme"], wait_s=0.1)
+        assert report.as_dict()["chunks"] == 2
         assert acme.contains([key("a")]) == 0 and acme.contains([key("p"), key("q")]) == 2
     finally:
         for c in clients.values():
@@ -329,8 +329,15 @@ def test_a_purge_reaches_redis_values_by_their_headers(redis_server, tmp_path):
     assert json.loads(out.stdout)["tiers"]["redis"]["chunks"] == 6
     left = {k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)}
     assert left == {redis_key(NS, key(n)) for n in "abpq"}                 # the keyspace holds nothing of it
+    tier = RedisTransport(redis_server.url, NS)
+    try:                                                       # stored two minutes ago, as their headers say
+        assert tier.write_chunks([(replace(m, stored_at=time.time() - 120), raw) for m, raw in chain("uv")]) == ()
+    finally:
+        tier.close()
     out = run_cli("purge", "--redis", redis_server.url, "--older-than", "60")
-    assert out.returncode == 2 and "values carry no store time" in out.stderr and out.stderr.count("\n") == 1
+    assert out.returncode == 0 and json.loads(out.stdout)["tiers"]["redis"]["chunks"] == 2, out.stderr
+    left = {k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)}
+    assert left == {redis_key(NS, key(n)) for n in "abpq"}
     out = run_cli("purge", "--redis", "redis://127.0.0.1:1", "--everything")
     assert out.returncode == 1 and "purge refused by redis://127.0.0.1:1" in out.stderr
 

@@ -56,7 +56,7 @@ def test_a_signed_payload_cannot_be_passed_off_as_another_chunk():
 
     from tiercache.wire import chunk_format as cf
     body = list(cf._BODY.unpack(bytes(relabeled[:cf._BODY.size])))
-    body[13] = cf._BODY.unpack(signed[:cf._BODY.size])[13]
+    body[14] = cf._BODY.unpack(signed[:cf._BODY.size])[14]
     packed = cf._BODY.pack(*body)
     forged = packed + struct.pack("<I", zlib.crc32(packed)) + bytes(relabeled[HEADER_BYTES:])
     with pytest.raises(SignatureError):

@@ -344,9 +344,10 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
     handlers(kv, slab, bpc, L1).register(engine)
 
-    def chunk_meta(key: BlockHash, chunk_blocks: int, parent: BlockHash | None = None) -> ChunkMeta:
+    def chunk_meta(key: BlockHash, chunk_blocks: int, parent: BlockHash | None = None,
+                   stored_at: float = 0.0) -> ChunkMeta:
         return ChunkMeta(storage, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks),
-                         parent)
+                         parent, stored_at)
 
     for transport in transports.values():
         CpuLowerHandlers(slab, transport, chunk_meta, L1).register(engine)

@@ -76,9 +76,9 @@ def clear(root: Path) -> CacheDirUsage:
 
 def purge(root: Path, order: PurgeOrder) -> tuple[int, int]:
     """Remove the chunk files ``order`` selects (and temp files of selected keys: half-written chunks hold KV
-    too); returns (files, bytes). A chunk's age is its file's time (retention sets it to the chunk's first
-    store); its parent is in its header. A file whose header cannot be read is taken by a purge of
-    everything or by age only. A running engine that indexed a removed file finds it gone: a miss. Passes
+    too); returns (files, bytes). A chunk's parent and first store time are in its header (a file whose
+    header says no time ages from its file's time); a file whose header cannot be read is taken by a purge
+    of everything or by age only. A running engine that indexed a removed file finds it gone: a miss. Passes
     repeat while they find something, so a temp file renamed into place meanwhile is taken as well."""
     return repeat_passes(lambda: _purge_pass(root, order))
 
@@ -90,19 +90,21 @@ def _key_of(f: Path) -> bytes:
 def _purge_pass(root: Path, order: PurgeOrder) -> tuple[int, int]:
     files = [f for digest, f in _chunk_files(root)
              if not order.namespaces or bytes.fromhex(digest.name) in order.namespaces]
-    links = []
-    if order.roots:
+    links, born = [], {}
+    if order.roots or order.stored_before is not None:     # a prompt's chains and ages are in the headers
         for f in files:
             if f.name.endswith(TEMP_SUFFIX):
                 continue
             with contextlib.suppress(OSError, ChunkFormatError), open(f, "rb") as fh:
-                links.append((_key_of(f), read_header(fh.read(HEADER_BYTES))[0].parent))
+                meta = read_header(fh.read(HEADER_BYTES))[0]
+                links.append((_key_of(f), meta.parent))
+                born[f] = meta.stored_at
     chosen = order.selector(links)
     removed = nbytes = 0
     for f in files:
         try:
             st = f.stat()
-            if chosen(_key_of(f), st.st_mtime):
+            if chosen(_key_of(f), born.get(f) or st.st_mtime):
                 f.unlink()
                 removed += 1
                 nbytes += st.st_size

@@ -629,8 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     pu.add_argument("--wait", type=lambda t: _finite(t, 0.0), default=0.0, metavar="SECONDS",
                     help="longest wait for the engines under the server to apply it (default 5, at most 60)")
     pu.add_argument("--disk-path", action="append", default=[], help="a disk tier's directory (repeatable)")
-    pu.add_argument("--redis", default="", metavar="URL", help="a Redis tier's URL (not with --older-than: its "
-                                                               "values carry no store time)")
+    pu.add_argument("--redis", default="", metavar="URL", help="a Redis tier's URL (and the engines reading it)")
     pu.add_argument("--redis-cluster", action="store_true", help="--redis is a Redis Cluster")
     pu.set_defaults(func=cmd_purge)
 
@@ -684,9 +683,6 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
     if not args.server and not args.disk_path and not args.redis:
         raise ConfigError("--server", "", "names nowhere to purge: give --server, --redis and/or --disk-path")
-    if args.redis and args.older_than is not None:
-        raise ConfigError("--older-than", args.older_than, "cannot reach Redis: its values carry no store time "
-                                                           "(bound their age with redis.retention)")
     if args.server and not is_host_port(args.server):
         raise ConfigError("--server", args.server, "expected host:port")
     for path in args.disk_path:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
@@ -192,7 +193,8 @@ class CacheManager:
                     start, end = self.finder.chunk_bounds(run.first_chunk + i, lookup.num_blocks)
                     sizes.append((key, end - start))
             slots = self.l1.prepare_store([k for k, _ in sizes], [n * self.block_bytes for _, n in sizes])
-            chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k))
+            born = lower.stored_times([k for k, _ in sizes])      # unknown for a remote tier: 0
+            chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k), stored_at=born.get(k, 0.0))
                       for (k, n), slot in zip(sizes, slots) if slot is not None]
             if not chunks:
                 continue
@@ -282,8 +284,9 @@ class CacheManager:
         slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds],
                                       private=private)
         parents = [keys[i - 1] if i else None for i in range(first_chunk, len(keys))]
+        now = time.time()                     # what the chunks' headers below L1 will say they were stored at
         chunks = [
-            ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start, parent=parent)
+            ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start, parent=parent, stored_at=now)
             for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
             if slot is not None
         ]
@@ -349,7 +352,8 @@ class CacheManager:
         deletes = self._plan_deletes()
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
-            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes, parent=s.parent) for s in spills]
+            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes, parent=s.parent, stored_at=s.stored_at)
+                      for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
         deletes += self._plan_deletes()   # the spills may have evicted from the tier they went to
@@ -458,8 +462,8 @@ class CacheManager:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
                  if e.ready and e.pins == 0 and not e.private and self._worth_spilling(key, e.hits)]
-        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes, parent=e.parent)
-                         for key, e in dirty], self._spill_to)
+        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes, parent=e.parent,
+                                   stored_at=e.stored_at) for key, e in dirty], self._spill_to)
         return self.take_background()
 
     def cancel(self, plan: TransferPlan) -> JobOutcome:

@@ -7,8 +7,8 @@ What it reaches (docs/architecture.md, "Purge"):
   is over) and says how many did;
 - a Redis (``--redis``): the purge is announced in the stream ``tiercache:purges``, which every engine
   reading that Redis polls and applies to its own L1 and disk, as under a server; once they have, the values
-  of the tier's layout it selects are unlinked, found by ``SCAN`` and their headers (Redis values carry no
-  store time: an age does not reach them, ``redis.retention`` does);
+  of the tier's layout it selects are unlinked, found by ``SCAN`` and their headers (parent, first store
+  time; a value whose header cannot be read goes with any purge by age);
 - disk tier directories (``--disk-path``): the files themselves, temp files included, for an engine that is
   stopped or has no shared server (a running engine that indexed a removed file finds it gone: a miss).
 
@@ -170,12 +170,9 @@ REDIS_BATCH = 1000
 def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool = False, wait_s: float = 0.0) -> None:
     """Announce the purge to the engines reading this Redis (the stream ``tiercache:purges``), wait until those
     that polled within the last few seconds applied it to their L1 and disks (or ``wait_s`` passed), then
-    unlink the values it selects (keys of the tier's layout only; parents from the values' headers, one
-    pipelined ``GETRANGE`` each). Deleting after the engines applied it leaves none of them a copy to write
+    unlink the values it selects (keys of the tier's layout only; parents and store times from the values'
+    headers, one pipelined ``GETRANGE`` each). Deleting after the engines applied it leaves none of them a copy to write
     back; passes repeat while they find something, so a write already on its way is taken as well."""
-    if order.stored_before is not None:
-        raise ConfigError("--older-than", order.stored_before, "cannot reach Redis: its values carry no store "
-                                                               "time (bound their age with redis.retention)")
     import redis
 
     from tiercache.tiers.redis import fast_client
@@ -195,7 +192,8 @@ def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool 
 
 
 def _announce(client, order: PurgeOrder) -> tuple[int, int]:
-    spec = pb.PurgeSpec(namespaces=order.namespaces, roots=order.roots, everything=order.everything)
+    spec = pb.PurgeSpec(namespaces=order.namespaces, roots=order.roots, stored_before=order.stored_before or 0.0,
+                        everything=order.everything)
     entry = client.xadd(REDIS_STREAM, {"spec": spec.SerializeToString(), "at": f"{redis_now(client):.6f}"},
                         maxlen=REDIS_KEEP, approximate=True)
     return stream_id(entry)
@@ -231,17 +229,19 @@ def _redis_pass(client, order: PurgeOrder) -> tuple[int, int]:
             m = REDIS_KEY.fullmatch(name)
             if m:
                 found.append((name, bytes.fromhex(m.group(2).decode())))
-    links = []
-    if order.roots:
+    links, born = [], {}
+    if order.roots or order.stored_before is not None:      # a prompt's chains and ages are in the headers
         for batch in _batches(found):
             pipe = client.pipeline(transaction=False)
             for name, _ in batch:
                 pipe.getrange(name, 0, HEADER_BYTES - 1)
-            for (_, chunk), header in zip(batch, pipe.execute(raise_on_error=False)):
+            for (name, chunk), header in zip(batch, pipe.execute(raise_on_error=False)):
                 with contextlib.suppress(ChunkFormatError, TypeError):
-                    links.append((chunk, read_header(header)[0].parent))
+                    meta = read_header(header)[0]
+                    links.append((chunk, meta.parent))
+                    born[name] = meta.stored_at
     chosen = order.selector(links)
-    doomed = [name for name, chunk in found if chosen(chunk, 0.0)]
+    doomed = [name for name, chunk in found if chosen(chunk, born.get(name, 0.0))]
     removed = nbytes = 0
     for batch in _batches(doomed):
         pipe = client.pipeline(transaction=False)

@@ -122,7 +122,8 @@ class OffloadWorker(WorkerConnector):
                 if c.key in self._to_keep:
                     self._to_keep.discard(c.key)
                     if c.key not in failed:
-                        self._only_in_l1[c.slot] = ChunkCopy(c.key, c.slot, (), c.chunk_blocks, parent=c.parent)
+                        self._only_in_l1[c.slot] = ChunkCopy(c.key, c.slot, (), c.chunk_blocks, parent=c.parent,
+                                                             stored_at=c.stored_at)
 
     def start_load_kv(self) -> None:
         engine = self._engine

@@ -76,7 +76,8 @@ class ChunkCopy:
     block_ids: tuple[int, ...]
     chunk_blocks: int
     first_block: int = 0
-    parent: BlockHash | None = None   # the request's previous chunk, for chain-aware eviction
+    parent: BlockHash | None = None   # the request's previous chunk (chain-aware eviction, purges by prompt)
+    stored_at: float = 0.0            # when the chunk was first stored (what a lower tier's header says; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ class Spill:
     nbytes: int
     hits: int
     parent: BlockHash | None = None
+    stored_at: float = 0.0
 
 
 MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
@@ -148,7 +149,7 @@ class CpuIndex(IndexedTier):
             del self.entries[key]   # hidden at once; bytes and slot stay counted until finish_spills
             self._removed((key,))
             self._spilling[key] = entry
-            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits, entry.parent))
+            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits, entry.parent, entry.stored_at))
             return False
         self._drop(key, entry, in_policy=False)
         return True

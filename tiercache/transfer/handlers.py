@@ -161,7 +161,7 @@ class CpuLowerHandlers:
     def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> KeyFailures:
         items = []
         for c in plan.chunks:
-            meta = self.chunk_meta(c.key, c.chunk_blocks, c.parent)   # the parent goes into the header
+            meta = self.chunk_meta(c.key, c.chunk_blocks, c.parent, c.stored_at)   # both go into the header
             items.append((meta, self.slab.memory(c.slot)[:meta.raw_len]))  # type: ignore[arg-type]
         return self.lower.write_chunks(items)
 

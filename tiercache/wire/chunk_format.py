@@ -5,17 +5,19 @@ verifies the header's own CRC, magic, version, namespace, key, lengths and the
 payload checksum before any byte is handed on; any failure raises a
 `ChunkFormatError` subclass that the caller counts and turns into a miss.
 
-Header (little endian, 156 bytes = HEADER_BYTES):
+Header (little endian, 164 bytes = HEADER_BYTES):
     magic "TCKV" | version u16 | header_len u16 | codec u8 | checksum u8 |
-    dtype u8 | ndim u8 | namespace 16s | key 32s | parent 32s | num_tokens u32 |
-    raw_len u64 | payload_len u64 | payload_checksum u64 | shape 8×u32 |
-    header_crc32 u32
+    dtype u8 | ndim u8 | namespace 16s | key 32s | parent 32s | stored_at f64 |
+    num_tokens u32 | raw_len u64 | payload_len u64 | payload_checksum u64 |
+    shape 8×u32 | header_crc32 u32
 
 ``parent`` is the key of the chunk before this one in its request (zeros for a
 request's first chunk): a store can then find every chunk whose chain passes
 through a given one without the engine that wrote it (a purge by prompt,
-`tiercache.contracts.purge`). Version 1 chunks (no parent) are refused as
-any unknown version is: a miss, deleted at a disk tier's start.
+`tiercache.contracts.purge`). ``stored_at`` is when the chunk was first stored
+(an engine's L1; unix seconds, 0: unknown): a store without an index of its
+own (Redis) can then be purged by age. Version 1 chunks are refused as any
+unknown version is: a miss, deleted at a disk tier's start.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from tiercache.errors import (
 MAGIC = b"TCKV"
 VERSION = 2
 MAX_DIMS = 8
-_BODY = struct.Struct(f"<4sHHBBBB{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}s{HASH_BYTES}sIQQQ{MAX_DIMS}I")
+_BODY = struct.Struct(f"<4sHHBBBB{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}s{HASH_BYTES}sdIQQQ{MAX_DIMS}I")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _BODY.size + _CRC.size
 
@@ -66,6 +68,7 @@ class ChunkMeta:
     dtype: str
     shape: tuple[int, ...]
     parent: BlockHash | None = None   # the chunk before this one in its request (None: the first)
+    stored_at: float = 0.0            # when it was first stored (unix seconds; 0: unknown)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -92,8 +95,14 @@ class DecodedChunk:
 
 
 SIGNED = 0x80          # checksum code of a signed chunk: its payload sum is a MAC (`ChunkSigner`)
-_SIGNED_FIELDS = struct.Struct(f"<{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}s{HASH_BYTES}sIBBQQ")
+_SIGNED_FIELDS = struct.Struct(f"<{NAMESPACE_DIGEST_BYTES}s{HASH_BYTES}s{HASH_BYTES}sdIBBQQ")
 NO_PARENT = bytes(HASH_BYTES)
+
+
+def _signed_fields(meta: ChunkMeta, codec_code: int, payload_len: int) -> bytes:
+    """What a signature or a seal covers of a header, beside the shape (and a seal's key id)."""
+    return _SIGNED_FIELDS.pack(meta.namespace, meta.key, meta.parent or NO_PARENT, meta.stored_at, meta.num_tokens,
+                               DTYPE_CODES[meta.dtype], codec_code, meta.raw_len, payload_len)
 
 
 class _Mac:
@@ -120,8 +129,7 @@ class ChunkSigner:
 
     def running(self, meta: ChunkMeta, codec_code: int, payload_len: int) -> _Mac:
         mac = hmac.new(self._key, digestmod="sha256")
-        mac.update(_SIGNED_FIELDS.pack(meta.namespace, meta.key, meta.parent or NO_PARENT, meta.num_tokens,
-                                       DTYPE_CODES[meta.dtype], codec_code, meta.raw_len, payload_len))
+        mac.update(_signed_fields(meta, codec_code, payload_len))
         mac.update(struct.pack(f"<{len(meta.shape)}Q", *meta.shape))
         return _Mac(mac)
 
@@ -169,8 +177,7 @@ class ChunkSealer:
 
     @staticmethod
     def _associated(meta: ChunkMeta, codec_code: int, payload_len: int, key_id: int) -> bytes:
-        return (_SIGNED_FIELDS.pack(meta.namespace, meta.key, meta.parent or NO_PARENT, meta.num_tokens,
-                                    DTYPE_CODES[meta.dtype], codec_code, meta.raw_len, payload_len)
+        return (_signed_fields(meta, codec_code, payload_len)
                 + struct.pack(f"<I{len(meta.shape)}Q", key_id, *meta.shape))
 
     def seal(self, meta: ChunkMeta, codec_code: int, payload: Buffer,
@@ -319,8 +326,8 @@ class ChunkFormat:
             code, total = self.checksum.code, self.checksum(payload)
         body = _BODY.pack(
             MAGIC, VERSION, HEADER_BYTES, codec.code, code, DTYPE_CODES[meta.dtype],
-            len(meta.shape), meta.namespace, meta.key, meta.parent or NO_PARENT, meta.num_tokens, meta.raw_len,
-            len(payload), total, *shape,
+            len(meta.shape), meta.namespace, meta.key, meta.parent or NO_PARENT, meta.stored_at, meta.num_tokens,
+            meta.raw_len, len(payload), total, *shape,
         )
         return body + _CRC.pack(zlib.crc32(body)), payload
 
@@ -347,7 +354,7 @@ def read_header(blob: Buffer) -> ParsedHeader:
     (crc,) = _CRC.unpack_from(view, _BODY.size)
     if zlib.crc32(body) != crc:
         raise CorruptHeaderError("header checksum mismatch")
-    (magic, version, header_len, codec, checksum, dtype, ndim, namespace, key, parent, num_tokens,
+    (magic, version, header_len, codec, checksum, dtype, ndim, namespace, key, parent, stored_at, num_tokens,
      raw_len, payload_len, payload_sum, *shape) = _BODY.unpack(body)
     if magic != MAGIC:
         raise CorruptHeaderError(f"bad magic {magic!r}")
@@ -356,7 +363,7 @@ def read_header(blob: Buffer) -> ParsedHeader:
     if dtype not in DTYPE_NAMES or ndim > MAX_DIMS:
         raise CorruptHeaderError(f"bad dtype code {dtype} or ndim {ndim}")
     meta = ChunkMeta(namespace, BlockHash(key), num_tokens, DTYPE_NAMES[dtype], tuple(shape[:ndim]),
-                     None if parent == NO_PARENT else BlockHash(parent))
+                     None if parent == NO_PARENT else BlockHash(parent), stored_at)
     if meta.raw_len != raw_len:
         raise CorruptHeaderError(f"raw length {raw_len} disagrees with shape {meta.shape} {meta.dtype}")
     return meta, codec, checksum, payload_len, payload_sum
