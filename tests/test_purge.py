@@ -160,6 +160,8 @@ def test_purges_need_their_right_and_bad_ones_are_one_clear_line(tenant_server, 
 
 
 def test_a_purge_by_age_takes_what_is_older_and_keeps_what_is_newer(tenant_server, tmp_path):
+    from tiercache.purging import purge
+
     clients = _clients(tenant_server)
     try:
         acme = clients["acme"]
@@ -168,7 +170,7 @@ def test_a_purge_by_age_takes_what_is_older_and_keeps_what_is_newer(tenant_serve
         between = time.time()
         time.sleep(0.5)
         assert acme.write_chunks(chain("pq")) == ()
-        from tiercache.purging import purge          # in this process: the age is measured from now, not later
+        # in this process: the age is measured from now, not from when a CLI process has started
         report = purge(PurgeOrder(stored_before=between), tenant_server.address, TOKENS["acme"], wait_s=0.1)
         assert report.as_dict()["chunks"] == 2
         assert acme.contains([key("a")]) == 0 and acme.contains([key("p"), key("q")]) == 2
