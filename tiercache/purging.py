@@ -5,7 +5,7 @@ What it reaches (docs/architecture.md, "Purge"):
   disk, and the server passes the purge on to every engine under it, whose client tier polls for purges and
   applies them to the engine's L1 and local disk; the call answers once those engines have (or its wait
   is over) and says how many did;
-- a Redis (``--redis``): the purge is announced in the stream ``tiercache:purges``, which every engine
+- a Redis (``--redis``): the purge is announced in the stream ``tiercache-purges``, which every engine
   reading that Redis polls and applies to its own L1 and disk, as under a server; once they have, the values
   of the tier's layout it selects are unlinked, found by ``SCAN`` and their headers (parent, first store
   time; a value whose header cannot be read goes with any purge by age);
@@ -168,7 +168,7 @@ REDIS_BATCH = 1000
 
 
 def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool = False, wait_s: float = 0.0) -> None:
-    """Announce the purge to the engines reading this Redis (the stream ``tiercache:purges``), wait until those
+    """Announce the purge to the engines reading this Redis (the stream ``tiercache-purges``), wait until those
     that polled within the last few seconds applied it to their L1 and disks (or ``wait_s`` passed), then
     unlink the values it selects (keys of the tier's layout only; parents and store times from the values'
     headers, one pipelined ``GETRANGE`` each). Deleting after the engines applied it leaves none of them a copy to write

@@ -13,8 +13,8 @@ fell behind its log (``lost``) gets everything stored until now purged.
 Two feeds, one per kind of shared tier:
 - `ServerPurges`: a `tiercache serve`'s ``Purges`` call (`tiercache.server.purge_log`); positions are the
   server's purge numbers, per tenant seen, numbered anew by a restarted server (a new ``instance``).
-- `RedisPurges`: the stream ``tiercache:purges`` that `tiercache purge --redis` appends to; positions are
-  stream ids, and the engine acknowledges in the hash ``tiercache:purges:applied`` (its id → "position
+- `RedisPurges`: the stream ``tiercache-purges`` that `tiercache purge --redis` appends to; positions are
+  stream ids, and the engine acknowledges in the hash ``tiercache-purges-applied`` (its id → "position
   time").
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ from tiercache.wire import tiercache_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-REDIS_STREAM = b"tiercache:purges"
-REDIS_APPLIED = b"tiercache:purges:applied"
+# beside the values (`tiercache:<digest>:<key>`), never matched by their pattern
+REDIS_STREAM = b"tiercache-purges"
+REDIS_APPLIED = b"tiercache-purges-applied"
 REDIS_KEEP = 4096               # purges the stream keeps (about)
 MAX_PER_POLL = 256
 
@@ -161,7 +162,7 @@ def redis_now(client) -> float:
 
 
 class RedisPurges(PurgeWatch):
-    """The purges `tiercache purge --redis` announced in the Redis stream ``tiercache:purges``."""
+    """The purges `tiercache purge --redis` announced in the Redis stream ``tiercache-purges``."""
 
     start = (0, 0)
 

@@ -10,7 +10,7 @@ and Redis's own ``maxmemory`` policy bounds their size.
 - `RedisIndex` (scheduler side): lookups — one pipelined ``EXISTS`` batch
   over every writing rank's key of each chunk — on the index's lookup thread,
   over connections of their own with a short ``lookup_timeout``; and the
-  purges announced in ``tiercache:purges`` (`RedisPurges`), for the engine's
+  purges announced in ``tiercache-purges`` (`RedisPurges`), for the engine's
   own tiers.
 - `RedisTransport` (worker side, one per rank): pipelined stores and loads
   on transfer threads, through one value channel: a raw socket borrowed from
