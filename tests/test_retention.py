@@ -223,3 +223,45 @@ def test_bad_retentions_are_one_clear_line(tmp_path):
         load_tenants(str(tokens))
     tokens.write_text('[tenants.acme]\ntoken = "acme-token-0123456789"\nmemory = "1MiB"\nretention = 60\n')
     assert load_tenants(str(tokens))[0].retention == 60.0
+
+
+def test_a_namespace_keeps_its_chunks_for_a_time_of_its_own_on_the_server(tmp_path):
+    """``--namespace-retention`` / a tenant's ``namespace_retention``: one namespace's chunks go sooner (or
+    later) than the store's; in the shared pool the tenant's namespace is found under its scoped digest."""
+    from tests.support.grpc_clients import NS
+    from tiercache.server.store import StoreConfig
+    from tiercache.server.tenants import Tenancy, load_tenants
+
+    other = bytes(reversed(NS))
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\ntoken = "acme-token-0123456789"\n'
+                       f'namespace_retention = {{ "{NS.hex()}" = 10 }}\n'
+                       '[tenants.initech]\ntoken = "initech-token-0123456789"\n')
+    tenancy = Tenancy(load_tenants(str(tenants)), StoreConfig(1 << 20, disk_path=str(tmp_path / "d"),
+                                                              disk_capacity=1 << 20, retention_s=100))
+    clock = Clock()
+    for tier in tenancy.stores["pool"].tiers:
+        tier.clock = clock
+    acme, initech = (tenancy.own(t) for t in tenancy.tenants.values())    # both in the shared pool
+    (k0, v0), (k1, v1) = _value(0), _value(1)
+    assert acme.put(NS, k0, v0).name == "STORED" and initech.put(NS, k1, v1).name == "STORED"
+    clock.now += 11                                     # past acme's namespace retention, within the server's
+    assert acme.contains(NS, [k0]) == 0 and initech.contains(NS, [k1]) == 1
+    assert tenancy.stores["pool"].expire() == 1
+    clock.now += 90                                     # past the server's
+    assert initech.contains(NS, [k1]) == 0
+    assert other not in tenancy.stores["pool"].memory.retention_by_namespace
+
+
+def test_bad_namespace_retentions_are_one_clear_line(tmp_path):
+    from tiercache.server.app import ServeConfig
+    from tiercache.server.tenants import load_tenants
+
+    with pytest.raises(ConfigError, match="expected NAMESPACE_HEX=SECONDS"):
+        ServeConfig(namespace_retention=("00" * 16,))
+    with pytest.raises(ConfigError, match="is not a namespace"):
+        ServeConfig(namespace_retention=("abc=5",))
+    tokens = tmp_path / "tenants.toml"
+    tokens.write_text('[tenants.acme]\ntoken = "acme-token-0123456789"\nnamespace_retention = { "nope" = 5 }\n')
+    with pytest.raises(ConfigError, match="namespace_retention: is not a namespace"):
+        load_tenants(str(tokens))

@@ -567,6 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--retention", type=float, default=0.0, metavar="SECONDS",
                    help="keep a chunk at most this long after it came, in memory and on disk (0: no limit); "
                         "a tenant with its own store may set its own (retention in the tenants file)")
+    v.add_argument("--namespace-retention", action="append", default=[], metavar="NAMESPACE_HEX=SECONDS",
+                   help="keep one namespace's chunks (a storage digest) at most this long, in every tenant's "
+                        "store (repeatable; a tenant's namespace_retention overrides it)")
     v.add_argument("--shm-dir", metavar="DIR", default="",
                    help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
                         "which clients on this host read and write directly")
@@ -658,6 +661,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServeConfig(host=args.host, port=args.port, data_port=args.data_port, capacity=args.capacity,
                          eviction=args.eviction or DEFAULT_EVICTION, retention=args.retention,
+                         namespace_retention=tuple(args.namespace_retention),
                          disk=args.disk, disk_capacity=_disk_capacity(args), shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,
                          max_message=args.max_message, workers=args.workers, grace=args.grace,

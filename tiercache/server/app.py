@@ -38,7 +38,7 @@ from tiercache.server.limits import (
 )
 from tiercache.server.service import CacheService
 from tiercache.server.store import StoreConfig, StoreDirectoryError
-from tiercache.server.tenants import Tenancy, load_tenants
+from tiercache.server.tenants import Tenancy, load_tenants, namespace_retentions
 
 log = logging.getLogger("tiercache.server")
 
@@ -65,10 +65,25 @@ class ServeConfig:
     grace: float = 5.0
     metrics_port: int = 0
     retention: float = 0.0      # seconds a chunk is kept after it came (0: no limit); tenants may set their own
+    namespace_retention: tuple[str, ...] = ()   # "NAMESPACE_HEX=SECONDS": one namespace's own, in every store
+
+    def namespace_retentions(self) -> dict[bytes, float]:
+        """``--namespace-retention`` checked (a `ConfigError` naming it otherwise)."""
+        given = {}
+        for item in self.namespace_retention:
+            hex_ns, sep, seconds = item.partition("=")
+            try:
+                given[hex_ns] = float(seconds) if sep else None
+            except ValueError:
+                given[hex_ns] = None
+            if given[hex_ns] is None:
+                raise ConfigError("--namespace-retention", item, "expected NAMESPACE_HEX=SECONDS")
+        return namespace_retentions(given, "--namespace-retention")
 
     def __post_init__(self) -> None:
         if self.retention < 0:
             raise ConfigError("--retention", self.retention, "must be 0 (no limit) or positive seconds")
+        self.namespace_retentions()
         if not 0 <= self.port < 65536:
             raise ConfigError("--port", self.port, "must be 0..65535 (0: any free port)")
         if not -1 <= self.data_port < 65536:
@@ -154,7 +169,8 @@ class CacheServer:
         tenants = load_tenants(config.auth_token_file)
         try:
             self.tenancy = Tenancy(tenants, StoreConfig(config.capacity, config.eviction, config.disk,
-                                                        config.disk_capacity, config.shm_dir, config.retention))
+                                                        config.disk_capacity, config.shm_dir, config.retention,
+                                                        config.namespace_retentions()))
         except StoreDirectoryError as err:
             flag = {"shm": "--shm-dir", "disk": "--disk"}[err.tier]
             raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None

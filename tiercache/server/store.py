@@ -35,8 +35,8 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
 from enum import Enum
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
@@ -88,6 +88,7 @@ class StoreConfig:
     disk_capacity: int = 0
     shm_path: str = ""
     retention_s: float = 0.0       # seconds a chunk is kept after it came (0: no limit), memory and disk
+    namespace_retention: Mapping[bytes, float] = field(default_factory=dict)   # a namespace's own (storage digest)
 
 
 class ChunkStore:
@@ -98,14 +99,17 @@ class ChunkStore:
         self.pool = BufferPool(0 if config.shm_path else None)   # files keep no buffers to recycle
         try:
             self.memory: MemoryChunks | ShmChunks = (
-                ShmChunks(config.shm_path, config.capacity, config.eviction, retention_s=config.retention_s)
+                ShmChunks(config.shm_path, config.capacity, config.eviction, retention_s=config.retention_s,
+                          retention_by_namespace=config.namespace_retention)
                 if config.shm_path
-                else MemoryChunks(config.capacity, config.eviction, pool=self.pool, retention_s=config.retention_s))
+                else MemoryChunks(config.capacity, config.eviction, pool=self.pool, retention_s=config.retention_s,
+                                  retention_by_namespace=config.namespace_retention))
         except OSError as err:
             raise StoreDirectoryError("shm", config.shm_path, err.strerror or str(err)) from None
         try:
             self.disk = DiskChunks(config.disk_path, config.disk_capacity, config.eviction,
-                                   retention_s=config.retention_s) if config.disk_path else None
+                                   retention_s=config.retention_s, retention_by_namespace=config.namespace_retention
+                                   ) if config.disk_path else None
         except OSError as err:
             raise StoreDirectoryError("disk", config.disk_path, err.strerror or str(err)) from None
         if self.disk is not None:

@@ -11,6 +11,8 @@ is the tenant ``default``, with every right) or a TOML table of tenants::
     delete = true                  # Delete (default true)
     stats = true                   # Stats of its own store (default true); admin = true: the whole server
     purge = true                   # Purge its own chunks (default false); with admin = true: any tenant's
+    retention = 86400              # seconds its chunks are kept (its own store; default: --retention)
+    namespace_retention = { "0f3a…(32 hex digits)" = 3600 }   # one namespace's own (storage digest)
 
     [tenants.public]               # e.g. a system prompt every tenant may read, written by one
     token = "…"
@@ -33,7 +35,7 @@ import hashlib
 import hmac
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tiercache.config import parse_size, read_secret, read_token
@@ -46,7 +48,7 @@ from tiercache.server.values import Messages, Stored
 FIELD = "--auth-token-file"
 DEFAULT = "default"
 _KEYS = {"token", "token_file", "memory", "disk", "reads_from", "delete", "stats", "admin", "write", "retention",
-         "purge"}
+         "purge", "namespace_retention"}
 _OFF_BY_DEFAULT = ("admin", "purge")
 
 
@@ -65,6 +67,7 @@ class Tenant:
     admin: bool = False                  # Stats of every store and the server's own counters
     purge: bool = False                  # Purge its own chunks (with admin: any tenant's)
     retention: float | None = None       # seconds its chunks are kept (its own store only); None: --retention
+    namespace_retention: dict[bytes, float] = field(default_factory=dict)   # a namespace's own, over the above
 
 
 def load_tenants(path: str) -> list[Tenant]:
@@ -118,10 +121,10 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
             raise ConfigError(FIELD, path, f"{where}: {flag} must be true or false")
         flags[flag] = value
     sizes = {}
-    for field in ("memory", "disk"):
-        sizes[field] = parse_size(entry.get(field, 0), f"{FIELD} {where} {field}")
-        if sizes[field] < 0:
-            raise ConfigError(FIELD, path, f"{where}: {field} must be >= 0")
+    for quota in ("memory", "disk"):
+        sizes[quota] = parse_size(entry.get(quota, 0), f"{FIELD} {where} {quota}")
+        if sizes[quota] < 0:
+            raise ConfigError(FIELD, path, f"{where}: {quota} must be >= 0")
     retention = entry.get("retention")
     if retention is not None:
         if isinstance(retention, bool) or not isinstance(retention, (int, float)) or retention < 0:
@@ -130,7 +133,32 @@ def _tenant(path: str, name: str, entry: object) -> Tenant:
             raise ConfigError(FIELD, path, f"{where}: retention needs the tenant's own store (a memory quota): "
                                            "tenants in the shared pool keep --retention")
     return Tenant(name, token, sizes["memory"], sizes["disk"], tuple(reads), **flags,
-                  retention=None if retention is None else float(retention))
+                  retention=None if retention is None else float(retention),
+                  namespace_retention=namespace_retentions(entry.get("namespace_retention", {}),
+                                                           f"{FIELD} {where} namespace_retention"))
+
+
+def namespace_retentions(given: object, field_name: str) -> dict[bytes, float]:
+    """``{"<namespace hex>": seconds}`` checked: a `ConfigError` naming ``field_name`` otherwise."""
+    if not isinstance(given, dict):
+        raise ConfigError(field_name, given, "must map namespaces (32 hex digits) to seconds")
+    out = {}
+    for hex_ns, seconds in given.items():
+        try:
+            ns = bytes.fromhex(hex_ns)
+        except (ValueError, TypeError):
+            ns = b""
+        if len(ns) != NAMESPACE_DIGEST_BYTES:
+            raise ConfigError(field_name, hex_ns, f"is not a namespace ({2 * NAMESPACE_DIGEST_BYTES} hex digits)")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise ConfigError(field_name, seconds, f"the retention of {hex_ns} must be seconds (0: no limit)")
+        out[ns] = float(seconds)
+    return out
+
+
+def scoped_namespace(tenant: str, namespace: bytes) -> bytes:
+    """Where a tenant's namespace is kept in the shared pool (see `ScopedStore`)."""
+    return hashlib.blake2b(tenant.encode() + b"\0" + namespace, digest_size=NAMESPACE_DIGEST_BYTES).digest()
 
 
 def _quotas(tenants: Sequence[Tenant], total: int, attr: str, flag: str) -> int:
@@ -149,10 +177,10 @@ class ScopedStore:
 
     def __init__(self, pool: ChunkStore, tenant: str) -> None:
         self._pool = pool
-        self._tag = tenant.encode() + b"\0"
+        self._tenant = tenant
 
     def _ns(self, namespace: bytes) -> bytes:
-        return hashlib.blake2b(self._tag + namespace, digest_size=NAMESPACE_DIGEST_BYTES).digest()
+        return scoped_namespace(self._tenant, namespace)
 
     @property
     def pool(self):
@@ -223,15 +251,20 @@ class Tenancy:
         self.stores: dict[str, ChunkStore] = {}       # every store, by owner ("pool": the shared one)
         self._views: dict[str, ChunkStore | ScopedStore] = {}
         pooled = [t for t in tenants if not t.memory]
+
+        def kept(t: Tenant) -> dict[bytes, float]:        # the server's per-namespace retentions, then the tenant's
+            return {**store.namespace_retention, **t.namespace_retention}
         if pooled:
+            pool_kept = {scoped_namespace(t.name, ns) if named else ns: secs
+                         for t in pooled for ns, secs in kept(t).items()}
             self.stores["pool"] = ChunkStore(StoreConfig(pool_memory, store.eviction, store.disk_path, pool_disk,
-                                                         store.shm_path, store.retention_s))
+                                                         store.shm_path, store.retention_s, pool_kept))
         for t in tenants:
             if t.memory:
                 root = str(Path(store.disk_path) / "tenants" / t.name) if store.disk_path and t.disk else ""
                 retention = store.retention_s if t.retention is None else t.retention
                 self.stores[t.name] = ChunkStore(StoreConfig(t.memory, store.eviction, root, t.disk,
-                                                             retention_s=retention))
+                                                             retention_s=retention, namespace_retention=kept(t)))
                 self._views[t.name] = self.stores[t.name]
             else:   # a server without named tenants keeps the unscoped layout of before
                 self._views[t.name] = ScopedStore(self.stores["pool"], t.name) if named else self.stores["pool"]

@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
@@ -55,8 +56,9 @@ class MemoryChunks(_SpillsOnEviction, IndexedTier):
     medium = Medium.CPU
 
     def __init__(self, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "memory",
-                 pool: BufferPool | None = None, retention_s: float = 0.0) -> None:
-        super().__init__(eviction, retention_s)
+                 pool: BufferPool | None = None, retention_s: float = 0.0,
+                 retention_by_namespace: Mapping[bytes, float] | None = None) -> None:
+        super().__init__(eviction, retention_s, retention_by_namespace)
         self.name = name
         self._capacity = capacity_bytes
         self.pool = pool or BufferPool()
@@ -109,9 +111,9 @@ class DiskChunks(IndexedTier):
 
     def __init__(
         self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION, name: str = "disk",
-        retention_s: float = 0.0,
+        retention_s: float = 0.0, retention_by_namespace: Mapping[bytes, float] | None = None,
     ) -> None:
-        super().__init__(eviction, retention_s)
+        super().__init__(eviction, retention_s, retention_by_namespace)
         self.name = name
         self.root = Path(root)
         self._capacity = capacity_bytes
@@ -193,13 +195,14 @@ class ShmChunks(_SpillsOnEviction, DiskChunks):
     medium = Medium.CPU
 
     def __init__(self, root: str | Path, capacity_bytes: int, eviction: str = DEFAULT_EVICTION,
-                 name: str = "memory", retention_s: float = 0.0) -> None:
+                 name: str = "memory", retention_s: float = 0.0,
+                 retention_by_namespace: Mapping[bytes, float] | None = None) -> None:
         root = Path(root).resolve()
         self.spill: list[Spill] | None = None      # set before the index is rebuilt: that may evict
         self._aside = root / ".spill"
         shutil.rmtree(self._aside, ignore_errors=True)   # a previous run's half-spilled files
         self._aside.mkdir(parents=True)
-        super().__init__(root, capacity_bytes, eviction, name, retention_s)
+        super().__init__(root, capacity_bytes, eviction, name, retention_s, retention_by_namespace)
         os.chmod(self.root, 0o700)      # KV of every tenant lies here: the server's user (and its clients) only
         self.instance = secrets.token_hex(16)
         tmp = self.root / f"{INSTANCE_FILE}.tmp"

@@ -13,11 +13,13 @@ The eviction policy sees inserts (publish), uses (`touch`, on a hit) and
 removals; pins are not its business: a pinned victim it proposes is set aside
 and offered again after the eviction.
 
-Retention (``retention_s``, 0: none): an entry older than that since it was
+Retention (``retention_s``, 0: none; on the server a namespace may have its
+own, ``retention_by_namespace``): an entry older than that since it was
 stored is never served — `has`, `contains` and `pin` pass it by — and
-`expire` removes it (its room given back as for any removal), oldest first
-from a heap of store times, so a sweep costs only what it removes. Age is wall-clock time
-(a disk tier's chunks keep their file's time across restarts).
+`expire` removes it (its room given back as for any removal), soonest first
+from a heap of deadlines (``Entry.expires_at``), so a sweep costs only what it
+removes. Age is wall-clock time (a disk tier's chunks keep their file's time
+across restarts).
 
 Purges (`purge`): what a `PurgeOrder`'s selector picks leaves at once; a
 pinned entry (being read) or a reservation (being written) is marked and
@@ -27,12 +29,13 @@ it would have been published.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES, BlockHash
 from tiercache.policies import eviction_policies
 from tiercache.tiers.base import TierIndex
 
@@ -46,6 +49,7 @@ class Entry:
     hits: int = 0        # loads served from this tier
     private: bool = False  # L1 only: a preempted request's swap copy, never written to a lower tier
     stored_at: float = 0.0  # wall-clock seconds when it became readable (retention counts from it)
+    expires_at: float = math.inf  # stored_at + its retention: not served, and removed, after this
     parent: bytes | None = None  # the chunk before it in its request (`link`), for purges by prompt
     purged: bool = False    # purged while pinned or reserved: unreadable, dropped when let go
 
@@ -53,41 +57,54 @@ class Entry:
 class IndexedTier(TierIndex):
     """The index base the client tiers (scheduler side) and the server's stores share."""
 
-    def __init__(self, eviction: str, retention_s: float = 0.0) -> None:
+    def __init__(self, eviction: str, retention_s: float = 0.0,
+                 retention_by_namespace: Mapping[bytes, float] | None = None) -> None:
         super().__init__()
         self.policy = eviction_policies.get(eviction)()
         self.entries: dict[BlockHash, Entry] = {}
         self._used = 0
         self.retention_s = retention_s
+        # the server's keys begin with their namespace: one may keep its chunks for a time of its own
+        self.retention_by_namespace = dict(retention_by_namespace or {})
+        self._ages = retention_s > 0 or any(r > 0 for r in self.retention_by_namespace.values())
         self.clock: Callable[[], float] = time.time      # wall clock: a file's time carries across restarts
-        self._stored: list[tuple[float, BlockHash]] = []   # heap of (stored_at, key), kept only with retention
+        self._deadlines: list[tuple[float, BlockHash]] = []   # heap of (expires_at, key), kept only with retention
 
-    def _fresh_since(self) -> float:
-        """Entries stored before this are past retention (-inf without one)."""
-        return self.clock() - self.retention_s if self.retention_s > 0 else float("-inf")
+    def _now(self) -> float:
+        """What entries' deadlines are compared with (-inf without any retention: nothing expires)."""
+        return self.clock() if self._ages else -math.inf
 
-    def _readable(self, entry: Entry | None, since: float) -> bool:
-        return entry is not None and entry.ready and entry.stored_at >= since and not entry.purged
+    def _retention(self, key: BlockHash) -> float:
+        if self.retention_by_namespace:
+            own = self.retention_by_namespace.get(key[:NAMESPACE_DIGEST_BYTES])
+            if own is not None:
+                return own
+        return self.retention_s
+
+    def _readable(self, entry: Entry | None, now: float) -> bool:
+        return entry is not None and entry.ready and entry.expires_at >= now and not entry.purged
 
     def _stamp(self, key: BlockHash, entry: Entry, at: float | None = None) -> None:
         entry.stored_at = self.clock() if at is None else at
-        if self.retention_s > 0:
-            heapq.heappush(self._stored, (entry.stored_at, key))     # a chunk copied in may be older than others
+        keep = self._retention(key) if self._ages else 0.0
+        entry.expires_at = entry.stored_at + keep if keep > 0 else math.inf
+        if keep > 0:
+            heapq.heappush(self._deadlines, (entry.expires_at, key))   # a chunk copied in may be older than others
 
     def stored_times(self, keys: Sequence[BlockHash]) -> dict[BlockHash, float]:
         return {key: entry.stored_at for key in keys if (entry := self.entries.get(key)) is not None and entry.ready}
 
     def expire(self) -> list[BlockHash]:
         """Remove the entries past retention (pinned ones at a later sweep); returns their keys."""
-        if not self._stored:
+        if not self._deadlines:
             return []
-        since = self._fresh_since()
+        now = self._now()
         gone: list[BlockHash] = []
         busy: list[tuple[float, BlockHash]] = []
-        while self._stored and self._stored[0][0] < since:
-            at, key = heapq.heappop(self._stored)
+        while self._deadlines and self._deadlines[0][0] < now:
+            at, key = heapq.heappop(self._deadlines)
             entry = self.entries.get(key)
-            if entry is None or not entry.ready or entry.stored_at != at:
+            if entry is None or not entry.ready or entry.expires_at != at:
                 continue                          # gone already, or stored again since
             if entry.pins:
                 busy.append((at, key))
@@ -95,7 +112,7 @@ class IndexedTier(TierIndex):
             self._drop(key, entry)
             gone.append(key)
         for item in busy:
-            heapq.heappush(self._stored, item)
+            heapq.heappush(self._deadlines, item)
         self.counters.expired += len(gone)
         return gone
 
@@ -112,23 +129,23 @@ class IndexedTier(TierIndex):
         return len(self.entries)
 
     def has(self, key: BlockHash) -> bool:
-        return self._readable(self.entries.get(key), self._fresh_since())
+        return self._readable(self.entries.get(key), self._now())
 
     def contains(self, keys: Sequence[BlockHash]) -> int:
         entries = self.entries
-        since = self._fresh_since()
+        now = self._now()
         n = 0
         for key in keys:
             entry = entries.get(key)
-            if entry is None or not entry.ready or entry.stored_at < since or entry.purged:
+            if entry is None or not entry.ready or entry.expires_at < now or entry.purged:
                 break
             n += 1
         return self.count_lookup(len(keys), n)
 
     def held_keys(self) -> list[BlockHash]:
-        since = self._fresh_since()
+        now = self._now()
         return [key for key, entry in self.entries.items() if entry.ready and not entry.private
-                and entry.stored_at >= since and not entry.purged]
+                and entry.expires_at >= now and not entry.purged]
 
     def links(self) -> list[tuple[bytes, bytes | None]]:
         """(key, parent) of every entry whose parent is known: the chains a purge by prompt follows."""
@@ -199,10 +216,10 @@ class IndexedTier(TierIndex):
     def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
         """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
         pinned = []
-        since = self._fresh_since()
+        now = self._now()
         for i, key in enumerate(keys):
             entry = self.entries.get(key)
-            if not self._readable(entry, since):
+            if not self._readable(entry, now):
                 self.unpin(keys[:i])
                 raise KeyError(f"chunk {key.hex()[:16]}… is not readable in tier {self.name!r}")
             entry.pins += 1
