@@ -40,7 +40,7 @@ def chain(names: str, parent: str | None = None, nbytes: int = 1 << 15):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     # the test's clients poll for purges without an engine to apply them: a purge need not wait for them
-    wait = ("--wait", "0.1") if args[0] == "purge" and "--server" in args else ()
+    wait = ("--wait", "0.1") if args[0] == "purge" and "--server" in args and "--wait" not in args else ()
     return subprocess.run([sys.executable, "-m", "tiercache.cli", *args, *wait], capture_output=True, text=True,
                           timeout=120)
 
@@ -451,3 +451,32 @@ def test_purges_are_numbered_per_tenant_and_an_engine_sees_only_its_own_and_its_
     assert log.pending("initech", 1) == (1, 0)
     found, lost, latest = log.poll("beta", "w2", ("beta", "acme"), (), {"acme": 0}, log.instance)   # granted acme
     assert lost and [(p.tenant, p.seq) for p in found] == [("acme", 2), ("acme", 3)] and latest == {"acme": 3}
+
+
+def test_an_idle_tiercache_api_applies_a_purge_of_a_prompt_named_by_its_text(tmp_path):
+    """`tiercache purge --prompt TEXT --replica URL` hashes the text as the running `tiercache api` does (its
+    descriptor, over HTTP), and the replica — idle — applies the purge before the call returns."""
+    openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install 'tiercache[dev]')")
+    pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'tiercache[fleet]')")
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB")
+    api = subprocess.Popen([sys.executable, "-m", "tiercache.cli", "api", "--port", "0", "--tiers", "cpu,grpc",
+                            "--grpc-address", server.address, "--kv-events", "--kv-events-port", "0",
+                            "--kv-events-replay-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prompt = "A conversation that must be forgotten, said at length so that it fills whole chunks. " * 12
+    try:
+        line = api.stdout.readline()
+        assert line.startswith("tiercache api:"), line + api.stderr.read()
+        base = line.split(" on ")[1].strip()
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
+        client.completions.create(model="tiercache-reference", prompt=prompt, max_tokens=4, temperature=0)
+        out = run_cli("purge", "--server", server.address, "--prompt", prompt, "--replica", base.removesuffix("/v1"),
+                      "--model", "tiercache-reference", "--wait", "20")
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["tiers"]["server/memory"]["chunks"] >= 1 and report["engines"] == {"applied": 1, "pending": 0}
+        stats = json.loads(run_cli("stats", "--server", server.address).stdout)
+        assert sum(t["chunks"] for t in stats["tiers"]) == 0
+    finally:
+        api.terminate()
+        api.wait(30)
+        server.stop()
