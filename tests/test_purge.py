@@ -371,7 +371,7 @@ def test_an_engine_reading_redis_applies_a_purge_announced_there_before_its_valu
         while purging.is_alive():
             engine.step()
         report = result["r"]
-        assert (report.engines_applied, report.engines_pending) == (1, 0) and report.tiers["redis"]["chunks"] == 4
+        assert (report.engines_applied, report.engines_pending) == (1, 0) and report.report.tiers["redis"][0] == 4
         assert not set(keys) & {k for t in (manager.l1, manager.by_name["disk"]) for k in t.entries}
         assert not [k for k in redis.Redis.from_url(redis_server.url).keys("tiercache:*") if REDIS_KEY.fullmatch(k)]
         seq = run_sequential(engine, prompts[1:])[0]

@@ -68,6 +68,7 @@ from tiercache.policies import AdmissionPolicy
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
+from tiercache.tiers.index import IndexedTier
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class CacheManager:
         them: it may run from L1 into the disk); the lower tiers' bytes go with the next deletes. A chunk being
         read or written goes when its transfer ends, and is not served meanwhile."""
         report = PurgeReport()
-        tiers = [t for t in self.tiers if t.indexed]
+        tiers = [t for t in self.tiers if isinstance(t, IndexedTier)]    # a remote tier's store purges itself
         chosen = order.selector([pair for t in tiers for pair in t.links()] if order.roots else ())
         for tier in tiers:
             keys, nbytes = tier.purge(chosen)

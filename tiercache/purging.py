@@ -28,7 +28,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, WATCHER_TTL_S, PurgeOrder, repeat_passes
+from tiercache.contracts.purge import (
+    DEFAULT_WAIT_S,
+    POLL_INTERVAL_S,
+    WATCHER_TTL_S,
+    PurgeOrder,
+    PurgeReport,
+    repeat_passes,
+)
 from tiercache.errors import ChunkFormatError, ConfigError
 from tiercache.tiers.purge_watch import REDIS_APPLIED, REDIS_KEEP, REDIS_STREAM, redis_now, stream_id
 from tiercache.wire import tiercache_pb2 as pb
@@ -51,14 +58,16 @@ class PromptSource:
 
 @dataclass(slots=True)
 class PurgeResult:
-    tiers: dict[str, dict[str, int]] = field(default_factory=dict)     # "server/memory", "disk:/path", ...
+    """What a purge took, per place ("server/memory", "redis", "disk:/path"), and the engines it reached."""
+    report: PurgeReport = field(default_factory=PurgeReport)
     engines_applied: int = 0
     engines_pending: int = 0
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"tiers": self.tiers, "chunks": sum(t["chunks"] for t in self.tiers.values()),
-                "bytes": sum(t["bytes"] for t in self.tiers.values()),
+        r = self.report
+        return {"tiers": {name: {"chunks": c, "bytes": b} for name, (c, b) in r.tiers.items()},
+                "chunks": r.chunks, "bytes": r.nbytes,
                 "engines": {"applied": self.engines_applied, "pending": self.engines_pending},
                 "seconds": round(self.seconds, 3)}
 
@@ -154,7 +163,7 @@ def purge_server(address: str, token: str | None, order: PurgeOrder, tenant: str
             raise PurgeRefused(f"{address}: {err.code().name}: {err.details()}") from None
     reply = pb.PurgeReply.FromString(raw)
     for t in reply.tiers:
-        result.tiers[f"server/{t.name}"] = {"chunks": t.chunks, "bytes": t.bytes}
+        result.report.add(f"server/{t.name}", t.chunks, t.bytes)
     result.engines_applied += reply.engines_applied
     result.engines_pending += reply.engines_pending
 
@@ -186,7 +195,7 @@ def purge_redis(url: str, order: PurgeOrder, result: PurgeResult, cluster: bool 
         raise PurgeRefused(f"{url}: {type(err).__name__}: {err}") from None
     finally:
         client.close()
-    result.tiers["redis"] = {"chunks": removed, "bytes": nbytes}
+    result.report.add("redis", removed, nbytes)
     result.engines_applied += applied
     result.engines_pending += pending
 
@@ -274,7 +283,7 @@ def purge(order: PurgeOrder, server: str = "", token: str | None = None, tenant:
         purge_redis(redis_url, order, result, redis_cluster, wait_s)
     for path in disk_paths:
         files, nbytes = cache_dir.purge(Path(path), order)
-        result.tiers[f"disk:{path}"] = {"chunks": files, "bytes": nbytes}
+        result.report.add(f"disk:{path}", files, nbytes)
     result.seconds = time.perf_counter() - started
     return result
 

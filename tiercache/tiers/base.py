@@ -15,7 +15,7 @@ reported with its `Failure`, never raised.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -145,15 +145,6 @@ class TierIndex(ABC):
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
-
-    def purge(self, chosen: Callable[[bytes, float], bool]) -> tuple[list[bytes], int]:
-        """Take out what ``chosen(key, stored_at)`` picks (keys, bytes); a tier without an index here (its store
-        purges itself) takes nothing."""
-        return [], 0
-
-    def links(self) -> list[tuple[bytes, bytes | None]]:
-        """(key, parent) of the chunks held here whose parent is known (none without an index here)."""
-        return []
 
     def take_purges(self) -> list[PurgeOrder]:
         """Purges this tier's store made since the last call, for the engine to apply to its own tiers (a
