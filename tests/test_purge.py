@@ -90,8 +90,13 @@ def tenant_server(tmp_path):
                        f'[tenants.ops]\ntoken = "{TOKENS["ops"]}"\nadmin = true\npurge = true\n')
     for name, token in TOKENS.items():
         (tmp_path / f"{name}.token").write_text(token)
+    from tests.conftest import free_port
+
+    metrics = free_port()
     server = CacheServerProcess(tmp_path, "--capacity", "4MiB", "--disk", str(tmp_path / "serve-disk"),
-                                "--disk-capacity", "64MiB", "--auth-token-file", str(tenants), "--log-format", "json")
+                                "--disk-capacity", "64MiB", "--auth-token-file", str(tenants), "--log-format", "json",
+                                "--metrics-port", str(metrics))
+    server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     yield server
     server.stop()
 
@@ -154,6 +159,14 @@ def test_purges_need_their_right_and_bad_ones_are_one_clear_line(tenant_server, 
             return json.loads(got.stdout)["counters"]
         assert stats_as("ops")["purges"] == 1 and stats_as("ops")["purged_chunks"] == 2
         assert "purges" not in stats_as("acme") and "purges" not in stats_as("initech")   # the server's, not theirs
+        import urllib.request
+        with urllib.request.urlopen(tenant_server.metrics_url, timeout=10) as reply:     # the operator's view
+            scraped = reply.read().decode()
+        assert 'tiercache_server_tenant_purges_total{tenant="initech"} 1.0' in scraped
+        assert 'tiercache_server_tenant_purged_chunks_total{tenant="initech"} 2.0' in scraped
+        assert 'tiercache_server_tenant_purges_total{tenant="acme"} 0.0' in scraped
+        per_tier = [line for line in scraped.splitlines() if line.startswith('tiercache_tier_purged_total{tier="pool/')]
+        assert sum(float(line.split()[-1]) for line in per_tier) == 2
     finally:
         for c in clients.values():
             c.close()
