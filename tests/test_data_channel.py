@@ -128,7 +128,8 @@ def test_without_a_data_channel_the_tier_streams_over_grpc(tmp_path):
 
 
 def test_the_frames_are_the_documented_layout():
-    assert dw.MAGIC == b"TCDATA\x01\x00" and dw.REQUEST.size == 21
+    assert dw.MAGIC == b"TCDATA\x02\x00" and dw.REQUEST.size == 21
+    assert dw.hello_version(b"TCDATA\x01\x00") == 1 and dw.hello_version(b"TCDATA\x03\x00") is None
     assert dw.hello("ab") == dw.MAGIC + struct.pack("<H", 2) + b"ab"
     assert dw.key_field(b"xyz") == b"\x03xyz"
 
@@ -418,4 +419,74 @@ def test_a_tenant_opening_connections_in_a_loop_closes_its_own_not_another_tenan
         for sock in held:
             sock.close()
         b.close()
+        server.stop()
+
+
+class BudgetHolder:
+    """A connection of the server's one tenant that declares a value the size of the whole in-flight budget and
+    sends it a byte at a time, never silent — so its reservation is never taken back and no other value finds
+    room until `release`."""
+
+    def __init__(self, server, nbytes: int) -> None:
+        import threading
+
+        from tiercache.bench.hostile import header_for
+        self.sock, status = connect(server)
+        assert status == dw.HELLO_OK
+        key = b"\xab" * 32
+        head = header_for(key, nbytes - HEADER_BYTES, namespace=NS)
+        self.sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(nbytes) + head)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._trickle, daemon=True)
+        self._thread.start()
+
+    def _trickle(self) -> None:
+        while not self._done.wait(0.05):
+            with contextlib.suppress(OSError):
+                self.sock.send(b"\0")
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.sock.close()
+
+
+def put_busy(server) -> int:
+    return dict(pb.StatsReply.FromString(raw_call(server, "Stats", b"")).counters).get("data_put_busy", 0)
+
+
+def test_a_value_with_no_room_in_time_is_busy_and_sent_again_until_it_lands(tmp_path):
+    """A value the in-flight budget has no room for within the server's wait is answered PUT_BUSY (PUT_REJECTED
+    to a version-1 client, which knows no other answer); the tier sends it again after short pauses, so a
+    budget freed meanwhile takes it, and one never freed fails it as a timeout with the tier still up."""
+    import concurrent.futures
+
+    server = CacheServerProcess(tmp_path, "--max-value", "1MiB", "--max-inflight", "1MiB", "--read-timeout", "30")
+    holder = BudgetHolder(server, 1 << 20)
+    tier = Client(server.address, NS)
+    try:
+        (meta, raw), = chunks(1)
+        header, payload = ChunkFormat().encode_parts(meta, raw)
+        value = dw.key_field(meta.key) + dw.U64.pack(len(header) + len(payload)) + header + payload
+        for magic, answer in ((dw.MAGIC, dw.PUT_BUSY), (b"TCDATA\x01\x00", dw.PUT_REJECTED)):
+            sock = socket.create_connection(("127.0.0.1", data_port(server)), timeout=10)
+            sock.sendall(magic + struct.pack("<H", 0))
+            assert sock.recv(1) == bytes([dw.HELLO_OK])
+            sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + value)
+            assert sock.recv(1) == bytes([answer])
+            sock.close()
+
+        assert tier.write_chunks(chunks(1, seed=1)) == ((chunks(1, seed=1)[0][0].key, Failure.TIMEOUT),)
+        assert tier.transport.available                    # a busy server, not an outage
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy_before = put_busy(server)
+            stored = pool.submit(tier.write_chunks, chunks(1))
+            eventually(lambda: put_busy(server) > busy_before, what="the first try refused for room")
+            holder.release()
+            assert stored.result(timeout=30) == ()
+        buf = memoryview(bytearray(len(raw)))
+        assert tier.read_chunks_into([(meta.key, buf)]) == [len(raw)] and bytes(buf) == bytes(raw)
+    finally:
+        holder.release()
+        tier.close()
         server.stop()

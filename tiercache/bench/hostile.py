@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from tiercache.wire.grpc_messages import AUTH_HEADER, encode_chunk, method
 
 MiB = 1 << 20
 NS = b"\xee" * 16
+STOP_WITHIN_S = 15.0        # `HostileTenant.stop` waits this long at most for its clients' threads
 KINDS = ("silent_puts", "stalled_streams", "silent_flood", "maximal_calls", "reconnect_loop")
 
 
@@ -123,10 +126,13 @@ class HostileTenant:
                 thread.start()
                 self._threads.append(thread)
 
-    def stop(self) -> None:
+    def stop(self, within_s: float = STOP_WITHIN_S) -> None:
+        """Tell every client to end, and wait ``within_s`` at most, in all, for their threads (daemons: one
+        still in a call ends with the process)."""
         self._stop.set()
+        deadline = time.monotonic() + within_s
         for thread in self._threads:
-            thread.join(30)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the data channel ------------------------------------------------------------------------------------
     def _hello(self) -> socket.socket:
@@ -298,15 +304,16 @@ def main(argv: list[str] | None = None) -> int:
                                args.round_pause)
     except ValueError as err:
         parser.error(str(err))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # Blocked before any thread starts (they inherit the mask) and taken by `sigwait`: no handler runs inside a
+    # lock another thread or the main one holds, so a SIGTERM is never lost to a deadlock.
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     tenant.start()
     print("started", flush=True)
-    stop.wait()
-    tenant.stop()
+    signal.sigwait(stops)
+    tenant.stop(STOP_WITHIN_S)
     print(f"stopped after {tenant.rounds} rounds of maximal calls", flush=True)
-    return 0
+    os._exit(0)     # its clients' threads are daemons, some maybe still in a gRPC call: no interpreter shutdown
 
 
 if __name__ == "__main__":

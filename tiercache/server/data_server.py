@@ -11,8 +11,8 @@ closes that connection; the server and its other connections go on.
 
 Bounds (`tiercache.server.limits`): a value's bytes are reserved from the
 server's in-flight budget before any is received (a value that gets no room
-in time is read past and answered ``PUT_REJECTED``: a busy server, not a
-broken one); every read and write has the server's deadline — the
+in time is read past and answered ``PUT_BUSY``, which the client may send
+again: a busy server, not a broken one); every read and write has the server's deadline — the
 hello, each request once begun, each value at the minimum rate — and a
 connection idle between requests longer than the idle timeout is closed.
 Those timeouts are kept by the kernel (`kernel_timeouts`, `send_by`): a
@@ -218,7 +218,7 @@ class DataServer:
             return
         greeting.received += data
         hello = greeting.received
-        if len(hello) >= len(dw.MAGIC) and hello[:len(dw.MAGIC)] != dw.MAGIC:
+        if len(hello) >= len(dw.MAGIC) and dw.hello_version(bytes(hello[:len(dw.MAGIC)])) is None:
             return self._turn_away(selector, greeting, dw.HELLO_BAD_VERSION,
                                    f"not a tiercache data channel hello (or another version): {bytes(hello[:8])!r}")
         if len(hello) >= _HELLO_HEAD and greeting.wanted() > dw.MAX_TOKEN_BYTES:
@@ -235,7 +235,8 @@ class DataServer:
         if not self._admit(conn, greeting.host, tenant.name):
             return
         _say(conn, dw.HELLO_OK)
-        threading.Thread(target=self._serve, args=(conn, greeting.peer, tenant),
+        busy = dw.PUT_BUSY if dw.hello_version(bytes(hello[:len(dw.MAGIC)])) >= 2 else dw.PUT_REJECTED
+        threading.Thread(target=self._serve, args=(conn, greeting.peer, tenant, busy),
                          name="tiercache-data", daemon=True).start()
 
     def _drop_late(self, selector: selectors.BaseSelector) -> None:
@@ -288,7 +289,9 @@ class DataServer:
         return True
 
     # -- one connection --------------------------------------------------------
-    def _serve(self, conn: socket.socket, peer: str, tenant: Tenant) -> None:
+    def _serve(self, conn: socket.socket, peer: str, tenant: Tenant, busy: int) -> None:
+        """Requests of one connection until it closes; ``busy`` is the outcome a value that got no room in
+        time is answered (`PUT_BUSY`, or `PUT_REJECTED` for a version-1 client)."""
         self.counters["data_connections"] += 1
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = StreamReader(conn)
@@ -314,7 +317,7 @@ class DataServer:
                 if op == dw.OP_GET:
                     self._get(conn, reader, tenant, namespace, count)
                 elif op == dw.OP_PUT:
-                    self._put(conn, reader, tenant, namespace, count)
+                    self._put(conn, reader, tenant, namespace, count, busy)
                 else:
                     raise _Refused(f"unknown op {op}")
         except (_Refused, ProtocolError) as err:
@@ -351,7 +354,8 @@ class DataServer:
             self.counters["data_get_chunks"] += 1
             self.counters["bytes_out"] += total
 
-    def _put(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int) -> None:
+    def _put(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int,
+             busy: int) -> None:
         if not tenant.write:
             raise _Refused(f"tenant {tenant.name!r} may not write")
         store = self.tenancy.own(tenant)
@@ -382,7 +386,7 @@ class DataServer:
             if hold is None:
                 reader.skip(size - HEADER_BYTES, deadline)     # read past it, into no memory of its own
                 self.counters["data_put_busy"] += 1
-                outcomes.append(dw.PUT_REJECTED)
+                outcomes.append(busy)
                 continue
             try:
                 value = store.pool.take(size)

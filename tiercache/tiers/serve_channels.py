@@ -50,17 +50,23 @@ BUSY_TRIES = 4              # a stream the server refuses for room is asked for 
 BUSY_PAUSE_S = 0.05         # after pauses of about 0.05, 0.1, 0.2 s
 
 
+def busy_pause(attempt: int) -> None:
+    """The pause after the ``attempt``-th refusal for room: short, doubling, jittered so that refused clients
+    spread out."""
+    time.sleep(BUSY_PAUSE_S * (2 ** attempt) * (0.5 + random.random()))
+
+
 def when_room(call: Callable[[], T]) -> T:
     """``call()``; when the server refuses it for room (its slots or in-flight bytes, for this tenant's share),
-    asked again after a short pause that doubles, jittered so that refused clients spread out — `BUSY_TRIES`
-    times in all, within a fraction of a second. Raises the last refusal, or any other error."""
+    asked again after a `busy_pause` — `BUSY_TRIES` times in all, within a fraction of a second beyond the
+    server's own waits. Raises the last refusal, or any other error."""
     for attempt in range(BUSY_TRIES):
         try:
             return call()
         except grpc.RpcError as err:
             if not busy(err) or attempt == BUSY_TRIES - 1:
                 raise
-        time.sleep(BUSY_PAUSE_S * (2 ** attempt) * (0.5 + random.random()))
+        busy_pause(attempt)
     raise AssertionError("unreachable: the last try returns or raises")
 
 
@@ -143,10 +149,22 @@ class DataChannelValues(ValueChannel):
 
     def put(self, batch: OutgoingBatch) -> KeyFailures:
         """One ``PUT``: each chunk's header and payload sent as they are (a chunk the codec refused is
-        withdrawn)."""
-        outcomes = self._call(lambda channel: channel.put(len(batch.items), batch.encoded()))
-        return batch.failures([meta.key for (meta, _), outcome in zip(batch.items, outcomes)
-                               if outcome == dw.PUT_REJECTED])
+        withdrawn). The chunks the server had no room for in time (``PUT_BUSY``) are sent again, alone, after
+        a `busy_pause` — `BUSY_TRIES` times in all, as `when_room` asks for a stream again; those still refused
+        then fail (`Failure.TIMEOUT`: a busy server, the tier stays up)."""
+        failed: list[tuple[BlockHash, Failure]] = []
+        for attempt in range(BUSY_TRIES):
+            sent = batch
+            outcomes = self._call(lambda channel: channel.put(len(sent.items), sent.encoded()))
+            failed += sent.failures([meta.key for (meta, _), outcome in zip(sent.items, outcomes)
+                                     if outcome == dw.PUT_REJECTED])
+            refused = [item for item, outcome in zip(sent.items, outcomes) if outcome == dw.PUT_BUSY]
+            if not refused:
+                return tuple(failed)
+            if attempt < BUSY_TRIES - 1:
+                busy_pause(attempt)
+                batch = OutgoingBatch(refused, batch.codec)
+        return (*failed, *((meta.key, Failure.TIMEOUT) for meta, _ in refused))
 
     def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
         """One ``GET``."""

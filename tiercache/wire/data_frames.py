@@ -17,8 +17,10 @@ Frames (integers little-endian)::
       GET       count × (u8 key length | key)
                 server: count × (u64 value length | value)        length 0: not present
       PUT       count × (u8 key length | key | u64 value length | value)
-                server: count × u8 outcome (PUT_STORED, PUT_PRESENT, PUT_REJECTED)
+                server: count × u8 outcome (PUT_STORED, PUT_PRESENT, PUT_REJECTED, PUT_BUSY)
                 value length 0: withdrawn (the client's codec refused that chunk): nothing stored, PUT_REJECTED
+                PUT_BUSY (version 2): no room for the value in the server's in-flight budget in time — read past,
+                not stored; the client may send it again (a version-1 client is answered PUT_REJECTED)
 
 A value is one chunk in the stored chunk format (header + payload), as on
 gRPC: the server checks each header it receives against namespace and key,
@@ -31,10 +33,13 @@ import struct
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 
-MAGIC = b"TCDATA" + (1).to_bytes(2, "little")
+MAGIC_PREFIX = b"TCDATA"
+VERSION = 2
+VERSIONS = (1, 2)            # what a server accepts: version 1 differs only in never hearing PUT_BUSY
+MAGIC = MAGIC_PREFIX + VERSION.to_bytes(2, "little")
 HELLO_OK, HELLO_BAD_VERSION, HELLO_UNAUTHENTICATED, HELLO_BUSY = 0, 1, 2, 3
 OP_GET, OP_PUT = 1, 2
-PUT_STORED, PUT_PRESENT, PUT_REJECTED = 0, 1, 2
+PUT_STORED, PUT_PRESENT, PUT_REJECTED, PUT_BUSY = 0, 1, 2, 3
 
 REQUEST = struct.Struct(f"<B{NAMESPACE_DIGEST_BYTES}sI")      # op, namespace digest, count
 U64 = struct.Struct("<Q")
@@ -45,6 +50,14 @@ MAX_TOKEN_BYTES = 4096
 def hello(token: str | None) -> bytes:
     raw = (token or "").encode()
     return MAGIC + U16.pack(len(raw)) + raw
+
+
+def hello_version(magic: bytes) -> int | None:
+    """The protocol version a hello's first ``len(MAGIC)`` bytes name, or None for one no server accepts."""
+    if len(magic) != len(MAGIC) or magic[:len(MAGIC_PREFIX)] != MAGIC_PREFIX:
+        return None
+    version = int.from_bytes(magic[len(MAGIC_PREFIX):], "little")
+    return version if version in VERSIONS else None
 
 
 def key_field(key: bytes) -> bytes:
