@@ -89,7 +89,7 @@ def test_logits_on_the_hit_path_match_a_full_recompute():
         assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("inline", ["on", "off"])
 def test_preemption_preserves_outputs(mode, inline):
     """Eight requests decode together in a pool that cannot hold them all at full length."""
@@ -108,9 +108,13 @@ def test_preemption_preserves_outputs(mode, inline):
         stats = engine.stats()["connector"]
         if mode == "swap":
             assert stats["swap_outs"] > 0 and stats["swap_ins"] > 0
-            assert not engine.connector.scheduler._swapped          # every swap copy was dropped once spent
-        else:
+        elif mode == "recompute":
             assert stats["swap_outs"] == 0
+        else:                                                       # each preemption decided by its cost
+            policy = engine.scheduler.preemption
+            assert policy.swapped + policy.recomputed == engine.scheduler.num_preemptions
+            assert stats["swap_outs"] <= policy.swapped             # a swap L1 has no room for is recomputed
+        assert not engine.connector.scheduler._swapped              # every swap copy was dropped once spent
         assert_back_to_baseline(engine)
 
 

@@ -130,6 +130,26 @@ def _routing_list(text: str) -> list[str]:
     return names
 
 
+def _preemption_list(text: str) -> list[str]:
+    from tiercache.engine.preemption import preemption_policies
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in preemption_policies]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown preemption mode {unknown or text!r}; known: {', '.join(preemption_policies.names())}")
+    return names
+
+
+def _pressure_list(text: str) -> list[str]:
+    from tiercache.bench.preemption import PRESSURE_WORKLOADS
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PRESSURE_WORKLOADS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown pressure workload {unknown or text!r}; known: {', '.join(PRESSURE_WORKLOADS)}")
+    return names
+
+
 def _policy_list(text: str) -> list[str]:
     from tiercache.policies import eviction_policies
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -436,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefix-tokens", type=_positive, default=1024)
     e.add_argument("--suffix-tokens", type=_positive, default=64)
     e.add_argument("--output-tokens", type=_positive, default=8)
+    e.add_argument("--preemption", type=_preemption_list, metavar="MODES",
+                   help="instead of the setups: these preemption modes (e.g. recompute,swap,auto) side by side "
+                        "under memory pressure, on the --pressure workloads, each with an L1 to swap to")
+    e.add_argument("--pressure", type=_pressure_list, default=["long-decode", "short", "shared-prefix"],
+                   help="with --preemption: comma-separated, of long-decode, short, shared-prefix")
+    e.add_argument("--reps", type=_positive, default=3, help="with --preemption: runs per mode (medians)")
     e.add_argument("--out", metavar="DIR", help="write engine.json, engine.md and engine.png here")
     e.add_argument("--json", metavar="PATH")
     e.add_argument("--quiet", action="store_true")

@@ -184,6 +184,41 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
     return 0
 
 
+def _bench_preemption(args: argparse.Namespace) -> int:
+    """`bench engine --preemption`: the modes side by side under memory pressure (`tiercache.bench.preemption`)."""
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from tiercache.bench.preemption import PRESSURE_WORKLOADS, bench_preemption
+    from tiercache.bench.report import markdown_table, write_json
+
+    base = load_config(args.config, overrides=args.set).replace(keys={"block_size": 16})
+    workloads = [PRESSURE_WORKLOADS[w] for w in args.pressure]
+    with tqdm(total=len(workloads) * len(args.preemption) * args.reps, desc="bench engine --preemption",
+              file=sys.stderr, disable=args.quiet) as bar:
+        report = bench_preemption(workloads, args.preemption, base, args.reps, progress=lambda: bar.update(1))
+    report["command"] = "tiercache " + " ".join(sys.argv[1:])
+    headers = ("workload", "preemption", "TTFT p50 ms", "TTFT p99 ms", "tok/s", "preemptions", "swapped",
+               f"outputs = {args.preemption[0]}'s")
+    rows = [(r["workload"], r["mode"], r["ttft_ms_p50"], r["ttft_ms_p99"], r["throughput_tok_s"], r["preemptions"],
+             r["swap_outs"], r["outputs_match"]) for r in report["results"]]
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "engine.json", report)
+        (out / "engine.md").write_text(f"# Preemption under memory pressure (medians of {args.reps})\n\n"
+                                       + markdown_table(headers, rows))
+    if args.json:
+        write_json(args.json, report)
+    table = Table(title=f"preemption under memory pressure (medians of {args.reps} runs)")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(120, Console().width)).print(table)
+    return 0 if all(r["outputs_match"] for r in report["results"]) else 1
+
+
 def _codec_gains(runs: list[dict], base: str) -> list[dict]:
     """Per tier and codec: tokens/s put and got, and the gain over the ``base`` codec's run of that tier."""
     out = []
@@ -352,6 +387,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
+
+    if args.preemption:
+        return _bench_preemption(args)
 
     from tiercache.bench.engine import SETUPS, bench_engine
     from tiercache.bench.report import markdown_table, write_json

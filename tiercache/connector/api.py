@@ -67,6 +67,11 @@ class SchedulerConnector(ABC):
         """Preemption by swap: keep the request's KV in a tier; False if this connector cannot."""
         return False
 
+    def stored_tokens(self, request_id: str) -> int:
+        """Of the request's computed tokens, how many the tiers hold or are storing in whole chunks (what a
+        recompute would load rather than compute); 0 for a connector that does not know."""
+        return 0
+
     def request_reset(self, request_id: str) -> None:
         """The engine discarded the request's KV (preempted for recompute, or a failed load)."""
         return None

@@ -267,6 +267,9 @@ class OffloadScheduler(SchedulerConnector):
             self.counters.delayed_frees += 1
         return delay
 
+    def stored_tokens(self, request_id: str) -> int:
+        return self._stored_chunks.get(request_id, 0) * self.bpc * self.block_size
+
     def request_reset(self, request_id: str) -> None:
         self._stored_chunks.pop(request_id, None)
         self._lookups.pop(request_id, None)

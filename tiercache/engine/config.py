@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiercache.engine.preemption import preemption_policies
 from tiercache.errors import ConfigError
 
 
@@ -45,7 +46,7 @@ class EngineConfig:
     num_blocks: int = 1024
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048     # token budget of one step; longer prefills are chunked
-    preemption: str = "recompute"          # recompute | swap (to L1)
+    preemption: str = "recompute"          # recompute | swap (to L1) | auto: by cost (tiercache.engine.preemption)
     enable_prefix_caching: bool = True     # L0 hash hits inside the engine's own pool
     device: str = "cpu"
     seed: int = 0
@@ -56,5 +57,6 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"engine.{name}", getattr(self, name), "must be positive")
-        if self.preemption not in ("recompute", "swap"):
-            raise ConfigError("engine.preemption", self.preemption, "expected recompute or swap")
+        if self.preemption not in preemption_policies:
+            raise ConfigError("engine.preemption", self.preemption,
+                              f"expected one of {', '.join(preemption_policies.names())}")

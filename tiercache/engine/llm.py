@@ -16,6 +16,7 @@ import torch
 
 from tiercache.config import TierCacheConfig
 from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.contracts.plan import DEVICE
 from tiercache.engine.config import EngineConfig, ModelConfig
 from tiercache.engine.runner import ModelRunner
 from tiercache.engine.scheduler import Scheduler
@@ -53,6 +54,9 @@ def _namespace(model_cfg: ModelConfig, engine_cfg: EngineConfig, model_path: str
             digest.update(f"{f.name}:{f.stat().st_size}".encode())
         model_id, revision = path.name, digest.hexdigest()[:16]
     return Namespace(model_id, geometry, engine_cfg.block_size, revision, salt)
+
+
+COPY_RATES_EVERY = 32      # steps between readings of the connector's copy rates (a stats call)
 
 
 class LLMEngine:
@@ -100,7 +104,10 @@ class LLMEngine:
             self.connector = ReferenceConnector(offload, self.namespace, self.kv)
         self.scheduler = Scheduler(engine_cfg, self.blocks, self.hasher,
                                    self.connector.scheduler if self.connector else None,
-                                   eos_token_id=self.tokenizer.eos_token_id)
+                                   eos_token_id=self.tokenizer.eos_token_id,
+                                   kv_bytes_per_token=kv_bytes // (engine_cfg.num_blocks * engine_cfg.block_size
+                                                                   * engine_cfg.tensor_parallel_size))
+        self._steps = 0
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker if self.connector else None,
                                   record_logits=record_logits)
         self._ids = itertools.count()
@@ -134,10 +141,29 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         out = self.scheduler.schedule()
+        started = time.perf_counter()
         sampled = self.runner.execute(out)
+        self.scheduler.rates.observe_step(sum(s.num_tokens for s in out.scheduled), time.perf_counter() - started)
+        self._steps += 1
+        if self.connector is not None and self._steps % COPY_RATES_EVERY == 0:
+            self._observe_copies()
         # with nothing scheduled only transfers are running (promotions, held stores): wait for them a moment
         conn_out = self.connector.worker.get_finished(idle=not out.scheduled) if self.connector else None
         return self.scheduler.update(out, sampled, conn_out, time.perf_counter())
+
+    def _observe_copies(self) -> None:
+        """Rank 0's copy times between the pool and L1 (every rank copies its share at once), for the
+        preemption policy's rates."""
+        manager = self.connector.scheduler.manager
+        if manager is None:
+            return
+        routes: dict[str, tuple[float, int]] = {}
+        for link in self.connector.workers[0].stats()["transfers"].values():
+            for name, r in link.get("routes", {}).items():
+                seconds, blocks = routes.get(name, (0.0, 0))
+                routes[name] = (seconds + r["seconds"], blocks + r["blocks"])
+        l1 = manager.l1.name
+        self.scheduler.rates.observe_copies(routes, self.engine_cfg.block_size, f"{DEVICE}→{l1}", f"{l1}→{DEVICE}")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -17,6 +17,7 @@ from tiercache.connector.api import SchedulerConnector
 from tiercache.contracts.connector import ConnectorMetadata, ConnectorOutput, StepRequest
 from tiercache.contracts.keys import BlockHasher
 from tiercache.engine.config import EngineConfig
+from tiercache.engine.preemption import Rates, Victim, preemption_policies
 from tiercache.engine.sequence import Sequence, SequenceStatus
 from tiercache.pool.block_manager import BlockCopy, BlockManager
 from tiercache.pool.block_pool import Block
@@ -44,7 +45,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, hasher: BlockHasher,
-                 connector: SchedulerConnector | None = None, eos_token_id: int | None = None) -> None:
+                 connector: SchedulerConnector | None = None, eos_token_id: int | None = None,
+                 kv_bytes_per_token: int = 0) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.hasher = hasher
@@ -55,6 +57,8 @@ class Scheduler:
         self.held: dict[str, list[list[Block]]] = defaultdict(list)
         self._admitted: set[str] = set()
         self.num_preemptions = 0
+        self.preemption = preemption_policies.get(cfg.preemption)()
+        self.rates = Rates(kv_bytes_per_token)     # measured by the engine as it runs: what `auto` weighs
 
     def add(self, seq: Sequence) -> None:
         seq.update_hashes(self.hasher)
@@ -137,15 +141,20 @@ class Scheduler:
 
     # -- preemption and release ----------------------------------------------
     def _preempt(self, seq: Sequence, keep_kv: bool = True) -> None:
-        """Take ``seq``'s blocks away: swap its KV to a tier when configured and possible, else recompute later.
+        """Take ``seq``'s blocks away: swap its KV to a tier when the preemption policy says so and L1 has room,
+        else recompute later.
 
         ``keep_kv=False`` when its KV is invalid (a failed load): never swapped, always recomputed.
         """
         self.num_preemptions += keep_kv
         seq.metrics.preemptions += keep_kv
         swapped = False
-        if keep_kv and self.cfg.preemption == "swap" and self.connector is not None:
-            swapped = self.connector.swap_out(seq.view(), self.blocks.block_ids(seq.seq_id), seq.num_computed_tokens)
+        if keep_kv and self.connector is not None:
+            rid = seq.seq_id
+            others = len(self.waiting) + len(self.running) - (seq in self.running)
+            victim = Victim(seq.num_computed_tokens, self.connector.stored_tokens(rid), others)
+            if self.preemption.swap(victim, self.rates):
+                swapped = self.connector.swap_out(seq.view(), self.blocks.block_ids(rid), seq.num_computed_tokens)
         if not swapped and self.connector is not None:
             self.connector.request_reset(seq.seq_id)
         self._release(seq)
