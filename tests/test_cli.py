@@ -133,6 +133,22 @@ def test_bench_engine_writes_reports_and_every_setup_matches_the_baseline(tmp_pa
     assert proc.returncode == 2 and "cpu+tape" in proc.stderr
 
 
+def test_bench_engine_preemption_runs_the_modes_side_by_side_under_pressure_with_equal_outputs(tmp_path):
+    out = tmp_path / "pre"
+    proc = tiercache("bench", "engine", "--preemption", "recompute,swap,auto", "--pressure", "short", "--reps", "1",
+                     "--quiet", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["mode"]: r for r in json.loads((out / "engine.json").read_text())["results"]}
+    assert set(rows) == {"recompute", "swap", "auto"} and all(r["outputs_match"] for r in rows.values())
+    assert all(r["preemptions"] > 0 for r in rows.values())           # the pool was too small: it preempted
+    assert rows["recompute"]["swap_outs"] == 0 < rows["swap"]["swap_outs"]
+    assert "preemption" in (out / "engine.md").read_text()
+    for args, wrong in ((("--preemption", "sometimes"), "sometimes"),
+                        (("--preemption", "auto", "--pressure", "huge"), "huge")):
+        proc = tiercache("bench", "engine", *args)
+        assert proc.returncode == 2 and wrong in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_bench_tiers_redis_starts_its_own_server_when_given_none(tmp_path):
     proc = tiercache("bench", "tiers", "--tiers", "redis", "--shape", "small", "--total-mib", "4", "--reps", "1",
