@@ -9,7 +9,12 @@ The runs of one TP size share one disk path, one Redis and one `tiercache serve`
 runs, in this order: everything (L1 hits, vLLM's prefix cache on, a batch), then fresh processes that
 hit the disk, then Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks; each size hits
 its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token suffixes.
+The runs that share no tier (the baseline without the connector; cache salts, layer-by-layer loads and a
+bad configuration, each with its own L1 alone) are launched in the background from the start, one at a
+time beside the tests' own launches: a vLLM's start-up is about one core's work, and this halves theirs.
 """
+import concurrent.futures
+import itertools
 import json
 import os
 import random
@@ -52,7 +57,8 @@ def test_the_readme_configuration_is_valid():
 
 
 class Env:
-    """The model, the prompts, the shared tiers, every run's result (each launched once, when first asked)."""
+    """The model, the prompts, the shared tiers, every run's result (each launched once, when first asked —
+    or early, beside the others, for a run that touches no shared tier: `prefetch`)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -69,6 +75,16 @@ class Env:
         self.server = CacheServerProcess(base, "--capacity", "256MiB")
         self.results: dict = {}
         self.rank_dirs: dict[int, list[Path]] = {}
+        self.launches = itertools.count()
+        self.prefetched: dict = {}          # (name, tp) → a Future of its (CompletedProcess, out path)
+        self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
+
+    def prefetch(self, runs: list[tuple[str, dict, int]]) -> None:
+        """Launch these runs one after another in the background, while the tests launch theirs: at most two
+        vLLMs at once, each about one core's work (imports and start-up, most of a run's time, run on one).
+        Only for runs that read and write no tier another run shares — their own L1 alone, or none."""
+        for name, spec, tp in runs:
+            self.prefetched[(name, tp)] = self._prefetcher.submit(launch, self, spec, tp)
 
     def tiers(self, *names: str) -> dict:
         sections = {"disk": {"enabled": True, "path": str(self.disk), "write_mode": "write-through"},
@@ -77,17 +93,28 @@ class Env:
         return {name: sections[name] for name in names}
 
     def close(self) -> None:
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self.redis.stop()
         self.server.stop()
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, request):
     import shutil
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it)")
     pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
     e = Env(tmp_path_factory.mktemp("vllm"))
+    # prefetched only for the tests selected (each run's test named by a part of its name; the baseline
+    # for every other test of a vLLM run)
+    tests = [item.name for item in request.session.items
+             if item.path == Path(__file__).resolve() and "env" in getattr(item, "fixturenames", ())]
+    alone = {"salted": (salted_spec, "cache_salts"), "layerwise": (layerwise_spec, "layer_by_layer"),
+             "bad config": (lambda _: BAD_CONFIG_SPEC, "bad_extra_config")}
+    runs = [(name, spec(e), 1) for name, (spec, part) in alone.items() if any(part in t for t in tests)]
+    if any(not any(part in t for _, part in alone.values()) for t in tests):
+        runs.insert(0, ("baseline", baseline_spec(e), 1))
+    e.prefetch(runs)
     yield e
     e.close()
 
@@ -96,7 +123,7 @@ def launch(env: Env, spec: dict, tp: int = 1, events: bool = False) -> tuple[sub
     """Run vLLM on ``spec`` in a fresh process, as users run it (multiprocessing on), caches inside the test dir."""
     tmp = env.base / "runs"
     tmp.mkdir(exist_ok=True)
-    n = len(os.listdir(tmp))
+    n = next(env.launches)
     spec_path, out = tmp / f"spec-{n}.json", tmp / f"out-{n}.json"
     spec = {"model": env.model, "max_tokens": 8, "tp": tp, **spec}
     if events:
@@ -117,10 +144,17 @@ def run(env: Env, name: str, spec: dict, tp: int, events: bool = False) -> dict:
     """``name``'s result, launched the first time it is asked for."""
     key = (name, tp)
     if key not in env.results:
-        proc, out = launch(env, spec, tp, events)
+        proc, out = launched(env, name, spec, tp, events)
         assert proc.returncode == 0, proc.stderr[-6000:]
         env.results[key] = json.loads(out.read_text())
     return env.results[key]
+
+
+def launched(env: Env, name: str, spec: dict, tp: int, events: bool = False) -> tuple[subprocess.CompletedProcess,
+                                                                                      Path]:
+    """``name``'s launch: the prefetched one (waited for), or one now."""
+    future = env.prefetched.pop((name, tp), None)
+    return future.result() if future is not None else launch(env, spec, tp, events)
 
 
 def phase(env: Env, *names: str, together: bool = False, reset: bool = False, pause_s: float = 0) -> dict:
@@ -133,8 +167,12 @@ def baseline(env: Env) -> dict[str, tuple]:
     sizes (this float32 model at TP=2 without the connector gives the same tokens, logprobs within 5e-7 of
     TP=1's, far inside the 1e-3 compared; one vLLM launch fewer)."""
     names = list(env.prompts)
-    got = run(env, "baseline", {"phases": [phase(env, *names)]}, 1)
+    got = run(env, "baseline", baseline_spec(env), 1)
     return {n: (o, lp) for n, o, lp in zip(names, got["outputs"], got["logprobs"])}
+
+
+def baseline_spec(env: Env) -> dict:
+    return {"phases": [phase(env, *env.prompts)]}
 
 
 def same_outputs(env: Env, got: dict, names: list[str]) -> None:
@@ -182,14 +220,18 @@ def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp)
 def test_requests_with_other_cache_salts_never_load_each_others_chunks(env):
     """vLLM keeps two salts apart in its own pool; the connector keeps them apart in every tier: P under salt
     "b" after P under salt "a" (vLLM's pool emptied between) finds nothing, P under "a" again loads from L1."""
-    p = env.prompts["p0"]
-    got = run(env, "salted", {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
-        {"prompts": [{"ids": p, "cache_salt": "a"}]},
-        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
-        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}, 1)
+    got = run(env, "salted", salted_spec(env), 1)
     assert got["num_cached_tokens"][:2] == [0, 0]
     assert got["num_cached_tokens"][2] >= PREFIX_HIT
     assert got["outputs"][0] == got["outputs"][1] == got["outputs"][2]
+
+
+def salted_spec(env: Env) -> dict:
+    p = env.prompts["p0"]
+    return {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
+        {"prompts": [{"ids": p, "cache_salt": "a"}]},
+        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
+        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}
 
 
 def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
@@ -279,15 +321,18 @@ def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_it
     use once a last short request has let vLLM step again. p1's hit lands seconds after its forward has
     started: vLLM waits for each layer before its attention reads it, or the logprobs would change. The
     unrelated prompt overwrites the blocks vLLM hands p1, so what p1 reads is the load's or garbage."""
-    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
-    got = run(env, "layerwise", {"phases": [phase(env, "short"), phase(env, "p0", "other", "p1"),
-                                            phase(env, "short", pause_s=6)],
-                                 "kv_transfer_config": connector(**slow)}, 1)
+    got = run(env, "layerwise", layerwise_spec(env), 1)
     same_outputs(env, got, ["short", "p0", "other", "p1", "short"])
     assert got["num_cached_tokens"] == [0, 0, 0, PREFIX_HIT, 0]
     m = got["metrics"]
     assert m["layerwise_loads"] >= 1 and m["loaded_tokens"] == PREFIX_HIT and m["delayed_frees"] >= 1
     assert got["kv_cache_usage"] == 0.0
+
+
+def layerwise_spec(env: Env) -> dict:
+    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
+    return {"phases": [phase(env, "short"), phase(env, "p0", "other", "p1"), phase(env, "short", pause_s=6)],
+            "kv_transfer_config": connector(**slow)}
 
 
 @pytest.mark.slow      # launches vLLM
@@ -315,10 +360,12 @@ def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, 
 
 @pytest.mark.slow      # launches vLLM
 def test_a_bad_extra_config_names_the_field(env):
-    proc, _ = launch(env, {"prompts": [[5] * 10], "max_tokens": 1,
-                           "kv_transfer_config": connector(keys={"chunk_tokens": 200})})
+    proc, _ = launched(env, "bad config", BAD_CONFIG_SPEC, 1)
     assert proc.returncode != 0
     assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr
+
+
+BAD_CONFIG_SPEC = {"prompts": [[5] * 10], "max_tokens": 1, "kv_transfer_config": connector(keys={"chunk_tokens": 200})}
 
 
 def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
