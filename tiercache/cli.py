@@ -120,46 +120,33 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _names(text: str, known: list[str], what: str) -> list[str]:
+    """A comma-separated list of names, each one of ``known`` (a flag's type: a wrong one is one line)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {unknown or text!r}; known: {', '.join(known)}")
+    return names
+
+
 def _routing_list(text: str) -> list[str]:
     from tiercache.fleet.routing import routing_policies
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in routing_policies]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown routing policy {unknown or text!r}; known: {', '.join(routing_policies.names())}")
-    return names
+    return _names(text, routing_policies.names(), "routing policy")
 
 
 def _preemption_list(text: str) -> list[str]:
     from tiercache.engine.preemption import preemption_policies
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in preemption_policies]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown preemption mode {unknown or text!r}; known: {', '.join(preemption_policies.names())}")
-    return names
+    return _names(text, preemption_policies.names(), "preemption mode")
 
 
 def _pressure_list(text: str) -> list[str]:
     from tiercache.bench.preemption import PRESSURE_WORKLOADS
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PRESSURE_WORKLOADS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown pressure workload {unknown or text!r}; known: {', '.join(PRESSURE_WORKLOADS)}")
-    return names
+    return _names(text, list(PRESSURE_WORKLOADS), "pressure workload")
 
 
 def _policy_list(text: str) -> list[str]:
     from tiercache.policies import eviction_policies
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in eviction_policies]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {unknown or text!r}; known: {', '.join(eviction_policies.names())}"
-        )
-    return names
-
+    return _names(text, eviction_policies.names(), "policy")
 
 
 def user_cache_dir() -> Path:

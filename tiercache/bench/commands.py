@@ -186,8 +186,6 @@ def _bench_tiers(args: argparse.Namespace, cfg, layouts: list[list[bool]], remot
 
 def _bench_preemption(args: argparse.Namespace) -> int:
     """`bench engine --preemption`: the modes side by side under memory pressure (`tiercache.bench.preemption`)."""
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from tiercache.bench.preemption import PRESSURE_WORKLOADS, bench_preemption
@@ -210,13 +208,21 @@ def _bench_preemption(args: argparse.Namespace) -> int:
                                        + markdown_table(headers, rows))
     if args.json:
         write_json(args.json, report)
-    table = Table(title=f"preemption under memory pressure (medians of {args.reps} runs)")
+    _print_table(f"preemption under memory pressure (medians of {args.reps} runs)", headers, rows, 120)
+    return 0 if all(r["outputs_match"] for r in report["results"]) else 1
+
+
+def _print_table(title: str, headers: tuple, rows: list[tuple], min_width: int) -> None:
+    """``rows`` under ``headers`` as a right-aligned rich table on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
     for h in headers:
         table.add_column(h, justify="right")
     for row in rows:
         table.add_row(*map(str, row))
-    Console(width=max(120, Console().width)).print(table)
-    return 0 if all(r["outputs_match"] for r in report["results"]) else 1
+    Console(width=max(min_width, Console().width)).print(table)
 
 
 def _codec_gains(runs: list[dict], base: str) -> list[dict]:
@@ -234,8 +240,6 @@ def _codec_gains(runs: list[dict], base: str) -> list[dict]:
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from tiercache.bench.report import markdown_table, plot_lines, write_json
@@ -305,12 +309,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     where = "one tier" if l1 is None else f"L1 of {l1} tokens over L2"
-    table = Table(title=f"trace replay ({where}): {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}")
-    for h in headers:
-        table.add_column(h, justify="right")
-    for row in rows:
-        table.add_row(*map(str, row))
-    Console(width=max(80, Console().width)).print(table)
+    _print_table(f"trace replay ({where}): {len(trace)} requests, ceiling {report['ceiling_token_hit_ratio']}",
+                 headers, rows, 80)
     return 0
 
 
@@ -384,8 +384,6 @@ def _trace_points(args: argparse.Namespace) -> list[dict]:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     if args.preemption:
@@ -420,12 +418,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         _plot_engine(out / "engine.png", report["results"])
     if args.json:
         write_json(args.json, report)
-    table = Table(title="engine benchmark (requests one after another)")
-    for h in headers:
-        table.add_column(h, justify="right")
-    for row in rows:
-        table.add_row(*map(str, row))
-    Console(width=max(120, Console().width)).print(table)
+    _print_table("engine benchmark (requests one after another)", headers, rows, 120)
     return 0 if all(r["outputs_match_baseline"] for r in report["results"]) else 1
 
 
