@@ -4,8 +4,8 @@ Each workload is a batch of requests sent at once to a reference engine whose po
 at full length, so the scheduler preempts; one fresh engine (with an L1 to swap to) per mode, the modes of
 a workload run back to back, every workload repeated ``reps`` times. Reported per workload and mode: the
 medians over the repetitions of TTFT p50/p99 and throughput (prompt + output tokens per second of wall
-time), the preemptions and how many were swapped, and whether every mode's greedy tokens equal
-``recompute``'s.
+time), the preemptions and how many were swapped, and whether every run's greedy tokens equal the first
+mode's first run.
 """
 from __future__ import annotations
 

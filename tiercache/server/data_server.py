@@ -218,7 +218,8 @@ class DataServer:
             return
         greeting.received += data
         hello = greeting.received
-        if len(hello) >= len(dw.MAGIC) and dw.hello_version(bytes(hello[:len(dw.MAGIC)])) is None:
+        version = dw.hello_version(bytes(hello[:len(dw.MAGIC)])) if len(hello) >= len(dw.MAGIC) else None
+        if len(hello) >= len(dw.MAGIC) and version is None:
             return self._turn_away(selector, greeting, dw.HELLO_BAD_VERSION,
                                    f"not a tiercache data channel hello (or another version): {bytes(hello[:8])!r}")
         if len(hello) >= _HELLO_HEAD and greeting.wanted() > dw.MAX_TOKEN_BYTES:
@@ -235,7 +236,7 @@ class DataServer:
         if not self._admit(conn, greeting.host, tenant.name):
             return
         _say(conn, dw.HELLO_OK)
-        busy = dw.PUT_BUSY if dw.hello_version(bytes(hello[:len(dw.MAGIC)])) >= 2 else dw.PUT_REJECTED
+        busy = dw.PUT_BUSY if version is not None and version >= 2 else dw.PUT_REJECTED
         threading.Thread(target=self._serve, args=(conn, greeting.peer, tenant, busy),
                          name="tiercache-data", daemon=True).start()
 
