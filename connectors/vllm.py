@@ -437,6 +437,8 @@ class TierCacheConnector(KVConnectorBase_V1):
         for tier in scheduler.manager.tiers:
             counters = tier.stats()
             now.update({f"tier/{tier.name}/{name}": int(counters[name]) for name in TIER_COUNTERS})
+        for tenant, events in scheduler.manager.audit.counts().items():
+            now.update({f"audit/{tenant}/{event}": counts["events"] for event, counts in events.items()})
         delta = {name: value - self._reported.get(name, 0) for name, value in now.items()}
         self._reported = now
         return TierCacheStats(data={k: v for k, v in delta.items() if v})

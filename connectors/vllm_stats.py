@@ -14,13 +14,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
                       "stores_cancelled", "delayed_frees")
 WORKER_COUNTERS = ("layerwise_loads",)
-TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "integrity_failures", "errors")
+TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "expired", "purged", "integrity_failures", "errors")
 
 
 @dataclass
 class TierCacheStats(KVConnectorStats):
     """Counter deltas over an interval (plain ints, summed over ranks): the scheduler's counters, per-tier
-    counters as ``tier/<name>/<counter>`` and per-rank link counters as ``link/<name>/<counter>``."""
+    counters as ``tier/<name>/<counter>``, per-rank link counters as ``link/<name>/<counter>`` and the audit
+    trail's events as ``audit/<tenant>/<event>``."""
 
     def reset(self) -> None:
         self.data = {}
@@ -41,8 +42,8 @@ class TierCacheStats(KVConnectorStats):
 
 class TierCachePromMetrics(KVConnectorPromMetrics):
     """tiercache's counters in vLLM's Prometheus endpoint: ``vllm:tiercache_<counter>``, per tier
-    (``vllm:tiercache_tier_<counter>{tier=}``) and per link (``vllm:tiercache_link_<counter>{link=}``, summed
-    over ranks)."""
+    (``vllm:tiercache_tier_<counter>{tier=}``), per link (``vllm:tiercache_link_<counter>{link=}``, summed
+    over ranks) and the audit trail's events (``vllm:tiercache_audit_events{tenant=,event=}``)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -51,6 +52,9 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
         self._tier = {name: self._counter_cls(name=f"vllm:tiercache_tier_{name}",
                                               documentation=f"tiercache chunks {name} per tier",
                                               labelnames=[*labelnames, "tier"]) for name in TIER_COUNTERS}
+        self._audit = self._counter_cls(name="vllm:tiercache_audit_events",
+                                        documentation="audited purges, expiries and key rotations per tenant",
+                                        labelnames=[*labelnames, "tenant", "event"])
         self._link = self._counter_cls(
             name="vllm:tiercache_link_bytes",
             documentation="bytes moved per link, all ranks",
@@ -67,5 +71,7 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
                 self._plain[name].labels(*labels).inc(value)
             elif len(parts) == 3 and parts[0] == "tier" and parts[2] in self._tier:
                 self._tier[parts[2]].labels(*labels, parts[1]).inc(value)
+            elif len(parts) == 3 and parts[0] == "audit":
+                self._audit.labels(*labels, parts[1], parts[2]).inc(value)
             elif len(parts) == 3 and parts[0] == "link" and parts[2] == "bytes":
                 self._link.labels(*labels, parts[1]).inc(value)

@@ -1,5 +1,6 @@
 """Chunks encrypted at rest (AES-256-GCM) under per-tenant keys only their engines hold: round trips, another
 tenant's key, a flipped bit, a relabeled header, key rotation; chunk files and Redis values are ciphertext."""
+import json
 import os
 import struct
 import zlib
@@ -159,7 +160,8 @@ def test_redis_values_are_ciphertext_and_load_back(redis_server, tmp_path):
 @pytest.mark.parametrize("lines,why", [
     ((f"1 {OLD.hex()}",), "exactly one key 'active'"),
     ((f"1 {OLD.hex()} active", f"2 {NEW.hex()} active"), "exactly one key 'active'"),
-    (("1 abcd active",), "AES-256 takes 32"),
+    (("1 abcd active",), r"line \d.*32 bytes \(64 hex digits\) for AES-256, has 2"),
+    ((f"0 {OLD.hex()} active",), "an id from 1 to 2"),
     (("1 zz active",), "not hexadecimal"),
     ((f"x {OLD.hex()} active",), "must be 'ID HEX64'"),
     ((f"1 {OLD.hex()} active", f"1 {NEW.hex()}"), "listed twice"),
@@ -219,3 +221,63 @@ def test_engines_of_one_tenant_share_encrypted_chunks_through_tiercache_serve_an
         assert held and all(read_header(f)[2] == SEALED for f in held)
     finally:
         server.stop()
+
+
+def test_a_keys_file_rotated_while_the_engine_runs_is_taken_and_audited(tmp_path, monkeypatch):
+    """An operator edits the keys file of a running engine: a new active key (the old one kept for its grace),
+    then the old one retired, then a typo. New chunks go under the new key at once, old ones are read until
+    retired and are counted misses after; the typo keeps the keys in use. Each change is one audit line
+    naming key ids only, and a counter per tenant."""
+    from tiercache.metrics import registry_for
+
+    monkeypatch.setattr(cf, "KEYS_CHECK_S", 0.0)              # every chunk and step looks at the file
+    keys = tmp_path / "acme.keys"
+    audit = tmp_path / "audit.jsonl"
+    disk_dir = tmp_path / "disk"
+    _keys_file(keys, f"1 {OLD.hex()} active")
+    s = Stack(num_blocks=64, cpu_chunks=2, disk={"enabled": True, "path": str(disk_dir), "write_mode": "write-through"},
+              format={"encryption_keys_file": str(keys)}, audit={"log_file": str(audit), "tenant": "acme"})
+
+    def stored(hashes) -> set[int]:
+        """The key ids the chunk files of a request's chunks name."""
+        names = {k.hex() for k in s.manager.lookup(hashes).runs[0].keys}
+        return {read_header(f.read_bytes())[4] for f in disk_dir.rglob("*.chunk") if f.stem in names}
+
+    def from_disk(hashes):
+        s.cpu.delete(list(s.manager.lookup(hashes).runs[0].keys))
+        return load(s, hashes)
+
+    try:
+        a, a_kv = put(s, "a", seed=1)
+        s.offload.drain()
+        assert stored(a) == {1}
+        _keys_file(keys, f"1 {OLD.hex()}", f"2 {NEW.hex()} active")            # rotation, key 1 in its grace
+        b, b_kv = put(s, "b", seed=2)
+        s.offload.drain()
+        assert stored(b) == {2}
+        got = from_disk(a)
+        assert got is not None and bool((got == a_kv).all())                    # old chunks still read
+        _keys_file(keys, f"2 {NEW.hex()} active")                                # grace over: key 1 retired
+        s.offload.drain()
+        failures = s.lower("disk").counters.integrity_failures
+        assert from_disk(a) is None and s.lower("disk").counters.integrity_failures > failures
+        got = from_disk(b)
+        assert got is not None and bool((got == b_kv).all())
+        keys.write_text("2 not-a-key active\n")                                  # a typo: the keys in use stay
+        c, c_kv = put(s, "c", seed=3)
+        s.offload.drain()
+        assert stored(c) == {2}
+        got = from_disk(c)
+        assert got is not None and bool((got == c_kv).all())
+        scrape = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                  for m in registry_for(s.offload.stats).collect() for x in m.samples}
+    finally:
+        s.close()
+    text = audit.read_text()
+    assert OLD.hex() not in text and NEW.hex() not in text                       # ids, never keys
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert [(e["event"], e.get("active"), e.get("retired")) for e in lines] == [
+        ("keys_loaded", 1, None), ("key_rotation", 2, []), ("key_rotation", 2, [1]), ("keys_reload_failed", 2, None)]
+    assert {e["tenant"] for e in lines} == {"acme"} and "line 1" in lines[-1]["reason"]
+    assert oct(audit.stat().st_mode & 0o777) == "0o600"
+    assert scrape[("tiercache_audit_events_total", (("event", "key_rotation"), ("tenant", "acme")))] == 2

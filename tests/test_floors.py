@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FLOORS: list[dict[str, list[str]]] = [
     {"foundation": ["tiercache", "tiercache.errors", "tiercache.registry", "tiercache.log_limits",
-                    "tiercache.machine", "tiercache.metrics"]},
+                    "tiercache.machine", "tiercache.metrics", "tiercache.audit"]},
     # the plain data both sides share: keys and KV layouts, plans, jobs, reports, failures, link limits, scan
     # results, what crosses the connector's sides
     {"contracts": ["tiercache.contracts"]},
@@ -19,7 +19,7 @@ FLOORS: list[dict[str, list[str]]] = [
      "pool": ["tiercache.pool"], "kernels": ["tiercache.kernels"], "hot_chunks": ["tiercache.hot_chunks"]},
     # formats on disk and on the network, and the channels that speak them
     {"wire": ["tiercache.wire", "tiercache.cache_dir"]},
-    {"config": ["tiercache.config"]},
+    {"config": ["tiercache.config", "tiercache.encryption_keys"]},
     # the connector's two interfaces (what crosses between them is in contracts)
     {"connector_api": ["tiercache.connector.api"]},
     # the index base the client tiers and the server's stores share

@@ -165,6 +165,8 @@ def test_purges_need_their_right_and_bad_ones_are_one_clear_line(tenant_server, 
         assert 'tiercache_server_tenant_purges_total{tenant="initech"} 1.0' in scraped
         assert 'tiercache_server_tenant_purged_chunks_total{tenant="initech"} 2.0' in scraped
         assert 'tiercache_server_tenant_purges_total{tenant="acme"} 0.0' in scraped
+        assert 'tiercache_audit_events_total{event="purge",tenant="initech"} 1.0' in scraped
+        assert 'tiercache_audit_chunks_total{event="purge",tenant="initech"} 2.0' in scraped
         per_tier = [line for line in scraped.splitlines() if line.startswith('tiercache_tier_purged_total{tier="pool/')]
         assert sum(float(line.split()[-1]) for line in per_tier) == 2
     finally:
@@ -234,11 +236,14 @@ def test_two_running_engines_apply_a_purge_to_their_own_tiers_and_their_next_req
     from tiercache.purging import purge
 
     shm = tmp_path / "serve-memory"
-    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--shm-dir", str(shm))
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--shm-dir", str(shm),
+                                "--audit-log", str(tmp_path / "serve.audit"))
+    engines_audit = tmp_path / "engines.audit"         # one file for both engines: whole lines, never torn
 
     def config(i: int):
         return offload(grpc={"enabled": True, "address": server.address},
-                       disk={"enabled": True, "path": str(tmp_path / f"disk{i}"), "write_mode": "write-through"})
+                       disk={"enabled": True, "path": str(tmp_path / f"disk{i}"), "write_mode": "write-through"},
+                       audit={"log_file": str(engines_audit), "tenant": f"engine{i}"})
 
     prompts = shared_prompts(n=4, suffix=80)     # three chunks shared, a fourth each prompt's own
     cfg = EngineConfig(enable_prefix_caching=False)
@@ -292,6 +297,12 @@ def test_two_running_engines_apply_a_purge_to_their_own_tiers_and_their_next_req
             assert [s.output_token_ids for s in seqs] == expect[2:]
     finally:
         server.stop()
+    # audited: the server's purge, and each engine's application of it with what it took from its own tiers
+    served = [json.loads(line) for line in (tmp_path / "serve.audit").read_text().splitlines()]
+    assert [(e["event"], e["tenant"], e["chunks"]) for e in served] == [("purge", "default", report.report.chunks)]
+    applied = [json.loads(line) for line in engines_audit.read_text().splitlines()]
+    assert sorted(e["tenant"] for e in applied if e["event"] == "purge_applied") == ["engine1", "engine2"]
+    assert all(e["chunks"] >= 4 and e["tiers"]["cpu"][0] and e["tiers"]["disk"][0] for e in applied)
 
 
 # -- a prompt, as its engine hashed it, out of a disk directory ------------------------------------------------------

@@ -35,9 +35,10 @@ def _files(tmp_path) -> list:
     return [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
-def test_a_chunk_past_its_retention_is_never_served_and_is_removed(tmp_path):
+def test_a_chunk_past_its_retention_is_never_served_and_is_removed_and_audited(tmp_path):
     clock = Clock()
-    s = _stack(tmp_path, clock, cpu=200, disk=100)
+    audit = tmp_path.parent / f"{tmp_path.name}.audit"
+    s = _stack(tmp_path, clock, cpu=200, disk=100, audit={"log_file": str(audit), "tenant": "acme"})
     try:
         a, a_kv = put(s, "a", seed=1)
         s.offload.drain()
@@ -55,8 +56,13 @@ def test_a_chunk_past_its_retention_is_never_served_and_is_removed(tmp_path):
         assert lookup(s, a).num_hit_blocks == 0 and load(s, a) is None
         s.offload.run(s.manager.take_background())
         assert s.cpu.counters.expired == 2 and not s.cpu.entries
+        counts = s.offload.stats()["audit"]["acme"]["expired"]
     finally:
         s.close()
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]     # one line per sweep that took some
+    assert [(e["event"], e["tenant"], e["tier"], e["chunks"]) for e in lines] == [
+        ("expired", "acme", "disk", 2), ("expired", "acme", "cpu", 2)]
+    assert counts == {"events": 2, "chunks": 4, "bytes": 0}
 
 
 def test_a_chunk_keeps_its_age_when_it_moves_between_tiers(tmp_path):
@@ -166,9 +172,9 @@ def test_the_servers_chunks_expire_in_memory_and_on_disk_and_keep_their_age_when
     assert abs(spilled.stat().st_mtime - next(iter(born.values()))) < 1        # the file's time too
     clock.now += 50                                                             # 110 s after the first came
     assert store.get_value(NS, key) is None and store.get_value(NS, key2) is not None
-    assert store.expire() == 1 and not store.disk.entries and not spilled.exists()
+    assert len(store.expire()) == 1 and not store.disk.entries and not spilled.exists()
     clock.now += 100
-    assert store.contains(NS, [key2]) == 0 and store.expire() == 1 and not store.memory.entries
+    assert store.contains(NS, [key2]) == 0 and len(store.expire()) == 1 and not store.memory.entries
 
 
 def test_a_restarted_server_drops_what_expired_while_it_was_down(tmp_path):
@@ -208,7 +214,8 @@ def test_a_running_server_sweeps_expired_chunks_without_being_asked(tmp_path):
     finally:
         server.stop()
     events = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
-    assert sum(e.get("chunks", 0) for e in events if e.get("event") == "expired") == 2     # audited as it went
+    expired = [e for e in events if e.get("event") == "expired"]
+    assert sum(e["chunks"] for e in expired) == 2 and {e["tenant"] for e in expired} == {"default"}   # audited
 
 
 def test_bad_retentions_are_one_clear_line(tmp_path):
@@ -247,9 +254,10 @@ def test_a_namespace_keeps_its_chunks_for_a_time_of_its_own_on_the_server(tmp_pa
     assert acme.put(NS, k0, v0).name == "STORED" and initech.put(NS, k1, v1).name == "STORED"
     clock.now += 11                                     # past acme's namespace retention, within the server's
     assert acme.contains(NS, [k0]) == 0 and initech.contains(NS, [k1]) == 1
-    assert tenancy.stores["pool"].expire() == 1
+    assert tenancy.expire() == {"acme": 1}             # told apart by tenant in the shared pool
     clock.now += 90                                     # past the server's
     assert initech.contains(NS, [k1]) == 0
+    assert tenancy.expire() == {"initech": 1} and tenancy.expire() == {}
     assert other not in tenancy.stores["pool"].memory.retention_by_namespace
 
 

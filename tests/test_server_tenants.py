@@ -138,6 +138,44 @@ def test_stats_show_a_tenant_only_its_own_chunks(tenant_server):
         rival.close()
 
 
+def test_nothing_a_tenant_is_told_changes_with_what_another_tenant_does(tenant_server):
+    """Whatever acme does — stores, reads, deletes, a call it has no right to — rival's Stats (tiers, counters,
+    hot chunks, namespaces) stay as they were, its answers for acme's keys are those for keys nobody has, and
+    the error it gets naming acme is the one it gets naming no tenant at all."""
+    from google.protobuf.json_format import MessageToDict
+
+    acme, rival = as_(tenant_server, "acme"), as_(tenant_server, "rival")
+
+    def rival_sees() -> dict:
+        return MessageToDict(pb.StatsReply.FromString(raw_call(tenant_server, "Stats", b"", metadata("rival"))))
+
+    def refusal(tenant: str) -> str:
+        request = pb.PurgeRequest(tenant=tenant, spec=pb.PurgeSpec(everything=True)).SerializeToString()
+        with pytest.raises(grpc.RpcError) as err:
+            raw_call(tenant_server, "Purge", request, metadata("rival"))
+        return f"{err.value.code()}: {err.value.details()}".replace(repr(tenant), "TENANT")
+
+    try:
+        own = chunks(2, seed=11)
+        assert rival.write_chunks(own) == () and read(rival, own) == [raw for _, raw in own]
+        before = rival_sees()
+        theirs, nobodys = chunks(4, seed=12), chunks(4, seed=13)
+        assert acme.write_chunks(theirs) == ()
+        for _ in range(3):
+            assert read(acme, theirs) == [raw for _, raw in theirs]
+        acme.delete([theirs[0][0].key])
+        with pytest.raises(grpc.RpcError):        # acme has no purge right
+            raw_call(tenant_server, "Purge", pb.PurgeRequest(spec=pb.PurgeSpec(everything=True)).SerializeToString(),
+                     metadata("acme"))
+        assert rival_sees() == before
+        assert rival.contains([m.key for m, _ in theirs]) == rival.contains([m.key for m, _ in nobodys]) == 0
+        assert [type(g) for g in read(rival, theirs)] == [type(g) for g in read(rival, nobodys)]
+        assert refusal("acme") == refusal("no-such-tenant")
+    finally:
+        acme.close()
+        rival.close()
+
+
 def test_a_tenant_with_a_quota_churns_within_it_and_evicts_only_its_own_chunks(tmp_path):
     server = CacheServerProcess(tmp_path, "--capacity", "2MiB", "--auth-token-file",
                                 tenants_file(tmp_path, quota='memory = "512KiB"'), "--log-format", "text")

@@ -431,3 +431,23 @@ def test_the_hook_vllm_calls_while_it_builds_its_config_checks_the_whole_extra_c
         with pytest.raises(ConfigError) as err:
             TierCacheConnector.requires_piecewise_for_cudagraph(extra)
         assert err.value.field == field, (extra, str(err.value))
+
+
+def test_vllms_prometheus_endpoint_counts_the_audit_trail_per_tenant_and_event():
+    """The scheduler side's audit deltas (``audit/<tenant>/<event>``) become one labelled counter in vLLM's
+    registry, beside the per-tier expiries and purges."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from tiercache.connectors.vllm_stats import TierCachePromMetrics
+    registry = CollectorRegistry()
+    kinds = {kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+    metrics = TierCachePromMetrics(SimpleNamespace(kv_transfer_config=None), kinds, ["engine"], {0: ["0"]})
+    metrics.observe({"audit/acme/purge_applied": 2, "audit/acme/key_rotation": 1, "tier/disk/expired": 5})
+    metrics.observe({"audit/acme/purge_applied": 1})
+    value = registry.get_sample_value
+    assert value("vllm:tiercache_audit_events_total", {"engine": "0", "tenant": "acme", "event": "purge_applied"}) == 3
+    assert value("vllm:tiercache_audit_events_total", {"engine": "0", "tenant": "acme", "event": "key_rotation"}) == 1
+    assert value("vllm:tiercache_tier_expired_total", {"engine": "0", "tier": "disk"}) == 5

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tiercache.audit import AuditTrail
 from tiercache.codecs import codecs
 from tiercache.config import TierCacheConfig, read_secret, read_token
 from tiercache.contracts.connector import WorkerHandshake
 from tiercache.contracts.keys import BlockHash, KVShard, Namespace
 from tiercache.contracts.layout import ChunkLayout
+from tiercache.encryption_keys import FIELD, KeysAudit, KeysFile
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
@@ -60,44 +62,14 @@ def _named(registry, name: str, field: str):
         raise ConfigError(field, name, str(err)) from None
 
 
-def read_sealer(path: str, field_name: str = "format.encryption_keys_file") -> ChunkSealer:
-    """A tenant's encryption keys from its keys file: ``ID HEX64`` per line (``#`` comments), the key to write
-    with marked ``active``; a `ConfigError` naming the file and the line otherwise."""
-    keys: dict[int, bytes] = {}
-    active = []
-    for number, line in enumerate(read_secret(path, field_name).splitlines(), 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        where = f"{field_name} ({path}, line {number})"
-        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != "active") or not words[0].isdigit():
-            raise ConfigError(where, f"{len(words)} words", "must be 'ID HEX64' or 'ID HEX64 active'")
-        key_id = int(words[0])
-        try:
-            key = bytes.fromhex(words[1])
-        except ValueError:
-            raise ConfigError(where, f"key {key_id}", "is not hexadecimal") from None
-        if key_id in keys:
-            raise ConfigError(where, f"key {key_id}", "is listed twice")
-        keys[key_id] = key
-        if len(words) == 3:
-            active.append(key_id)
-    if len(active) != 1:
-        raise ConfigError(field_name, path, f"must mark exactly one key 'active' (marks {len(active)})")
+def read_sealer(path: str) -> ChunkSealer:
+    """A sealer under a tenant's keys file, taking the file's rotations while it runs; a `ConfigError`
+    naming the file and the line when it cannot be used now."""
+    keys_file = KeysFile(path)
     try:
-        sealer = ChunkSealer(keys, active[0])
+        return ChunkSealer(keys_file.current.keys, keys_file.current.active, reload=keys_file.changed)
     except ValueError as err:
-        raise ConfigError(field_name, path, str(err)) from None
-    # which keys a process reads and writes with, once per keys file and key set: a rotation shows as the
-    # active id changing (ids only, never a key)
-    if (path, active[0], tuple(sorted(keys))) not in _keys_announced:
-        _keys_announced.add((path, active[0], tuple(sorted(keys))))
-        log.info("encryption at rest: writing under key %d, reading keys %s", active[0], sorted(keys),
-                 extra={"event": "encryption_keys", "active": active[0], "readable": sorted(keys)})
-    return sealer
-
-
-_keys_announced: set[tuple[str, int, tuple[int, ...]]] = set()
+        raise ConfigError(FIELD, path, str(err)) from None
 
 
 def chunk_format(config: TierCacheConfig) -> ChunkFormat:
@@ -279,6 +251,8 @@ def check_config(config: TierCacheConfig) -> None:
     _named(eviction_policies, config.disk.eviction, "disk.eviction")
     _named(admission_policies, config.disk.admission, "disk.admission")
     chunk_format(config)
+    if config.audit.log_file:
+        _audit_trail(config).close()     # the file can be appended to (or made), before any side starts
     for name in enabled_lower_tiers(config):
         _named(lower_tiers, name, f"{name}.enabled").check(config)
 
@@ -366,6 +340,21 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
 
 # -- scheduler side ----------------------------------------------------------------------------------------
 
+def _audit_trail(config: TierCacheConfig) -> AuditTrail:
+    try:
+        return AuditTrail(config.audit.log_file, config.audit.tenant)
+    except OSError as err:
+        raise ConfigError("audit.log_file", config.audit.log_file, f"cannot append: {err.strerror}") from None
+
+
+def _audit(config: TierCacheConfig) -> tuple[AuditTrail, list]:
+    """The engine's audit trail, and the watch that records its keys file's rotations in it."""
+    audit = _audit_trail(config)
+    if not config.format.encryption_keys_file:
+        return audit, []
+    return audit, [KeysAudit(config.format.encryption_keys_file, audit).poll]
+
+
 def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHandshake]) -> CacheManager:
     """The tier indexes and the manager over every rank: L1 has the slots every rank has; a lower tier's
     capacity is split across the ranks that write it, and a disk index holds what every writer found."""
@@ -379,6 +368,7 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
         retention_s=config.cpu.retention,
     )
     lower: list[LowerIndex] = []
+    audit, chores = _audit(config)
     try:
         for name in enabled_lower_tiers(config):
             capacity = getattr(config, name, None)
@@ -392,13 +382,15 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
     except BaseException:
         for index in lower:
             index.close()
+        audit.close()
         raise
     admission = admission_policies.get(config.disk.admission)(config.disk.min_hits)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
                            store_partial_chunks=config.keys.store_partial_chunks,
                            write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
-                           transfer_workers=config.transfer.workers, block_layout=layout)
+                           transfer_workers=config.transfer.workers, block_layout=layout, audit=audit,
+                           chores=chores)
     log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,
              [t.name for t in manager.tiers],
              "".join(f", {t.name} {t.capacity_bytes} B per rank" for t in lower if t.capacity_bytes))

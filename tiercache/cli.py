@@ -583,6 +583,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--namespace-retention", action="append", default=[], metavar="NAMESPACE_HEX=SECONDS",
                    help="keep one namespace's chunks (a storage digest) at most this long, in every tenant's "
                         "store (repeatable; a tenant's namespace_retention overrides it)")
+    v.add_argument("--audit-log", metavar="FILE", default="",
+                   help="also append the audit trail (purges and expiries per tenant, as JSON lines, which the "
+                        "log has too) to this file, created mode 600")
     v.add_argument("--shm-dir", metavar="DIR", default="",
                    help="keep the memory tier as chunk files in this tmpfs directory (e.g. /dev/shm/tiercache), "
                         "which clients on this host read and write directly")
@@ -680,7 +683,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          max_value=args.max_value, max_inflight=args.max_inflight,
                          read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
-                         metrics_port=args.metrics_port)
+                         metrics_port=args.metrics_port, audit_log=args.audit_log)
     return run(config, args.log_format)
 
 

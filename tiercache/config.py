@@ -220,6 +220,18 @@ class FormatConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AuditConfig:
+    log_file: str = _opt("", "append one JSON line per purge applied, retention expiry and key rotation to this "
+                             "file (the processes of an engine share it; created mode 600)")
+    tenant: str = _opt("", "the tenant this engine serves, named in its audit lines and audit counters "
+                           "(default: 'default')")
+
+    def __post_init__(self) -> None:
+        _check(self.tenant == "" or re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.tenant) is not None, "tenant",
+               self.tenant, "expected 1-64 letters, digits, '_', '.' or '-'")
+
+
+@dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Transfer threads, layerwise loading, and limits per link (rates in bytes/s; 0 = unlimited)."""
     workers: int = _opt(2, "transfer jobs run at once")
@@ -270,6 +282,7 @@ class TierCacheConfig:
     grpc: GrpcTierConfig = field(default_factory=GrpcTierConfig)
     format: FormatConfig = field(default_factory=FormatConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def replace(self, **sections: Mapping[str, Any]) -> "TierCacheConfig":
         """A copy with some fields changed: ``cfg.replace(cpu={"capacity": "2GiB"})``."""

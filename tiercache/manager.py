@@ -45,10 +45,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 
+from tiercache.audit import AuditTrail
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import (
@@ -106,6 +107,8 @@ class CacheManager:
         admission: AdmissionPolicy | None = None,
         transfer_workers: int = 2,
         block_layout: ChunkLayout | None = None,
+        audit: AuditTrail | None = None,
+        chores: Sequence[Callable[[], None]] = (),
     ) -> None:
         modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
         if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
@@ -128,6 +131,8 @@ class CacheManager:
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
         self._through = [t for t, m in zip(self.lower, modes) if m == "write-through"]
         self.admission = admission
+        self.audit = audit or AuditTrail()     # purges applied and expiries, per tenant (the engine's)
+        self._chores = list(chores)            # run at each background step: the keys file's watch
         self.transfer_workers = transfer_workers   # each rank's transfer threads: a batch to a lower tier is split
         self._job_ids = itertools.count(1)
         self._in_flight: dict[JobId, _InFlight] = {}
@@ -338,18 +343,24 @@ class CacheManager:
                 continue
             for order in orders:
                 report = self.purge(order)
-                log.info("applied a purge from %s: %d chunks, %d bytes", tier.name, report.chunks, report.nbytes,
-                         extra={"event": "purge_applied", "source": tier.name, "selectors": order_selectors(order),
-                                "tiers": report.tiers})
+                self.audit.record("purge_applied", f"applied a purge from {tier.name}: {report.chunks} chunks, "
+                                                   f"{report.nbytes} bytes", chunks=report.chunks,
+                                  nbytes=report.nbytes, source=tier.name, selectors=order_selectors(order),
+                                  tiers=report.tiers)
             tier.purges_applied()
 
     def take_background(self) -> list[TransferPlan]:
         """Deletes, promotions, spills and write-through copies planned since the last call, to be run. A
         delete goes first: on its tier's link it also runs first (prefetch priority), before the writes
         that the room it frees was given to."""
+        for chore in self._chores:
+            chore()
         self.apply_purges()
         for tier in self.tiers:                  # past retention: never served again, their room given back
-            tier.expire()
+            gone = tier.expire()
+            if gone:
+                self.audit.record("expired", f"tier {tier.name}: {len(gone)} chunks past retention removed",
+                                  chunks=len(gone), tier=tier.name)
         deletes = self._plan_deletes()
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
@@ -485,9 +496,15 @@ class CacheManager:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+        self.audit.close()
+
     def stats(self) -> dict[str, object]:
         return {
             "tiers": {t.name: t.stats() for t in self.tiers},
             "in_flight_jobs": len(self._in_flight),
             "hot_chunks": [{"key": key.hex(), "loads": n} for key, n in self.hot.top()],
+            "audit": self.audit.counts(),
         }

@@ -19,7 +19,9 @@ Families (labels in braces):
   present and rejected, get hits and misses, bytes in and out, rejected calls
   per status code, purges and what they took; ``tiercache_server_namespaces``;
   with tenants, ``tiercache_server_tenant_*{tenant}``: bytes, namespaces,
-  purges.
+  purges;
+- ``tiercache_audit_events_total{tenant,event}`` and ``_chunks``, ``_bytes``:
+  the audit trail's purges, expiries and key rotations (`tiercache.audit`).
 """
 from __future__ import annotations
 
@@ -37,6 +39,17 @@ LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_
 LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
 CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
                       "failed_loads", "stores_planned", "stores_cancelled", "delayed_frees", "swap_outs", "swap_ins")
+
+
+def _audited(counts: dict[str, dict[str, dict[str, int]]]) -> Iterator:
+    """The audit trail's counts: per tenant and event, events and the chunks and bytes they took."""
+    for field in ("events", "chunks", "bytes"):
+        metric = CounterMetricFamily(f"tiercache_audit_{field}", f"audited data-lifecycle {field} (purges, expiries, "
+                                     "key rotations) per tenant", labels=["tenant", "event"])
+        for tenant, events in counts.items():
+            for event, values in events.items():
+                metric.add_metric([tenant, event], float(values[field]))
+        yield metric
 
 
 def _labelled(label: str, items: dict[str, dict], gauges: tuple[str, ...], counters: tuple[str, ...]) -> Iterator:
@@ -68,6 +81,9 @@ class StatsCollector(Collector):
         connector = stats.get("connector", stats)
         yield from _labelled("tier", connector.get("tiers", {}), TIER_GAUGES, TIER_COUNTERS)
         yield from _labelled("link", connector.get("transfers", {}), LINK_GAUGES, LINK_COUNTERS)
+        audit = connector.get("audit", stats.get("audit"))
+        if audit is not None:
+            yield from _audited(audit)
         blocks = stats.get("blocks")
         if blocks:
             g = GaugeMetricFamily("tiercache_blocks", "L0 blocks by state", labels=["state"])

@@ -116,8 +116,7 @@ class OffloadScheduler(SchedulerConnector):
 
     def close(self) -> None:
         if self.manager is not None:
-            for tier in self.manager.tiers:
-                tier.close()
+            self.manager.close()
 
     # -- lookups and loads ---------------------------------------------------
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> int | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from tiercache.audit import AuditTrail
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
 from tiercache.policies import DEFAULT_EVICTION, eviction_policies
@@ -66,6 +67,7 @@ class ServeConfig:
     metrics_port: int = 0
     retention: float = 0.0      # seconds a chunk is kept after it came (0: no limit); tenants may set their own
     namespace_retention: tuple[str, ...] = ()   # "NAMESPACE_HEX=SECONDS": one namespace's own, in every store
+    audit_log: str = ""         # a file the audit trail's JSON lines are appended to (they are in the log too)
 
     def namespace_retentions(self) -> dict[bytes, float]:
         """``--namespace-retention`` checked (a `ConfigError` naming it otherwise)."""
@@ -151,13 +153,12 @@ def setup_logging(fmt: str = "json", level: str = "INFO") -> None:
 
 
 
-def _expiry_sweep(owner: str, store):
-    """One store's retention sweep, logged as a JSON line per sweep that removed something (``store``: the
-    tenant whose own store it is, or ``pool``) and counted in its tiers' ``expired`` counters."""
+def _expiry_sweep(tenancy: Tenancy, audit: AuditTrail):
+    """The stores' retention sweep: each tenant's chunks that went are an ``expired`` audit event (a JSON
+    line in the log and the audit file) and counted in its tiers' ``expired`` counters."""
     def sweep() -> None:
-        removed = store.expire()
-        if removed:
-            log.info("expired %d chunks", removed, extra={"event": "expired", "store": owner, "chunks": removed})
+        for tenant, removed in tenancy.expire().items():
+            audit.record("expired", f"expired {removed} chunks of tenant {tenant}", tenant=tenant, chunks=removed)
     return sweep
 
 
@@ -167,6 +168,10 @@ class CacheServer:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         tenants = load_tenants(config.auth_token_file)
+        try:
+            self.audit = AuditTrail(config.audit_log)
+        except OSError as err:
+            raise ConfigError("--audit-log", config.audit_log, f"cannot append: {err.strerror}") from None
         try:
             self.tenancy = Tenancy(tenants, StoreConfig(config.capacity, config.eviction, config.disk,
                                                         config.disk_capacity, config.shm_dir, config.retention,
@@ -179,7 +184,7 @@ class CacheServer:
         # gRPC's asyncio server reads requests on its event loop and runs the calls' work in the pool: a
         # client that opens calls and never sends their request holds no handler thread
         self._pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc")
-        self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool)
+        self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool, self.audit)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-grpc-loop", daemon=True)
         self._loop_thread.start()
@@ -204,7 +209,7 @@ class CacheServer:
             self.service.data_port = self.data.port
         self._stopped = threading.Event()
         self._metrics = None
-        self._collector = Collector(chores=[_expiry_sweep(name, store) for name, store in self.tenancy.stores.items()])
+        self._collector = Collector(chores=[_expiry_sweep(self.tenancy, self.audit)])
 
     async def _make_server(self, config: ServeConfig) -> tuple[grpc.aio.Server, int]:
         limit = config.max_message    # gRPC refuses a larger message from its length prefix, before any handler
@@ -267,6 +272,7 @@ class CacheServer:
         self._collector.stop()
         started = time.monotonic()
         flushed = self.tenancy.flush()
+        self.audit.close()
         if self._metrics is not None:
             self._metrics[0].shutdown()
         log.info("stopped", extra={"event": "stopped", "flushed_to_disk": flushed,

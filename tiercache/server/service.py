@@ -47,6 +47,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from tiercache import __version__
+from tiercache.audit import AuditTrail
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.contracts.purge import DEFAULT_WAIT_S, POLL_INTERVAL_S, PurgeOrder, order_selectors
 from tiercache.errors import ChunkFormatError
@@ -183,7 +184,7 @@ class CacheService:
     """Server: the gRPC methods, on grpc.aio's event loop, their work on the handler pool."""
 
     def __init__(self, tenancy: Tenancy, max_message_bytes: int, limits: ServerLimits,
-                 inflight: InflightBytes, pool: Executor) -> None:
+                 inflight: InflightBytes, pool: Executor, audit: AuditTrail | None = None) -> None:
         self.tenancy = tenancy
         self.max_message_bytes = max_message_bytes
         self.limits = limits
@@ -195,7 +196,7 @@ class CacheService:
         self.serving = True
         self.data_port = 0          # set by the server when its data channel listens
         self.purge_log = PurgeLog()
-        self.purged: dict[str, Counter[str]] = {}       # per tenant: purges, chunks and bytes taken
+        self.audit = audit or AuditTrail()      # purges, per tenant (the server's, which closes it)
         self.counters: Counter[str] = Counter()
 
     # -- registration --------------------------------------------------------
@@ -536,13 +537,11 @@ class CacheService:
         report = self.tenancy.purge(whose, order)
         seq = self.purge_log.append(whose.name, order)
         took = time.perf_counter() - started
-        counts = self.purged.setdefault(whose.name, Counter())
-        counts.update(purges=1, purged_chunks=report.chunks, purged_bytes=report.nbytes)
         self.counters.update(purges=1, purged_chunks=report.chunks, purged_bytes=report.nbytes)
-        log.info("purge %d of tenant %s by %s: %d chunks, %d bytes", seq, whose.name, tenant.name, report.chunks,
-                 report.nbytes, extra={"event": "purge", "seq": seq, "tenant": whose.name, "by": tenant.name,
-                                       "peer": context.peer(), "selectors": order_selectors(order),
-                                       "tiers": report.tiers, "seconds": round(took, 6)})
+        self.audit.record("purge", f"purge {seq} of tenant {whose.name} by {tenant.name}: {report.chunks} chunks, "
+                                   f"{report.nbytes} bytes", tenant=whose.name, chunks=report.chunks,
+                          nbytes=report.nbytes, seq=seq, by=tenant.name, peer=context.peer(),
+                          selectors=order_selectors(order), tiers=report.tiers, seconds=round(took, 6))
         reply = pb.PurgeReply(seq=seq)
         for name, (chunks, nbytes) in report.tiers.items():
             reply.tiers.add(name=name, chunks=chunks, bytes=nbytes)
@@ -650,8 +649,12 @@ class CacheService:
                  "hot_chunks": sorted((h for one in per.values() for h in one["hot_chunks"]),
                                       key=lambda h: -h[2])[:10],
                  "tenants": self.tenancy.usage()}
-            for name, counts in self.purged.items():
-                s["tenants"][name].update(counts)
+            for name, events in self.audit.counts().items():
+                purges = events.get("purge")
+                if purges and name in s["tenants"]:
+                    s["tenants"][name].update(purges=purges["events"], purged_chunks=purges["chunks"],
+                                              purged_bytes=purges["bytes"])
+        s["audit"] = self.audit.counts()
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
                        "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,

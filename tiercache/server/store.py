@@ -118,6 +118,7 @@ class ChunkStore:
         self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for t in self._file_tiers for k in t.entries}
         self.counters: Counter[str] = Counter()
         self.hot = HotChunks()      # store keys (namespace + key) by reads served
+        self._expired: list[bytes] = []     # storage keys retention removed, until `expire` hands them on
         # storage namespace → the namespace its chunks' headers name, for tenant-scoped namespaces
         self._header_ns: dict[bytes, bytes] = dict(self.disk.header_namespaces) if self.disk else {}
 
@@ -426,13 +427,18 @@ class ChunkStore:
                 self.hot.forget(keys)
         return report
 
-    def expire(self) -> int:
-        """Remove what is past retention from memory and disk (the server's sweep, every second)."""
+    def expire(self) -> list[bytes]:
+        """Remove what is past retention from memory and disk (the server's sweep, every second); returns the
+        storage keys (namespace first) of every chunk retention removed since the last call, those a store
+        found expired on its way included."""
         with self._lock:
-            return self._expire_locked()
+            self._expire_locked()
+            gone, self._expired = self._expired, []
+            return gone
 
-    def _expire_locked(self) -> int:
-        return sum(len(tier.expire()) for tier in self.tiers)
+    def _expire_locked(self) -> None:
+        for tier in self.tiers:
+            self._expired += tier.expire()
 
     def stats(self) -> dict[str, object]:
         with self._lock:

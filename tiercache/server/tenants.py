@@ -212,6 +212,11 @@ class ScopedStore:
     def touch(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._pool.touch(self._ns(namespace), keys)
 
+    def count_own(self, storage_keys: Sequence[bytes]) -> int:
+        """How many of the pool's ``storage_keys`` (namespace first) are this tenant's."""
+        mine = self._mine()
+        return sum(k[:NAMESPACE_DIGEST_BYTES] in mine for k in storage_keys)
+
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._pool.delete(self._ns(namespace), keys)
 
@@ -294,6 +299,21 @@ class Tenancy:
     def purge(self, tenant: Tenant, order: PurgeOrder) -> PurgeReport:
         """Take what ``order`` selects out of ``tenant``'s chunks, in every tier of its store."""
         return self._views[tenant.name].purge(order)
+
+    def expire(self) -> dict[str, int]:
+        """Remove what is past retention in every store; per tenant, the chunks of its that went (a shared
+        pool's told apart by each tenant's namespaces)."""
+        out: dict[str, int] = {}
+        for owner, store in self.stores.items():
+            gone = store.expire()
+            if not gone:
+                continue
+            for name, view in self._views.items():
+                n = len(gone) if view is store else view.count_own(gone) \
+                    if isinstance(view, ScopedStore) and owner == "pool" else 0
+                if n:
+                    out[name] = out.get(name, 0) + n
+        return out
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per tenant: the namespaces it holds chunks in and their bytes, over every tier of its store (or its

@@ -22,10 +22,13 @@ unknown version is: a miss, deleted at a disk tier's start.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import struct
 import threading
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiercache.codecs import (
@@ -46,8 +49,10 @@ from tiercache.errors import (
     KeyMismatchError,
     NamespaceMismatchError,
     SignatureError,
+    TierCacheError,
     TruncatedChunkError,
 )
+from tiercache.log_limits import ThrottledLog
 
 MAGIC = b"TCKV"
 VERSION = 2
@@ -146,6 +151,9 @@ SEAL_OVERHEAD = NONCE_BYTES + TAG_BYTES     # a sealed payload is nonce | cipher
 KEYED = (SIGNED, SEALED)                    # chunks only their tenant's clients can check
 
 
+KEYS_CHECK_S = 1.0      # how often a sealer looks for a rotated keys file (a stat when nothing changed)
+_keys_log = ThrottledLog(logging.getLogger(__name__))
+
 SEAL_PIECE = 4 << 20    # bytes encrypted or decrypted per step: each piece still in cache (8+ GB/s with AES-NI)
 
 
@@ -156,12 +164,21 @@ class ChunkSealer:
     values and the server's values are then ciphertext, and the tag authenticates header and payload as
     the HMAC of `ChunkSigner` does (sealing subsumes signing). Keys have ids: after a rotation the old keys
     stay here to read old chunks for a grace period while new ones are written under the new key; a chunk
-    under a key not here (another tenant's, a retired one) or that fails its tag is a miss.
+    under a key not here (another tenant's, a retired one) or that fails its tag is a miss. With ``reload``
+    (a keys file's `KeysFile.changed`) a rotation of the file is taken while running.
 
     Streamed in pieces into buffers made once (`open_into` decrypts a raw payload straight into its L1
     slot): one-shot AES-GCM allocates its output per chunk and ran at a fifth of the streamed rate here."""
 
-    def __init__(self, keys: dict[int, bytes], active: int) -> None:
+    def __init__(self, keys: dict[int, bytes], active: int,
+                 reload: Callable[[], tuple[dict[int, bytes], int] | None] | None = None) -> None:
+        self._state = self._checked(keys, active)     # (active id, AES by id): swapped whole, read once per chunk
+        self._scratch = threading.local()      # each codec thread's plaintext buffer, kept across chunks
+        self._reload = reload
+        self._next_check = time.monotonic() + KEYS_CHECK_S
+
+    @staticmethod
+    def _checked(keys: dict[int, bytes], active: int) -> tuple[int, dict[int, object]]:
         from cryptography.hazmat.primitives.ciphers import algorithms
 
         for key_id, key in keys.items():
@@ -171,9 +188,30 @@ class ChunkSealer:
                 raise ValueError(f"key {key_id} has {len(key)} bytes; AES-256 takes 32")
         if active not in keys:
             raise ValueError(f"the active key id {active} is not among the keys ({', '.join(map(str, keys))})")
-        self.active = active
-        self._aes = {key_id: algorithms.AES(key) for key_id, key in keys.items()}
-        self._scratch = threading.local()      # each codec thread's plaintext buffer, kept across chunks
+        return active, {key_id: algorithms.AES(key) for key_id, key in keys.items()}
+
+    @property
+    def active(self) -> int:
+        return self._state[0]
+
+    def use(self, keys: dict[int, bytes], active: int) -> None:
+        """Seal with ``active`` and open with ``keys`` from the next chunk on (a rotation); chunks on their way
+        finish under the keys they started with."""
+        self._state = self._checked(keys, active)
+
+    def _current(self) -> tuple[int, dict[int, object]]:
+        """The key set, after taking a changed keys file (at most once per ``KEYS_CHECK_S``): a rotation
+        reaches every process of an engine without a restart. A keys file that cannot be read now is a
+        warning, and the keys in use stay."""
+        if self._reload is not None and time.monotonic() >= self._next_check:
+            self._next_check = time.monotonic() + KEYS_CHECK_S
+            try:
+                changed = self._reload()
+                if changed is not None:
+                    self.use(*changed)
+            except (TierCacheError, ValueError) as err:
+                _keys_log.warning("keys", "encryption keys unchanged: %s", err)
+        return self._state
 
     @staticmethod
     def _associated(meta: ChunkMeta, codec_code: int, payload_len: int, key_id: int) -> bytes:
@@ -192,13 +230,14 @@ class ChunkSealer:
         out = memoryview(bytearray(sealed_len) if into is None else into)[:sealed_len]
         nonce = os.urandom(NONCE_BYTES)
         out[:NONCE_BYTES] = nonce
-        cipher = Cipher(self._aes[self.active], modes.GCM(nonce)).encryptor()
-        cipher.authenticate_additional_data(self._associated(meta, codec_code, sealed_len, self.active))
+        active, aes = self._current()
+        cipher = Cipher(aes[active], modes.GCM(nonce)).encryptor()
+        cipher.authenticate_additional_data(self._associated(meta, codec_code, sealed_len, active))
         body = out[NONCE_BYTES:]
         _stream(cipher, view, body)
         cipher.finalize()
         body[n:] = cipher.tag
-        return self.active, out
+        return active, out
 
     def open_into(self, parsed: "ParsedHeader", payload: Buffer, out: memoryview | None = None) -> memoryview:
         """Decrypt a sealed payload into ``out`` (None: this thread's scratch) and return the plaintext's view
@@ -209,7 +248,7 @@ class ChunkSealer:
 
         meta, codec_code, _, payload_len, key_id = parsed
         view = memoryview(payload).cast("B")
-        aes = self._aes.get(key_id)
+        aes = self._current()[1].get(key_id)
         if aes is None:
             raise SignatureError(f"chunk {meta.key.hex()[:16]}… is encrypted under key {key_id}, which is not "
                                  "here (another tenant's, or retired)")
