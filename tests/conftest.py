@@ -101,24 +101,37 @@ def wait_for_redis(port: int, proc, log_path, seconds: float = 10.0) -> None:
     raise RuntimeError(f"redis-server on port {port} did not answer within {seconds}s")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port; with ``cluster_bus`` also port + 10000 is free and the port is at most 55535."""
+    """A free port on every interface, below the kernel's ephemeral range: bind(0) never hands those out, so
+    the port stays free until the server it is meant for binds it, whatever else binds ports meanwhile (vLLM's
+    own ZeroMQ and torch ports once took a port chosen from that range). With ``cluster_bus`` port + 10000
+    is free too, and below the range as well."""
     import random
     import socket
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55000) if cluster_bus else 0
+    top = _ephemeral_low() - (10000 if cluster_bus else 0)
+    for _ in range(500):
+        port = rng.randrange(10000, top) if top > 11000 else 0     # no room below the range: any free port
+        if cluster_bus and port == 0:
+            port = rng.randrange(20000, 55000)
         try:
             with socket.socket() as s:
-                s.bind(("127.0.0.1", port))
+                s.bind(("", port))
                 port = s.getsockname()[1]
                 if cluster_bus:
                     with socket.socket() as bus:
-                        bus.bind(("127.0.0.1", port + 10000))
+                        bus.bind(("", port + 10000))
             return port
         except OSError:
             continue
-    raise RuntimeError("no free loopback port")
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class RedisServer:

@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.conftest import free_port
 from tiercache.bench.processes import start_replica, start_router  # noqa: F401 — the tests' launchers
 
 MODEL = "tiercache-reference"
@@ -42,14 +43,6 @@ def metric(router_url: str, name: str, **labels: str) -> float:
         if head == (f"{name}{{{want}}}" if labels else name):
             return float(value)
     return 0.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
