@@ -4,6 +4,7 @@ import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
 from tests.support.stack_ops import load, put  # noqa: E402
+from tiercache.contracts.keys import chunk_keys
 
 BPC = CHUNK // BLOCK
 
@@ -144,5 +145,30 @@ def test_a_slot_reused_by_a_chunk_from_the_disk_is_not_written_down_under_the_ol
     try:
         assert load(s, a) is None
         assert torch.equal(load(s, d), d_kv)
+    finally:
+        s.close()
+
+
+def test_second_sighting_admission_fills_free_room_then_writes_only_what_two_requests_asked_for(tmp_path):
+    probe = make(tmp_path / "probe")
+    chunk_bytes = probe.lower("disk").reserve_bytes(probe.manager.block_layout.blocks(BPC))
+    probe.close()
+    s = make(tmp_path / "disk", admission="second-sighting", capacity=2 * chunk_bytes)    # room for one request
+    try:
+        disk = s.lower("disk")
+        a, _ = put(s, "a", seed=1)
+        b, _ = put(s, "b", seed=2)                          # evicts a: the disk has room, so it is written
+        s.offload.drain()
+        b_keys = chunk_keys(b, BPC)
+        assert disk.num_chunks == 2 and disk.contains(chunk_keys(a, BPC)) == 2
+        c, _ = put(s, "c", seed=3)                          # evicts b: the disk is full, b asked for once
+        s.offload.drain()
+        assert disk.contains(b_keys) == 0 and disk.contains(chunk_keys(a, BPC)) == 2
+        c_keys = chunk_keys(c, BPC)
+        s.manager.record_request(c_keys)                    # two requests asked for c
+        s.manager.record_request(c_keys)
+        put(s, "d", seed=4)                                 # evicts c: seen twice, written over a
+        s.offload.drain()
+        assert disk.contains(c_keys) == 2 and disk.num_chunks == 2
     finally:
         s.close()

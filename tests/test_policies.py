@@ -211,3 +211,46 @@ def test_lfu_da_is_the_default_and_beats_lru_on_the_shared_trace(shared_trace):
     for capacity in (1_000_000, 3_000_000):                 # the two points
         lru, lfu = replay(trace, capacity, "lru"), replay(trace, capacity, DEFAULT_EVICTION)
         assert lfu.token_hit_ratio > 1.02 * lru.token_hit_ratio, capacity
+
+
+def test_second_sighting_admits_on_the_second_request_within_a_bounded_ghost_history():
+    import hashlib
+
+    a = admission_policies.get("second-sighting")(0)
+    a.size_for(5)                                           # a tier of 5 chunks: 40 keys remembered
+    assert a.ghost_keys == 40
+    keys = [hashlib.sha256(bytes([i])).digest() for i in range(100)]
+    a.record(keys[:3])
+    assert not any(a.admit(k, 0) for k in keys[:3])         # first sighting: refused
+    a.record(keys[:2] + keys[:2])                           # a request counts once per chunk
+    assert [a.sightings(k) for k in keys[:3]] == [2, 2, 1]
+    assert [a.admit(k, 0) for k in keys[:3]] == [True, True, False]
+    for k in keys[3:]:                                      # 97 other requests: the history keeps 40 keys
+        a.record([k])
+        assert len(a._seen) <= 40
+    assert a.sightings(keys[0]) == 0 and not a.admit(keys[0], 0)       # fell off: it starts over
+    assert admission_policies.get("second-sighting")(1).admit(keys[0], 1)   # or one L1 hit, with min_hits
+
+
+def test_a_chain_is_admitted_from_its_head_up_to_the_first_chunk_refused():
+    from tiercache.policies import admitted_prefix
+
+    class Refuses:
+        def __init__(self, refused):
+            self.refused = refused
+
+        def admit(self, key, hits):
+            return key not in self.refused
+
+    chain = ["a", "b", "c", "d"]
+    assert admitted_prefix(None, chain) == 4
+    assert admitted_prefix(Refuses({"c"}), chain) == 2      # d would be admitted alone, and never be hit
+    assert admitted_prefix(Refuses({"a"}), chain) == 0
+
+
+def test_second_sighting_in_the_trace_replay_writes_less_and_hits_no_less(shared_trace):
+    from tiercache.bench.trace import replay
+    trace = shared_trace[:1500]
+    lru, guarded = replay(trace, 300_000, "lru"), replay(trace, 300_000, "lru+second-sighting")
+    assert guarded.written_chunks < 0.6 * lru.written_chunks            # one-offs are never written
+    assert guarded.token_hit_ratio >= lru.token_hit_ratio

@@ -132,3 +132,23 @@ def test_a_gzip_compressed_trace_reads_the_same(tmp_path):
     packed = tmp_path / "t.jsonl.gz"
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     assert load_trace(packed) == load_trace(plain) and len(load_trace(packed)) == 2
+
+
+def test_bench_trace_rows_may_name_an_admission_policy_and_a_wrong_one_is_one_line(tmp_path):
+    """``EVICTION+ADMISSION``: on one tier the admission decides what is stored (a chain up to its first refused
+    chunk; everything while the tier has room); with --l1-tokens it guards what L1 writes to L2."""
+    # a tier of 3 chunks: 1 2 3 go in while there is room; the one-off 9 would evict one of them, and is refused
+    trace = write_trace(tmp_path / "t.jsonl", [req([1, 2, 3]), req([9]), req([1, 2, 3])])
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
+                           "--capacity-tokens", "1536", "--policy", "lru,lru+second-sighting", "--json", str(out),
+                           "--quiet"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
+    assert (rows["lru"]["written_chunks"], rows["lru"]["token_hit_ratio"]) == (5, pytest.approx(2 / 7, abs=1e-3))
+    assert (rows["lru+second-sighting"]["written_chunks"], rows["lru+second-sighting"]["token_hit_ratio"]) == (
+        3, pytest.approx(3 / 7, abs=1e-3))                                # the whole of 1 2 3, the second time
+    for policy, words in (("lru+nope", "unknown admission policy ['nope']"), ("nope+always", "unknown policy")):
+        proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
+                               "--policy", policy, "--quiet"], capture_output=True, text=True)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

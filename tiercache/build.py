@@ -385,6 +385,10 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
         audit.close()
         raise
     admission = admission_policies.get(config.disk.admission)(config.disk.min_hits)
+    size_for = getattr(admission, "size_for", None)
+    if size_for is not None and lower:     # a history sized to the tier it guards: the first written back to
+        guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), lower[0])
+        size_for(max(1, guarded.capacity_bytes // l1_slot_bytes(config, block_bytes)))
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
                            store_partial_chunks=config.keys.store_partial_chunks,

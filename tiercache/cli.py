@@ -145,8 +145,14 @@ def _pressure_list(text: str) -> list[str]:
 
 
 def _policy_list(text: str) -> list[str]:
-    from tiercache.policies import eviction_policies
-    return _names(text, eviction_policies.names(), "policy")
+    """Eviction policies, each optionally ``+ADMISSION`` (what the tier admits: ``lfu-da+second-sighting``)."""
+    from tiercache.policies import admission_policies, eviction_policies
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    _names(",".join(n.partition("+")[0] for n in names) or text, eviction_policies.names(), "policy")
+    admitted = [n.partition("+")[2] for n in names if "+" in n]
+    if admitted:
+        _names(",".join(admitted), admission_policies.names(), "admission policy")
+    return names
 
 
 def user_cache_dir() -> Path:
@@ -403,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                    help="with --capacity-bytes: the KV geometry whose chunks fill the bytes")
     t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
-                   help="comma-separated eviction policies (default: lru,lfu-da,s3-fifo)")
+                   help="comma-separated eviction policies, each optionally with an admission policy "
+                        "(lfu-da+second-sighting; with --l1-tokens it guards L2) (default: lru,lfu-da,s3-fifo)")
     t.add_argument("--l1-tokens", type=_size_list("--l1-tokens", "1M"), default=None,
                    help="replay L1 of this many tokens over an L2 of each capacity through the real cache manager "
                         "(promotions, write-back spills; the policy in both tiers) instead of one tier")

@@ -124,7 +124,8 @@ class DiskTierConfig:
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
-    admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits | frequency")
+    admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits | frequency | "
+                                  "second-sighting")
     retention: float = _opt(0.0, "seconds a chunk file is kept after it was written (its file's time, so across "
                                  "restarts): older ones are never served and are deleted (0: no limit)")
     min_hits: int = _opt(1, "min-hits: L1 hits a chunk needs; frequency: requests beyond the first that wanted it")

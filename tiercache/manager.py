@@ -153,7 +153,11 @@ class CacheManager:
         """Spill an L1 victim unless the write-back tier has it (asked only of a tier with a local index).
         Private chunks never reach here (`CpuIndex` keeps them out)."""
         target = self._spill_to
-        return target is not None and not (target.indexed and target.has(key)) and self._admit(key, hits)
+        if target is None or (target.indexed and target.has(key)):
+            return False
+        room = target.indexed and target.used_bytes + target.reserve_bytes(self.block_layout.blocks(
+            self.blocks_per_chunk)) <= target.capacity_bytes
+        return self._admit(key, hits) or (room and getattr(self.admission, "admits_into_room", False))
 
     # -- lookup (PrefixFinder) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:

@@ -249,6 +249,7 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         replay,
         replay_belady,
         replay_hierarchy,
+        split_policy,
         unique_chunks,
     )
 
@@ -261,7 +262,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         runs = [(policy, lambda cap, policy=policy: replay(trace, cap, policy)) for policy in args.policy]
         runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always
     else:       # L1 over an L2 of each capacity; the reference holds L1's and L2's room as one
-        runs = [(policy, lambda cap, policy=policy: replay_hierarchy(trace, l1, cap, eviction=policy))
+        runs = [(policy, lambda cap, parts=split_policy(policy): replay_hierarchy(trace, l1, cap, eviction=parts[0],
+                                                                                  admission=parts[1]))
                 for policy in args.policy]
         runs.append((BELADY_ROW, lambda cap: replay_belady(trace, l1 + cap)))
     with tqdm(total=len(points) * len(runs), desc="bench trace", file=sys.stderr, disable=args.quiet) as bar:

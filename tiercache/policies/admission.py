@@ -4,10 +4,17 @@ Scheduler side, metadata only. A policy sees a chunk's key and how many times
 L1 served it to L0, and answers whether to demote it. A policy with a
 ``record(keys)`` method is also told the chunk keys of every request the
 engine admits (once per admission, hit or miss, whichever tier would serve
-it).
+it); one with ``size_for(tier_chunks)`` is told the size of the tier it
+guards, once, before any request.
+
+Chunks are chains (a chunk's KV is usable only after its predecessors'), so
+a caller that asks about a request's chunks in order stops at the first one
+refused: a tail admitted without its head could never be hit
+(`admitted_prefix`).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -67,3 +74,60 @@ class FrequencyAdmit:
 
     def admit(self, key: BlockHash, hits: int) -> bool:
         return self.estimate(key) >= self.threshold
+
+
+GHOST_FACTOR = 8               # keys remembered per chunk the guarded tier holds (4: 2 % less hit, 16: no more)
+MAX_GHOST_KEYS = 1 << 22       # the history's bound whatever the tier's size (about 0.5 GiB at most)
+
+
+@admission_policies.register("second-sighting")
+class SecondSightingAdmit:
+    """Admit a chunk the second time a request asks for it within a ghost history, or once L1 served it.
+
+    Most of a conversation trace's chunks are asked for once (RESULTS.md, "Trace replay"): a tier that admits
+    them evicts what comes back to keep what will not. The history is a table of recently requested keys
+    (their 64-bit hashes: a collision admits a chunk early, never refuses one), in order of last request, with
+    how many requests asked for each: ``GHOST_FACTOR`` times the guarded tier's chunks (`size_for`), never
+    more than ``MAX_GHOST_KEYS`` — a key that falls off it starts over, so its memory is bounded by
+    construction (RESULTS.md, "Admission on the second sighting"). ``min_hits``: L1 hits that admit a chunk
+    without a second sighting (0: never). It guards hits, not writes: a tier with room takes a chunk unasked
+    (``admits_into_room``), since refusing one that would evict nothing only loses its hit."""
+
+    admits_into_room = True
+
+    def __init__(self, min_hits: int = 1, ghost_keys: int = 1 << 16) -> None:
+        self.min_hits = min_hits
+        self.ghost_keys = ghost_keys
+        self._seen: OrderedDict[int, int] = OrderedDict()   # hash(key) → requests that asked, last-asked last
+
+    def size_for(self, tier_chunks: int) -> None:
+        self.ghost_keys = max(1, min(MAX_GHOST_KEYS, GHOST_FACTOR * tier_chunks))
+        while len(self._seen) > self.ghost_keys:
+            self._seen.popitem(last=False)
+
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        seen = self._seen
+        for key in dict.fromkeys(keys):          # a request counts once per chunk
+            h = hash(key)
+            seen[h] = seen.pop(h, 0) + 1
+        while len(seen) > self.ghost_keys:
+            seen.popitem(last=False)
+
+    def sightings(self, key: BlockHash) -> int:
+        return self._seen.get(hash(key), 0)
+
+    def admit(self, key: BlockHash, hits: int) -> bool:
+        return (self.min_hits > 0 and hits >= self.min_hits) or self.sightings(key) >= 2
+
+
+def admitted_prefix(policy: AdmissionPolicy | None, keys: Sequence[BlockHash], hits: int = 0, room: int = 0) -> int:
+    """How many of a chain's ``keys``, from its head, ``policy`` admits: it stops at the first refused. For a
+    policy that ``admits_into_room``, the first ``room`` go in unasked — the tier has room for them without
+    evicting anything (other policies also save the tier's writes, and are asked about each)."""
+    if policy is None:
+        return len(keys)
+    unasked = min(room, len(keys)) if getattr(policy, "admits_into_room", False) else 0
+    for i in range(unasked, len(keys)):
+        if not policy.admit(keys[i], hits):
+            return i
+    return len(keys)
