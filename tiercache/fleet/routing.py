@@ -15,7 +15,7 @@ Policies (`routing_policies`):
   hotspots;
 - ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
-  (a replica whose queue is far above the fleet's goes last).
+  (a replica whose queue is far above the other replicas' goes last).
 """
 from __future__ import annotations
 
@@ -110,18 +110,26 @@ class PrefixAffinity(Policy):
 
 @routing_policies.register("expected-ttft")
 class ExpectedTTFT(Policy):
-    """Lowest expected time to first token; a replica whose queue exceeds ``hotspot_factor`` times the fleet's
-    mean queue (plus one request's compute, so an idle fleet never trips it) is ranked after the others, so
-    that a popular prefix spreads over replicas instead of piling onto one."""
+    """Lowest expected time to first token; a replica whose queue exceeds ``hotspot_factor`` times the mean
+    queue of the *other* replicas, plus this request's mean compute over the replicas (so an idle fleet
+    never trips it), is ranked after the others, so that a popular prefix spreads over replicas instead of
+    piling onto one.
+
+    The guard used to compare with the whole fleet's mean queue plus the largest compute: a replica winning
+    on expected time (``q_a + c_a < q_b + c_b``) can then never be over it — ``q_a > 2·mean + max c`` needs
+    a negative queue somewhere — so it never changed a decision. Against the others' queues and the mean
+    compute it trips in a window: a hot replica whose hit saves less than its queue has grown."""
 
     def __init__(self, hotspot_factor: float = 2.0) -> None:
         self.hotspot_factor = hotspot_factor
 
     def rank(self, candidates: list[Candidate]) -> list[Ranked]:
         ranked = [estimate(c) for c in candidates]
-        if not ranked:
-            return []
-        mean_queue = sum(r.queue_s for r in ranked) / len(ranked)
-        slack = max(r.prefill_s + r.load_s for r in ranked)
-        limit = self.hotspot_factor * mean_queue + slack
-        return sorted(ranked, key=lambda r: (r.queue_s > limit, r.expected_ttft_s, r.name))
+        if len(ranked) < 2:
+            return ranked
+        total_queue = sum(r.queue_s for r in ranked)
+        slack = sum(r.prefill_s + r.load_s for r in ranked) / len(ranked)
+
+        def hot(r: Ranked) -> bool:
+            return r.queue_s > self.hotspot_factor * (total_queue - r.queue_s) / (len(ranked) - 1) + slack
+        return sorted(ranked, key=lambda r: (hot(r), r.expected_ttft_s, r.name))

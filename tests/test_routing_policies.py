@@ -1,0 +1,34 @@
+"""Routing policies on their own: how each ranks replicas for one request (no sockets)."""
+from tiercache.fleet.prefix_index import CachedTokens
+from tiercache.fleet.routing import Candidate, Rates, routing_policies
+
+RATES = Rates(prefill=1000.0, load={"CPU": 20000.0})
+
+
+def replica(name: str, cached: int, waiting: int, prompt: int = 1000) -> Candidate:
+    return Candidate(name, prompt, CachedTokens(cached), in_flight=waiting // prompt, pending_prefill=waiting,
+                     rates=RATES)
+
+
+def order(policy: str, *candidates: Candidate) -> list[str]:
+    return [r.name for r in routing_policies.get(policy)().rank(list(candidates))]
+
+
+def test_expected_ttft_weighs_a_hit_against_the_queue_in_front_of_it():
+    # a holds 900 of 1000 tokens (0.1 s to compute) behind 0.5 s of queue; b holds none, idle: 1.0 s
+    assert order("expected-ttft", replica("a", 900, 500), replica("b", 0, 0)) == ["a", "b"]
+    # behind 1.5 s of queue, a's hit is worth less than b's idle compute
+    assert order("expected-ttft", replica("a", 900, 1500), replica("b", 0, 0)) == ["b", "a"]
+
+
+def test_the_hotspot_guard_trips_at_two_replicas_against_the_other_replicas_queue():
+    """a holds the whole prompt (nothing to compute) behind 0.8 s of queue; b, idle, would compute it all in
+    1.0 s. a wins on expected time, but its queue is past twice b's plus the request's mean compute over the
+    two (0.5 s): it is a hotspot, and b goes first. Behind 0.4 s it is not."""
+    hot, idle = replica("a", 1000, 800), replica("b", 0, 0)
+    estimates = {r.name: r.expected_ttft_s for r in routing_policies.get("least-loaded")().rank([hot, idle])}
+    assert estimates["a"] < estimates["b"]                              # a wins on expected time alone...
+    assert order("expected-ttft", hot, idle) == ["b", "a"]              # ...and is a hotspot: b first
+    assert order("expected-ttft", replica("a", 1000, 400), idle) == ["a", "b"]   # within the guard: a
+    assert order("expected-ttft", replica("a", 1000, 0), replica("b", 0, 0)) == ["a", "b"]   # an idle fleet
+    assert order("expected-ttft", hot) == ["a"]                         # alone: nothing to spread to
