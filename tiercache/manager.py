@@ -155,9 +155,11 @@ class CacheManager:
         target = self._spill_to
         if target is None or (target.indexed and target.has(key)):
             return False
-        room = target.indexed and target.used_bytes + target.reserve_bytes(self.block_layout.blocks(
-            self.blocks_per_chunk)) <= target.capacity_bytes
-        return self._admit(key, hits) or (room and getattr(self.admission, "admits_into_room", False))
+        if self._admit(key, hits):
+            return True
+        # a policy that guards hits, not writes, lets a victim into room that evicts nothing
+        return bool(getattr(self.admission, "admits_into_room", False) and target.indexed and target.used_bytes
+                    + target.reserve_bytes(self.block_layout.blocks(self.blocks_per_chunk)) <= target.capacity_bytes)
 
     # -- lookup (PrefixFinder) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
