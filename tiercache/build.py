@@ -34,7 +34,7 @@ from tiercache.encryption_keys import FIELD, KeysAudit, KeysFile
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
-from tiercache.policies import admission_policies, eviction_policies
+from tiercache.policies import admission_for, admission_policies, eviction_policies
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
@@ -384,11 +384,10 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
             index.close()
         audit.close()
         raise
-    admission = admission_policies.get(config.disk.admission)(config.disk.min_hits)
-    size_for = getattr(admission, "size_for", None)
-    if size_for is not None and lower:     # a history sized to the tier it guards: the first written back to
-        guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), lower[0])
-        size_for(max(1, guarded.capacity_bytes // l1_slot_bytes(config, block_bytes)))
+    # it guards the first tier written back to (what L1 spills into)
+    guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), None)
+    admission = admission_for(config.disk.admission, config.disk.min_hits,
+                              guarded.capacity_bytes // l1_slot_bytes(config, block_bytes) if guarded else 1)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
                            store_partial_chunks=config.keys.store_partial_chunks,

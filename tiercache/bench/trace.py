@@ -29,7 +29,7 @@ from pathlib import Path
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.manager import CacheManager
-from tiercache.policies import DEFAULT_EVICTION, admission_policies, admitted_prefix
+from tiercache.policies import DEFAULT_EVICTION, admission_for, admitted_prefix
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.metadata import MetadataIndex
 
@@ -98,20 +98,12 @@ def split_policy(name: str) -> tuple[str, str]:
     return eviction, admission or "always"
 
 
-def _guard(admission: str, tier_chunks: int):
-    guard = admission_policies.get(admission)(0)
-    size_for = getattr(guard, "size_for", None)
-    if size_for is not None:
-        size_for(tier_chunks)
-    return guard
-
-
 def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
     """One tier of ``capacity_tokens`` under ``policy`` (``EVICTION[+ADMISSION]``): each request's chunks after
     its hit are stored from the head of its chain up to the first the admission refuses."""
     eviction, admission = split_policy(policy)
     tier = MetadataIndex(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=eviction)
-    guard = _guard(admission, tier.capacity_bytes) if admission != "always" else None
+    guard = admission_for(admission, 0, tier.capacity_bytes) if admission != "always" else None
     record = getattr(guard, "record", None)
     result = ReplayResult()
     for request in trace:
@@ -199,9 +191,7 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
     """L1 over L2 through the real cache manager; ``admission`` guards what L1 spills into L2."""
     l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction)
     l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
-    guard = admission_policies.get(admission)(min_hits)
-    if hasattr(guard, "size_for"):
-        guard.size_for(l2.capacity_bytes)
+    guard = admission_for(admission, min_hits, l2.capacity_bytes)
     manager = CacheManager(l1, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
                            lower=[l2], write_mode=write_mode, admission=guard)
     result = HierarchyResult()

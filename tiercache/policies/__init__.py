@@ -1,6 +1,7 @@
 """Pluggable cache policies, each chosen by name from a registry."""
-from tiercache.policies.admission import AdmissionPolicy, admission_policies, admitted_prefix
+from tiercache.policies.admission import AdmissionPolicy, admission_for, admission_policies, admitted_prefix
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
-__all__ = ["DEFAULT_EVICTION", "AdmissionPolicy", "EvictionPolicy", "admission_policies", "admitted_prefix",
+__all__ = ["DEFAULT_EVICTION", "AdmissionPolicy", "EvictionPolicy", "admission_for", "admission_policies",
+           "admitted_prefix",
            "eviction_policies"]

@@ -120,6 +120,15 @@ class SecondSightingAdmit:
         return (self.min_hits > 0 and hits >= self.min_hits) or self.sightings(key) >= 2
 
 
+def admission_for(name: str, min_hits: int, tier_chunks: int) -> AdmissionPolicy:
+    """Admission policy ``name`` guarding a tier of ``tier_chunks`` chunks (told its size if it asks)."""
+    policy = admission_policies.get(name)(min_hits)
+    size_for = getattr(policy, "size_for", None)
+    if size_for is not None:
+        size_for(max(1, tier_chunks))
+    return policy
+
+
 def admitted_prefix(policy: AdmissionPolicy | None, keys: Sequence[BlockHash], hits: int = 0, room: int = 0) -> int:
     """How many of a chain's ``keys``, from its head, ``policy`` admits: it stops at the first refused. For a
     policy that ``admits_into_room``, the first ``room`` go in unasked — the tier has room for them without
