@@ -309,8 +309,12 @@ class Tenancy:
             if not gone:
                 continue
             for name, view in self._views.items():
-                n = len(gone) if view is store else view.count_own(gone) \
-                    if isinstance(view, ScopedStore) and owner == "pool" else 0
+                if view is store:                  # its own store, or the one unscoped pool of an open server
+                    n = len(gone)
+                elif owner == "pool" and isinstance(view, ScopedStore):
+                    n = view.count_own(gone)
+                else:
+                    continue
                 if n:
                     out[name] = out.get(name, 0) + n
         return out
