@@ -32,3 +32,17 @@ def test_the_hotspot_guard_trips_at_two_replicas_against_the_other_replicas_queu
     assert order("expected-ttft", replica("a", 1000, 400), idle) == ["a", "b"]   # within the guard: a
     assert order("expected-ttft", replica("a", 1000, 0), replica("b", 0, 0)) == ["a", "b"]   # an idle fleet
     assert order("expected-ttft", hot) == ["a"]                         # alone: nothing to spread to
+
+
+def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_name():
+    """Every replica idle and holding the system prompt: a new conversation is a tie, and it goes where the
+    fewest tokens have gone (by name it would always be "a"). A real difference is never overturned."""
+    def sent(name: str, cached: int, routed: int) -> Candidate:
+        return Candidate(name, 1000, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+    policy = routing_policies.get("expected-ttft")()
+    assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 600, 100), sent("c", 600, 5000)])] \
+        == ["b", "c", "a"]
+    assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 590, 100)])] == ["b", "a"]  # within 15 %
+    # a holds the conversation's history (0.1 s left to compute), b only the system prompt (0.4 s): a, however
+    # many tokens it has been sent
+    assert [r.name for r in policy.rank([sent("a", 900, 90000), sent("b", 600, 0)])] == ["a", "b"]

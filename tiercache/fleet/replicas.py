@@ -117,7 +117,8 @@ class Replica:
     def candidate(self, keys: PromptKeys | None, num_tokens: int, shared: list[set[bytes]] = ()) -> Candidate:
         cached = (self.index.cached(keys, self.scheme, shared) if keys is not None and self.scheme is not None
                   else CachedTokens(0))
-        return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates)
+        return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates,
+                         self.load.prompt_tokens)
 
     def learn_loads(self, descriptor: ReplicaDescriptor | None) -> None:
         """Take the load rates per medium the replica measured (its descriptor, at each health check); media it

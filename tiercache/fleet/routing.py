@@ -15,7 +15,8 @@ Policies (`routing_policies`):
   hotspots;
 - ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
-  (a replica whose queue is far above the other replicas' goes last).
+  (a replica whose queue is far above the other replicas' goes last); near
+  ties go to the replica sent the fewest tokens so far.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class Candidate:
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
     rates: Rates
+    routed_tokens: int = 0     # prompt tokens sent to it so far: what a tie between replicas is broken by
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,18 +120,31 @@ class ExpectedTTFT(Policy):
     The guard used to compare with the whole fleet's mean queue plus the largest compute: a replica winning
     on expected time (``q_a + c_a < q_b + c_b``) can then never be over it — ``q_a > 2·mean + max c`` needs
     a negative queue somewhere — so it never changed a decision. Against the others' queues and the mean
-    compute it trips in a window: a hot replica whose hit saves less than its queue has grown."""
+    compute it trips in a window: a hot replica whose hit saves less than its queue has grown.
 
-    def __init__(self, hotspot_factor: float = 2.0) -> None:
+    Replicas whose estimates are within ``tie_ratio`` of the best are a tie, and the one sent the fewest
+    prompt tokens so far goes first: a new conversation (its system prompt everywhere, every replica idle)
+    would otherwise always go to the same replica by name, and every later turn follows its history there.
+    The estimates' own rates are measured, so a difference that small is noise, not a reason."""
+
+    def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15) -> None:
         self.hotspot_factor = hotspot_factor
+        self.tie_ratio = tie_ratio
 
     def rank(self, candidates: list[Candidate]) -> list[Ranked]:
         ranked = [estimate(c) for c in candidates]
         if len(ranked) < 2:
             return ranked
+        n = len(ranked)        # not len(ranked) inside the sort's key: list.sort empties the list while it sorts
         total_queue = sum(r.queue_s for r in ranked)
-        slack = sum(r.prefill_s + r.load_s for r in ranked) / len(ranked)
+        slack = sum(r.prefill_s + r.load_s for r in ranked) / n
 
         def hot(r: Ranked) -> bool:
-            return r.queue_s > self.hotspot_factor * (total_queue - r.queue_s) / (len(ranked) - 1) + slack
-        return sorted(ranked, key=lambda r: (hot(r), r.expected_ttft_s, r.name))
+            return r.queue_s > self.hotspot_factor * (total_queue - r.queue_s) / (n - 1) + slack
+        ranked.sort(key=lambda r: (hot(r), r.expected_ttft_s, r.name))
+        best = ranked[0]
+        tied = [r for r in ranked if hot(r) == hot(best)
+                and r.expected_ttft_s <= best.expected_ttft_s * (1 + self.tie_ratio)]
+        routed = {c.name: c.routed_tokens for c in candidates}
+        tied.sort(key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
+        return tied + ranked[len(tied):]
