@@ -10,7 +10,9 @@ time to first token and the usage the replica reports.
 For each fleet (N replicas, with or without a shared `tiercache serve` under
 them) and each policy, a fresh fleet is started (cold caches, the same
 processes users run), the workload replayed against its router, and the
-router's own metrics read: tokens per replica (load imbalance, max/mean) and
+router's own metrics read: tokens per replica (load imbalance, max/mean: of
+the prompt tokens sent, and of those computed — sent less the cached tokens
+the replica reported) and
 its predicted against the replicas' reported cached tokens (prediction
 error: sum of |predicted - reported| over the reported). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
@@ -217,6 +219,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
     loads = [v.get("prompt_tokens", 0.0) for v in per_replica.values()] or [0.0]
+    computed = [v.get("prompt_tokens", 0.0) - v.get("reported", 0.0) for v in per_replica.values()] or [0.0]
     reported = sum(v.get("reported", 0.0) for v in per_replica.values())
     error = sum(v.get("error", 0.0) for v in per_replica.values())
     return {"replicas": n, "shared_server": shared, "policy": policy, "requests": len(records),
@@ -224,6 +227,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "throughput_req_s": round(len(records) / elapsed, 3),
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
+            "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
+                                  if statistics.mean(computed) > 0 else 0.0),
             "prediction_error": round(error / reported, 4) if reported else 0.0,
             "per_replica": per_replica}
 
@@ -271,13 +276,13 @@ class RouteReport:
 
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms", "req/s",
-           "prefix hits", "imbalance", "prediction error")
+           "prefix hits", "imbalance", "compute imbalance", "prediction error")
 
 
 def rows(report: dict) -> list[tuple]:
     return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r["throughput_req_s"], r["prefix_hit_ratio"], r["load_imbalance"],
-             r["prediction_error"]) for r in report["runs"]]
+             r.get("compute_imbalance", "-"), r["prediction_error"]) for r in report["runs"]]
 
 
 def plot(path, report: dict) -> bool:
