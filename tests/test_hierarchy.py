@@ -172,3 +172,39 @@ def test_second_sighting_admission_fills_free_room_then_writes_only_what_two_req
         assert disk.contains(c_keys) == 2 and disk.num_chunks == 2
     finally:
         s.close()
+
+
+def test_promoting_a_chains_tail_from_l2_never_evicts_its_head_from_l1():
+    """L1 (3 chunks) holds the head ``a`` of a chain — the chunk its policy would give up first — and two
+    chunks asked for often; L2 holds the rest of the chain. Making room for the tail's promotion takes the
+    other two, never the head the same lookup found: the load after it finds every chunk it was promised."""
+    import hashlib
+
+    from tiercache.contracts.plan import JobOutcome
+    from tiercache.manager import CacheManager
+    from tiercache.tiers.cpu import CpuIndex
+    from tiercache.tiers.metadata import MetadataIndex
+
+    def complete(plans):
+        manager.apply([JobOutcome(p.job_id) for p in plans])
+
+    a, b, c, x, y = (hashlib.sha256(n.encode()).digest() for n in "abcxy")
+    l1, l2 = CpuIndex(3, 1, eviction="lfu-da"), MetadataIndex(8, eviction="lfu-da", name="l2")
+    manager = CacheManager(l1, block_size=1, blocks_per_chunk=1, block_bytes=1, lower=[l2])
+    l2.prepare_store([b, c], [1, 1])
+    l2.complete_store([b, c])
+    l1.prepare_store([x, y, a], [1, 1, 1])
+    l1.complete_store([x, y, a])
+    for _ in range(3):
+        l1.touch([x, y])                                     # x and y outrank a
+    lookup = manager.lookup_chunks([a, b, c], 3)
+    assert [(r.tier, len(r.keys)) for r in lookup.runs] == [("cpu", 1), ("l2", 2)]
+    manager.promote(lookup)                                  # room is made: x and y are spilled, not a
+    assert l1.has(a) and not l1.has(x) and not l1.has(y)
+    complete(manager.take_background())                      # the spills land: their slots are free
+    assert manager.promote(manager.lookup_chunks([a, b, c], 3))
+    complete(manager.take_background())
+    lookup = manager.in_l1(manager.lookup_chunks([a, b, c], 3))
+    assert lookup.num_hit_blocks == 3
+    complete(manager.plan_load(lookup, range(3)))
+    assert manager.num_in_flight == 0

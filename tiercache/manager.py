@@ -188,9 +188,16 @@ class CacheManager:
         Chunks L1 has no room for are not promoted, so a caller that waits
         for True to turn False never waits forever.
         """
-        pending = False
         chain = [k for run in lookup.runs for k in run.keys]   # runs are consecutive: one chain
-        parent_of = dict(zip(chain[1:], chain))
+        in_l1 = [k for run in lookup.runs if run.tier == self.l1.name for k in run.keys]
+        self.l1.pin(in_l1)          # room made for the chain's tail never evicts its head
+        try:
+            return self._promote(lookup, dict(zip(chain[1:], chain)))
+        finally:
+            self.l1.unpin(in_l1)
+
+    def _promote(self, lookup: PrefixLookup, parent_of: dict[BlockHash, BlockHash]) -> bool:
+        pending = False
         for run in lookup.runs:
             if run.tier == self.l1.name:
                 continue
