@@ -373,7 +373,9 @@ class TierCacheConnector(KVConnectorBase_V1):
             parent = hashes[-1] if hashes else self._hasher.seed_for(
                 request.cache_salt or "", request.lora_request.lora_name if request.lora_request else "")
             hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size], parent=parent)
-        return RequestView(rid, request.num_tokens, hashes)
+        params = request.kv_transfer_params
+        return RequestView(rid, request.num_tokens, hashes,
+                           isinstance(params, dict) and params.get("continues") is True)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request

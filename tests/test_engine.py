@@ -75,6 +75,34 @@ def test_multi_turn_histories_give_identical_tokens():
         assert_back_to_baseline(engine)
 
 
+@pytest.mark.parametrize("continues", [True, False])
+def test_a_conversation_that_continues_keeps_its_turn_in_l1_past_one_off_requests(continues):
+    """L1 of 8 chunks under ``lfu-da-state``; a conversation's first turn (4 chunks), then two one-off requests
+    (4 each), then its second turn. Said to continue (`kv_transfer_params.continues` through the API), the
+    first turn's chunks outrank the one-offs' and the second turn loads all of them; without the word, a
+    finished turn's chunks were asked for once, like the one-offs', and go first."""
+    import random
+
+    rng = random.Random(5)
+
+    def text(n):
+        return [rng.randrange(32, 127) for _ in range(n)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    turn = [256, *text(255)]
+    one_offs = [[256, *text(255)] for _ in range(2)]
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload("1MiB").replace(cpu={"eviction": "lfu-da-state"})) as engine:
+        assert engine.connector.scheduler.manager.l1.slots.num_slots == 8
+        first = engine.add_request(turn, params, continues=continues)
+        engine.run()
+        for prompt in one_offs:
+            engine.add_request(prompt, params)
+            engine.run()
+        second = engine.add_request(turn + first.output_token_ids + text(40), params, continues=continues)
+        engine.run()
+        assert (second.metrics.external_hit_tokens == 256) is continues
+        assert_back_to_baseline(engine)
+
+
 def test_logits_on_the_hit_path_match_a_full_recompute():
     prompts = shared_prompts(n=2, prefix=300, suffix=10, seed=5)
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), record_logits=True) as engine:

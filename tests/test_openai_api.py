@@ -95,6 +95,12 @@ def test_mistakes_are_answered_as_the_openai_api_answers_them(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
     assert err.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"kv_transfer_params": {"continues": "yes"}})
+    assert err.value.body["param"] == "kv_transfer_params.continues"
+    done = client.completions.create(model=MODEL, prompt="a turn", max_tokens=2,
+                                     extra_body={"kv_transfer_params": {"continues": True}})
+    assert done.usage.completion_tokens == 2                   # the hint is taken, the answer unchanged
     status, body = _post(base, "/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
     status, body = _post(base, "/no-such-route", b"{}")

@@ -254,3 +254,63 @@ def test_second_sighting_in_the_trace_replay_writes_less_and_hits_no_less(shared
     lru, guarded = replay(trace, 300_000, "lru"), replay(trace, 300_000, "lru+second-sighting")
     assert guarded.written_chunks < 0.6 * lru.written_chunks            # one-offs are never written
     assert guarded.token_hit_ratio >= lru.token_hit_ratio
+
+
+def test_lfu_da_state_keeps_a_continuing_requests_chunks_and_gives_up_a_finished_one_offs_first():
+    from tiercache.contracts.connector import RequestState
+
+    p = eviction_policies.get("lfu-da-state")()
+    reused, chat, one_off = _keys(2, b"r"), _keys(3, b"c"), _keys(3, b"o")
+    for k in reused:
+        p.insert(k)
+        p.touch(k)
+    for k in chat + one_off:
+        p.insert(k)
+    p.retain(chat, RequestState.CONTINUES)           # a conversation's turn: its next turn resends these
+    p.retain(one_off + reused[:1], RequestState.FINISHED)   # done; only what it alone asked for is demoted
+    victims = drain(p)
+    assert victims[:3] == one_off[::-1]              # the one-off first, its tail before its head
+    assert set(victims[3:5]) == set(reused)          # then the chunks asked for twice (untouched by the hint)
+    assert victims[5:] == chat[::-1]                 # the conversation's last, tail first
+    p2 = eviction_policies.get("lfu-da-state")()
+    for k in chat:
+        p2.insert(k)
+    p2.retain(chat[1:], RequestState.PREEMPTED)
+    p2.retain(chat[:1], RequestState.CONTINUES)
+    assert drain(p2) == [chat[0], chat[2], chat[1]]  # a preempted request's chunks outrank a conversation's
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu-da", "lfu-da-state", "s3-fifo", "arc", "prefix-lru"])
+def test_hints_never_bring_back_a_key_the_policy_does_not_hold(name):
+    from tiercache.contracts.connector import RequestState
+
+    p = eviction_policies.get(name)()
+    held, gone = _keys(3, b"h"), _keys(2, b"g")
+    for k in held + gone:
+        p.insert(k)
+    for k in gone:
+        p.remove(k)
+    retain = getattr(p, "retain", None)
+    for state in RequestState:
+        if retain is not None:
+            retain(held + gone, state)
+    assert sorted(drain(p)) == sorted(held) and len(p) == 0
+
+
+def test_second_sighting_takes_a_continuing_conversation_at_its_first_sighting():
+    import hashlib
+
+    from tiercache.contracts.connector import RequestState
+
+    a = admission_policies.get("second-sighting")(0)
+    a.size_for(2)                                            # 16 keys remembered
+    turn = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    a.record(turn)
+    assert not any(a.admit(k, 0) for k in turn)
+    a.retain(turn, RequestState.FINISHED)                    # nothing said: still a first sighting
+    assert not any(a.admit(k, 0) for k in turn)
+    a.retain(turn, RequestState.CONTINUES)
+    assert all(a.admit(k, 0) for k in turn)
+    for i in range(40):                                      # the vouching is history too: bounded
+        a.retain([hashlib.sha256(b"x" + bytes([i])).digest()], RequestState.PREEMPTED)
+        assert len(a._seen) <= 16

@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, auto
 
 from tiercache.audit import AuditTrail
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import (
@@ -181,6 +182,15 @@ class CacheManager:
         record = getattr(self.admission, "record", None)
         if record is not None:
             record(keys)
+
+    def request_state(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """The engine's word on the request that wanted chunks ``keys`` (head first): every tier's eviction
+        policy and the admission policy that take hints keep or give up its chunks by it."""
+        for tier in self.tiers:
+            tier.retain(keys, state)
+        retain = getattr(self.admission, "retain", None)
+        if retain is not None:
+            retain(keys, state)
 
     def promote(self, lookup: PrefixLookup) -> bool:
         """Start copying the lookup's lower-tier chunks up into L1; True while any of them is on its way.

@@ -23,7 +23,13 @@ from dataclasses import dataclass
 from tiercache.build import build_scheduler_side, check_config
 from tiercache.config import TierCacheConfig
 from tiercache.connector.api import SchedulerConnector
-from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake
+from tiercache.contracts.connector import (
+    ConnectorMetadata,
+    RequestState,
+    RequestView,
+    StepRequest,
+    WorkerHandshake,
+)
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 from tiercache.lookup import PrefixLookup
@@ -97,6 +103,7 @@ class OffloadScheduler(SchedulerConnector):
         self._owners: dict[JobId, str] = {}
         self._load_tokens: dict[JobId, int] = {}
         self._stored_chunks: dict[str, int] = {}
+        self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
         self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
         self._delayed: list[str] = []
         self._swapped: dict[str, _Swapped] = {}
@@ -150,7 +157,9 @@ class OffloadScheduler(SchedulerConnector):
         rid = request.request_id
         found = self._lookups.pop(rid, None)
         self.counters.admitted_tokens += request.num_tokens
-        manager.record_request(chunk_keys(request.block_hashes, self.bpc, manager.store_partial_chunks))
+        keys = self._chunks[rid] = tuple(chunk_keys(request.block_hashes, self.bpc, manager.store_partial_chunks))
+        manager.record_request(keys)
+        manager.request_state(keys, RequestState.RUNNING)
         if not num_external_tokens or found is None:
             return
         lookup, swapped = found
@@ -171,6 +180,8 @@ class OffloadScheduler(SchedulerConnector):
             return ConnectorMetadata(preempted=tuple(preempted))
         if not step and self._asking:
             self._ask_again_now()
+        for rid in preempted:                  # an engine that names its preemptions here (vLLM)
+            self._hint(rid, RequestState.PREEMPTED)
         for s in step:
             rid = s.request.request_id
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
@@ -246,6 +257,10 @@ class OffloadScheduler(SchedulerConnector):
 
     def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
         rid = request.request_id
+        if self.manager is not None and rid in self._chunks:
+            self._chunks[rid] = tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.store_partial_chunks))
+            self._hint(rid, RequestState.CONTINUES if request.continues else RequestState.FINISHED)
+        self._chunks.pop(rid, None)
         self._stored_chunks.pop(rid, None)
         self._lookups.pop(rid, None)
         self._asking.pop(rid, None)
@@ -255,7 +270,14 @@ class OffloadScheduler(SchedulerConnector):
         return self._keep_blocks(rid)
 
     def request_preempted(self, request_id: str) -> bool:
+        self._hint(request_id, RequestState.PREEMPTED)
         return self._keep_blocks(request_id)
+
+    def _hint(self, request_id: str, state: RequestState) -> None:
+        """Tell the policies where an admitted request stands (`RequestState`), by its chunk keys."""
+        keys = self._chunks.get(request_id)
+        if keys and self.manager is not None:
+            self.manager.request_state(keys, state)
 
     def _keep_blocks(self, request_id: str) -> bool:
         """Whether the engine must keep the request's blocks for its stores; if so, the workers are told

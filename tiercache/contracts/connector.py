@@ -6,11 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import JobId, JobReport, TransferPlan, WriteBackOrder
 from tiercache.contracts.scan import ScanResult
+
+
+class RequestState(Enum):
+    """Where a request stands, as the engine tells the connector; the policies keep or give up its chunks by it
+    (`tiercache.policies`: ``retain``)."""
+    RUNNING = "running"          # admitted: its chunks are being read or computed
+    PREEMPTED = "preempted"      # its blocks were taken back; it resumes soon and wants its chunks again
+    FINISHED = "finished"        # done, and nothing says it comes back: what only it wanted goes first
+    CONTINUES = "continues"      # done, and a later request resends its tokens (a conversation's next turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +29,7 @@ class RequestView:
     request_id: str
     num_tokens: int                       # tokens the request holds (prompt + generated so far)
     block_hashes: Sequence[BlockHash]     # chained hashes of its full blocks
+    continues: bool = False               # the client said a later request resends its tokens (a conversation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,8 +123,10 @@ class LLMEngine:
                 ) from None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str = "") -> Sequence:
-        """Queue a request; ``cache_salt`` (a tenant's) keeps its blocks apart from every other salt's."""
+                    request_id: str | None = None, cache_salt: str = "", continues: bool = False) -> Sequence:
+        """Queue a request; ``cache_salt`` (a tenant's) keeps its blocks apart from every other salt's;
+        ``continues``: a later request will resend its tokens (a conversation's next turn), so the tiers keep
+        its chunks when it finishes (`RequestState.CONTINUES`)."""
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(t < 0 or t >= self.model_cfg.vocab_size for t in tokens):
             raise ValueError(f"prompt has token ids outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
@@ -135,7 +137,7 @@ class LLMEngine:
         need = -(-(len(tokens) + params.max_tokens) // self.engine_cfg.block_size)
         if need > self.engine_cfg.num_blocks:
             raise ValueError(f"request needs {need} blocks; the pool has {self.engine_cfg.num_blocks}")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params, cache_salt)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params, cache_salt, continues)
         self.scheduler.add(seq)
         return seq
 

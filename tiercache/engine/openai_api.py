@@ -79,6 +79,7 @@ class Generation:
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     cache_salt: str = ""
+    continues: bool = False
     seq: Sequence | None = None
     sent: int = 0          # output tokens handed to the handler so far
 
@@ -189,7 +190,8 @@ class EngineLoop:
                 return
             try:
                 generation.seq = self.engine.add_request(generation.prompt, generation.params,
-                                                         cache_salt=generation.cache_salt)
+                                                         cache_salt=generation.cache_salt,
+                                                         continues=generation.continues)
             except ValueError as err:       # too long for the model or the pool, token ids out of range
                 generation.emit("error", ApiError(str(err), "prompt"))
                 continue
@@ -302,7 +304,7 @@ async def _generate(server: ApiServer, checked: Checked, request, chunk: Callabl
 
     stream, include_usage = checked.stream, checked.include_usage
     generation = Generation(checked.prompt, checked.params, asyncio.Queue(), asyncio.get_running_loop(),
-                            checked.cache_salt)
+                            checked.cache_salt, checked.continues)
     server.loop.submit(generation)
     kind, value = await generation.events.get()
     if kind == "error":
@@ -355,6 +357,22 @@ def cache_salt_of(body: dict) -> str:
     return salt
 
 
+def continues_of(body: dict) -> bool:
+    """Whether the client says a later request resends this one's tokens (a conversation's next turn), in
+    vLLM's per-request connector field: ``"kv_transfer_params": {"continues": true}``. The tiers keep such a
+    request's chunks for its next turn rather than give up what only it asked for."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return False
+    if not isinstance(params, dict):
+        raise ApiError("kv_transfer_params must be an object", "kv_transfer_params")
+    continues = params.get("continues", False)
+    if not isinstance(continues, bool):
+        raise ApiError(f"kv_transfer_params.continues must be a boolean, got {continues!r}",
+                       "kv_transfer_params.continues")
+    return continues
+
+
 @dataclass(frozen=True, slots=True)
 class Checked:
     """A generation request checked whole before it reaches the engine."""
@@ -364,6 +382,7 @@ class Checked:
     stream: bool
     include_usage: bool
     head: dict          # what every answer to it carries: id, creation time, model
+    continues: bool = False
 
 
 async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, dict], list[int]],
@@ -373,7 +392,7 @@ async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, d
     prompt, params, salt = prompt_of(server, body), _params(body), cache_salt_of(body)
     stream, include_usage = _stream_options(body)
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
-    return Checked(prompt, params, salt, stream, include_usage, head)
+    return Checked(prompt, params, salt, stream, include_usage, head, continues_of(body))
 
 
 async def serve_app(app, host: str, port: int, ready: Callable[[int], None] | None) -> None:

@@ -49,7 +49,7 @@ class SeqMetrics:
 
 class Sequence:
     def __init__(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str = "") -> None:
+                 cache_salt: str = "", continues: bool = False) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {seq_id!r} has an empty prompt")
         self.seq_id = seq_id
@@ -57,6 +57,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt   # a tenant's: its blocks chain from a seed of their own
+        self.continues = continues     # a later request resends its tokens (the tiers keep its chunks)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0   # tokens whose KV is in L0
         self.block_hashes: list[BlockHash] = []
@@ -84,4 +85,4 @@ class Sequence:
             self.block_hashes.extend(hasher.hash_blocks(self.token_ids[done * bs:full * bs], parent=parent))
 
     def view(self) -> RequestView:
-        return RequestView(self.seq_id, len(self.token_ids), self.block_hashes)
+        return RequestView(self.seq_id, len(self.token_ids), self.block_hashes, self.continues)

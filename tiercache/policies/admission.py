@@ -5,7 +5,9 @@ L1 served it to L0, and answers whether to demote it. A policy with a
 ``record(keys)`` method is also told the chunk keys of every request the
 engine admits (once per admission, hit or miss, whichever tier would serve
 it); one with ``size_for(tier_chunks)`` is told the size of the tier it
-guards, once, before any request.
+guards, once, before any request; one with ``retain(keys, state)`` takes the
+engine's hints about a request's state (`RequestState`), as eviction
+policies do.
 
 Chunks are chains (a chunk's KV is usable only after its predecessors'), so
 a caller that asks about a request's chunks in order stops at the first one
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.policies.sketch import CountMinSketch
 from tiercache.registry import Registry
@@ -112,6 +115,18 @@ class SecondSightingAdmit:
             seen[h] = seen.pop(h, 0) + 1
         while len(seen) > self.ghost_keys:
             seen.popitem(last=False)
+
+    def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """A request that comes back (preempted, or a conversation that continues) vouches for its chunks: they
+        count as sighted twice — a conversation's new turn is always a first sighting, and refusing it would
+        lose the next turn's hit."""
+        if state in (RequestState.PREEMPTED, RequestState.CONTINUES):
+            seen = self._seen
+            for key in dict.fromkeys(keys):
+                h = hash(key)
+                seen[h] = max(seen.pop(h, 0), 2)
+            while len(seen) > self.ghost_keys:
+                seen.popitem(last=False)
 
     def sightings(self, key: BlockHash) -> int:
         return self._seen.get(hash(key), 0)

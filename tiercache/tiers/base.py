@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from tiercache.codecs import Buffer
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure, KeyFailures
@@ -145,6 +146,10 @@ class TierIndex(ABC):
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
+
+    def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """The engine's word on the request that wanted ``keys`` (`RequestState`), for an eviction policy that
+        takes hints; tiers whose eviction is not this engine's (a remote tier's is its server's) ignore it."""
 
     def take_purges(self) -> list[PurgeOrder]:
         """Purges this tier's store made since the last call, for the engine to apply to its own tiers (a

@@ -35,6 +35,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES, BlockHash
 from tiercache.policies import eviction_policies
 from tiercache.tiers.base import TierIndex
@@ -52,6 +53,7 @@ class Entry:
     expires_at: float = math.inf  # stored_at + its retention: not served, and removed, after this
     parent: bytes | None = None  # the chunk before it in its request (`link`), for purges by prompt
     purged: bool = False    # purged while pinned or reserved: unreadable, dropped when let go
+    hint: RequestState | None = None  # the engine's word on its request, heard while it was being written
 
 
 class IndexedTier(TierIndex):
@@ -200,6 +202,9 @@ class IndexedTier(TierIndex):
                 self._stamp(key, entry, None if stored_at is None else stored_at.get(key))
                 self.policy.insert(key)
                 self.counters.stored += 1
+                if entry.hint is not None:
+                    self.retain([key], entry.hint)
+                    entry.hint = None
 
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Record each chunk's parent (the chunk before it in its request), for purges by prompt — from its
@@ -212,6 +217,24 @@ class IndexedTier(TierIndex):
                 entry.parent = parent
                 if link is not None and entry.ready:
                     link(child, parent)
+
+    def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """The engine's word on the request that wanted ``keys`` (a chain, head first): forwarded to a policy
+        that takes hints (``retain``), for the keys this tier holds; a key still being written takes it when it
+        is published (a request finishes before its last stores land)."""
+        retain = getattr(self.policy, "retain", None)
+        if retain is None:
+            return
+        held = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:
+                if entry.ready:
+                    held.append(key)
+                else:
+                    entry.hint = state
+        if held:
+            retain(held, state)
 
     def pin(self, keys: Sequence[BlockHash]) -> list[Entry]:
         """Pin ready keys (not evictable) and return their entries; raises KeyError for a missing key."""
