@@ -419,6 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true")
     t.set_defaults(func=commands.cmd_bench_trace)
 
+    mt = bench.add_parser("make-trace", help="write a conversation trace in the Mooncake format (with "
+                                             "conversation_id): multi-turn chats among one-off requests")
+    mt.add_argument("--out", required=True, metavar="FILE", help="the JSONL file to write")
+    mt.add_argument("--conversations", type=_positive, default=2000)
+    mt.add_argument("--conversation-rate", type=_positive_float, default=0.5, help="conversations started per second")
+    mt.add_argument("--mean-turns", type=_positive_float, default=4.0)
+    mt.add_argument("--think-s", type=_positive_float, default=90.0, help="mean pause before a next turn")
+    mt.add_argument("--one-off-rate", type=float, default=0.5, help="one-off requests per second (0: none)")
+    mt.add_argument("--seed", type=int, default=0)
+    mt.set_defaults(func=commands.cmd_bench_make_trace)
+
     c = bench.add_parser("codecs", help="chunk codecs: bytes, encode/decode GB/s beside the disk, KV error and "
                                         "the accuracy of a trained model served from quantized chunks")
     c.add_argument("--codecs", type=_codec_list, default=["raw", "lz4", "lz4-shuffle", "int8", "fp8-e4m3"],

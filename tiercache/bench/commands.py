@@ -319,6 +319,17 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
 BELADY_ROW = "belady (offline)"   # `replay_belady`: reads the trace's future; the headroom every policy has
 
 
+def cmd_bench_make_trace(args: argparse.Namespace) -> int:
+    from tiercache.bench.conversation_trace import ConversationTraceSpec, write
+
+    spec = ConversationTraceSpec(conversations=args.conversations, conversation_rate=args.conversation_rate,
+                                 mean_turns=args.mean_turns, think_s=args.think_s, one_off_rate=args.one_off_rate,
+                                 seed=args.seed)
+    n = write(args.out, spec)
+    print(f"wrote {n} requests to {args.out}")
+    return 0
+
+
 def _against_lru(results: list[dict]) -> None:
     """Give each row its token hit ratio over LRU's at the same capacity (and codec), where LRU was run."""
     lru = {(r["capacity_tokens"], r.get("codec")): r["token_hit_ratio"] for r in results if r["policy"] == "lru"}

@@ -14,6 +14,13 @@ length; then it touches what it hit and stores what it missed.
   the admission policy included — with every planned transfer completing at
   once.
 
+The replays tell the policies each request's state as an engine's connector
+does (`RequestState`; policies without ``retain`` ignore it): running when
+admitted, and when it finishes (its chunks stored) "continues" for a request
+of a conversation (a record with a ``conversation_id``: the client said
+another turn may come) or "finished" for any other. Nothing is read from the
+trace's future.
+
 Each result counts the chunks written into the tier (L2's, for a hierarchy):
 what a policy costs a disk.
 """
@@ -26,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.manager import CacheManager
@@ -42,6 +50,12 @@ class TraceRequest:
     input_length: int
     output_length: int
     keys: tuple[BlockHash, ...]
+    conversation: str | None = None     # ``conversation_id``: the request is a turn of a conversation
+
+    @property
+    def finished_state(self) -> RequestState:
+        """What an engine tells the policies when this request finishes."""
+        return RequestState.FINISHED if self.conversation is None else RequestState.CONTINUES
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:
@@ -55,8 +69,10 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             try:
                 row = json.loads(line)
                 keys = tuple(BlockHash(int(h).to_bytes(32, "big")) for h in row["hash_ids"])
+                conversation = row.get("conversation_id")
                 requests.append(TraceRequest(float(row["timestamp"]), int(row["input_length"]),
-                                             int(row["output_length"]), keys))
+                                             int(row["output_length"]), keys,
+                                             None if conversation is None else str(conversation)))
             except (ValueError, KeyError, TypeError, OverflowError) as err:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace record ({err!r})") from None
     if not requests:
@@ -100,11 +116,12 @@ def split_policy(name: str) -> tuple[str, str]:
 
 def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
     """One tier of ``capacity_tokens`` under ``policy`` (``EVICTION[+ADMISSION]``): each request's chunks after
-    its hit are stored from the head of its chain up to the first the admission refuses."""
+    its hit are stored — as it finishes — from the head of its chain up to the first the admission refuses."""
     eviction, admission = split_policy(policy)
     tier = MetadataIndex(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=eviction)
     guard = admission_for(admission, 0, tier.capacity_bytes) if admission != "always" else None
     record = getattr(guard, "record", None)
+    vouch = getattr(guard, "retain", None)
     result = ReplayResult()
     for request in trace:
         keys = request.keys
@@ -115,12 +132,16 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
         if hit:
             tier.prepare_load(keys[:hit])
             tier.complete_load(keys[:hit])
+        tier.retain(keys, RequestState.RUNNING)
+        if vouch is not None:
+            vouch(keys, request.finished_state)
         missing = list(keys[hit:])
         room = tier.capacity_bytes - tier.used_bytes              # chunks: a metadata tier counts one per chunk
         missing = missing[:admitted_prefix(guard, missing, room=room)]
         reserved = [k for k, ok in zip(missing, tier.prepare_store(missing, [1] * len(missing))) if ok]
         tier.complete_store(reserved)
         tier.link([(k, keys[i - 1] if i else None) for i, k in enumerate(keys) if i >= hit])
+        tier.retain(keys, request.finished_state)
     result.written_chunks = tier.counters.stored
     return result
 
@@ -188,7 +209,8 @@ def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> No
 def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
                      min_hits: int = 1, write_mode: str = "write-back",
                      eviction: str = DEFAULT_EVICTION) -> HierarchyResult:
-    """L1 over L2 through the real cache manager; ``admission`` guards what L1 spills into L2."""
+    """L1 over L2 through the real cache manager; ``admission`` guards what L1 spills into L2; the manager
+    hears each request's state (`CacheManager.request_state`) as the connector tells it."""
     l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction)
     l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
     guard = admission_for(admission, min_hits, l2.capacity_bytes)
@@ -206,9 +228,11 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
         lookup = manager.in_l1(lookup)
         hit = lookup.num_hit_blocks
         result.add(request, hit)
+        manager.request_state(keys, RequestState.RUNNING)
         if hit:
             _complete(manager, manager.plan_load(lookup, range(len(keys))))
         _complete(manager, [manager.plan_store_chunks(keys, range(len(keys)), len(keys), first_chunk=hit)])
+        manager.request_state(keys, request.finished_state)
         _complete(manager, manager.take_background())
     result.written_chunks = l2.counters.stored
     return result
