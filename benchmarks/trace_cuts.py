@@ -5,7 +5,9 @@
 Cuts: the whole trace, its first 1500 requests, its first and second halves — `tiercache bench trace` replays
 one file; this replays the same code (`tiercache.bench.trace.replay`) over each cut, at 500K, 1M, 3M and 5M
 tokens, and prints a Markdown table (each cell: the policy's ratio to LRU at that cut and capacity); then
-what `second-sighting` costs the scheduler's thread per chunk (its history of 160K keys: a tier of 20K chunks).
+what `second-sighting` costs the scheduler's thread per chunk (its history of 160K keys: a tier of 20K chunks)
+and what `lfu-da` and `lfu-da-state` cost per chunk for an eviction and an insert, a use, and a request's hints
+(running, then finished).
 """
 import argparse
 import hashlib
@@ -13,10 +15,11 @@ import timeit
 from pathlib import Path
 
 from tiercache.bench.trace import load_trace, replay
-from tiercache.policies import admission_policies
+from tiercache.contracts.connector import RequestState
+from tiercache.policies import admission_policies, eviction_policies
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-CAPACITIES = (500_000, 1_000_000, 3_000_000, 5_000_000)
+CAPACITIES = (500_000, 1_000_000, 3_000_000, 5_000_000, 10_000_000)
 
 
 def main() -> None:
@@ -48,6 +51,33 @@ def decision_cost(tier_chunks: int = 20_000, n: int = 200_000) -> None:
     admit = min(timeit.repeat(lambda: [guard.admit(k, 0) for k in keys], number=1, repeat=3)) / n
     print(f"\nsecond-sighting per chunk: record {record * 1e6:.2f} us, admit {admit * 1e6:.2f} us "
           f"(history {guard.ghost_keys} keys)")
+
+    def timed(name: str) -> tuple[float, float, float]:
+        policy = eviction_policies.get(name)()
+        started = timeit.default_timer()
+        for k in keys[:tier_chunks]:
+            policy.insert(k)
+        for r in requests[tier_chunks // 20:]:                 # a full tier: each request's chunks in, others out
+            for k in r:
+                policy.pop_victim()
+                policy.insert(k)
+        insert = (timeit.default_timer() - started) / n
+        started = timeit.default_timer()
+        for k in keys[-tier_chunks:]:
+            policy.touch(k)
+        touch = (timeit.default_timer() - started) / tier_chunks
+        started = timeit.default_timer()
+        retain = getattr(policy, "retain", None)
+        for r in requests[-tier_chunks // 20:]:
+            if retain is not None:
+                retain(r, RequestState.RUNNING)
+                retain(r, RequestState.FINISHED)
+        hints = (timeit.default_timer() - started) / tier_chunks
+        return insert, touch, hints
+    for name in ("lfu-da", "lfu-da-state"):
+        insert, touch, hints = (min(t) for t in zip(*(timed(name) for _ in range(3))))
+        print(f"{name} per chunk: evict + insert {insert * 1e6:.2f} us, use {touch * 1e6:.2f} us, "
+              f"running + finished hints {hints * 1e6:.2f} us")
 
 
 if __name__ == "__main__":
