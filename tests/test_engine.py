@@ -90,7 +90,8 @@ def test_a_conversation_that_continues_keeps_its_turn_in_l1_past_one_off_request
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     turn = [256, *text(255)]
     one_offs = [[256, *text(255)] for _ in range(2)]
-    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=offload("1MiB").replace(cpu={"eviction": "lfu-da-state"})) as engine:
+    cfg = offload("1MiB").replace(cpu={"eviction": "lfu-da-state"})
+    with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as engine:
         assert engine.connector.scheduler.manager.l1.slots.num_slots == 8
         first = engine.add_request(turn, params, continues=continues)
         engine.run()
