@@ -205,6 +205,14 @@ def _block_dim(shape: torch.Size, num_blocks: int) -> int:
     raise ValueError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {tuple(shape)}")
 
 
+def request_continues(request: "Request") -> bool:
+    """Whether a later request will resend this one's tokens: it belongs to a session (vLLM's ``session_id``,
+    "stable across multiple requests in the same conversation or agent session": body field, ``X-Session-ID``
+    header or ``vllm_xargs``) or its client said so (``kv_transfer_params: {"continues": true}``)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return bool(getattr(request, "session_id", None)) or (isinstance(params, dict) and params.get("continues") is True)
+
+
 def _check_kv_cache_groups(kv_cache_config: "KVCacheConfig | None") -> None:
     """One KV-cache group of full attention, or a clear refusal at start (never group 0 silently)."""
     if kv_cache_config is None:
@@ -373,9 +381,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             parent = hashes[-1] if hashes else self._hasher.seed_for(
                 request.cache_salt or "", request.lora_request.lora_name if request.lora_request else "")
             hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size], parent=parent)
-        params = request.kv_transfer_params
-        return RequestView(rid, request.num_tokens, hashes,
-                           isinstance(params, dict) and params.get("continues") is True)
+        return RequestView(rid, request.num_tokens, hashes, request_continues(request))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request

@@ -98,9 +98,12 @@ def test_mistakes_are_answered_as_the_openai_api_answers_them(api):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", extra_body={"kv_transfer_params": {"continues": "yes"}})
     assert err.value.body["param"] == "kv_transfer_params.continues"
-    done = client.completions.create(model=MODEL, prompt="a turn", max_tokens=2,
-                                     extra_body={"kv_transfer_params": {"continues": True}})
-    assert done.usage.completion_tokens == 2                   # the hint is taken, the answer unchanged
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"session_id": 7})
+    assert err.value.body["param"] == "session_id"
+    for said in ({"kv_transfer_params": {"continues": True}}, {"session_id": "chat-1"}):
+        done = client.completions.create(model=MODEL, prompt="a turn", max_tokens=2, extra_body=said)
+        assert done.usage.completion_tokens == 2               # the hint is taken, the answer unchanged
     status, body = _post(base, "/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
     status, body = _post(base, "/no-such-route", b"{}")

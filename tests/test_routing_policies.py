@@ -46,3 +46,13 @@ def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_
     # a holds the conversation's history (0.1 s left to compute), b only the system prompt (0.4 s): a, however
     # many tokens it has been sent
     assert [r.name for r in policy.rank([sent("a", 900, 90000), sent("b", 600, 0)])] == ["a", "b"]
+
+
+def test_the_router_passes_a_requests_session_on_to_the_replica():
+    """vLLM's X-Session-ID tells a replica's tiers the request belongs to a conversation; the router keeps it."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from tiercache.fleet.router import _forwarded_headers
+    told = _forwarded_headers(make_mocked_request("POST", "/v1/completions", headers={"X-Session-ID": "chat-1"}))
+    assert told["X-Session-ID"] == "chat-1"
+    assert "X-Session-ID" not in _forwarded_headers(make_mocked_request("POST", "/v1/completions"))

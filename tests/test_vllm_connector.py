@@ -379,6 +379,25 @@ def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
     assert not a.is_empty() and TierCacheStats(data={"lookups": 0}).is_empty()
 
 
+def test_a_request_of_a_session_or_said_to_continue_is_one_that_continues():
+    """vLLM's own request objects: a ``session_id`` (the OpenAI server's field or X-Session-ID header) or
+    ``kv_transfer_params.continues`` makes the connector tell the policies the request continues."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from tiercache.connectors.vllm import request_continues
+
+    def request(session_id=None, kv_transfer_params=None):
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+        return Request("r", [1, 2, 3], sampling_params=SamplingParams(extra_args=extra), pooling_params=None,
+                       session_id=session_id)
+    assert not request_continues(request())
+    assert request_continues(request(session_id="chat-1"))
+    assert request_continues(request(kv_transfer_params={"continues": True}))
+    assert not request_continues(request(kv_transfer_params={"continues": "yes"}))
+    assert not request_continues(request(kv_transfer_params={"do_remote_prefill": True}))
+
+
 def test_worker_reports_from_every_rank_are_concatenated():
     from tiercache.connectors.vllm import TierCacheWorkerMeta
     from tiercache.contracts.connector import WorkerReport

@@ -29,7 +29,7 @@ class RequestView:
     request_id: str
     num_tokens: int                       # tokens the request holds (prompt + generated so far)
     block_hashes: Sequence[BlockHash]     # chained hashes of its full blocks
-    continues: bool = False               # the client said a later request resends its tokens (a conversation)
+    continues: bool = False               # a later request resends its tokens (a session's, or the client said so)
 
 
 @dataclass(frozen=True, slots=True)

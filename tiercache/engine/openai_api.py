@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -357,20 +357,25 @@ def cache_salt_of(body: dict) -> str:
     return salt
 
 
-def continues_of(body: dict) -> bool:
-    """Whether the client says a later request resends this one's tokens (a conversation's next turn), in
-    vLLM's per-request connector field: ``"kv_transfer_params": {"continues": true}``. The tiers keep such a
-    request's chunks for its next turn rather than give up what only it asked for."""
+SESSION_HEADER = "X-Session-ID"     # vLLM's header for ``session_id``
+
+
+def continues_of(body: dict, headers: Mapping[str, str] | None = None) -> bool:
+    """Whether a later request will resend this one's tokens (a conversation's next turn), as vLLM's server
+    is told: a ``session_id`` (body field or ``X-Session-ID`` header: "stable across multiple requests in the
+    same conversation or agent session"), or ``"kv_transfer_params": {"continues": true}``. The tiers' policies
+    then keep its chunks for the next turn (`RequestState.CONTINUES`)."""
+    session = body.get("session_id")
+    if session is not None and (not isinstance(session, str) or not session):
+        raise ApiError("session_id must be a non-empty string", "session_id")
     params = body.get("kv_transfer_params")
-    if params is None:
-        return False
-    if not isinstance(params, dict):
+    if params is not None and not isinstance(params, dict):
         raise ApiError("kv_transfer_params must be an object", "kv_transfer_params")
-    continues = params.get("continues", False)
+    continues = (params or {}).get("continues", False)
     if not isinstance(continues, bool):
         raise ApiError(f"kv_transfer_params.continues must be a boolean, got {continues!r}",
                        "kv_transfer_params.continues")
-    return continues
+    return bool(session) or bool(headers and headers.get(SESSION_HEADER)) or continues
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +397,7 @@ async def _request(server: ApiServer, request, prompt_of: Callable[[ApiServer, d
     prompt, params, salt = prompt_of(server, body), _params(body), cache_salt_of(body)
     stream, include_usage = _stream_options(body)
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
-    return Checked(prompt, params, salt, stream, include_usage, head, continues_of(body))
+    return Checked(prompt, params, salt, stream, include_usage, head, continues_of(body, request.headers))
 
 
 async def serve_app(app, host: str, port: int, ready: Callable[[int], None] | None) -> None:

@@ -188,7 +188,13 @@ class Router:
 
 
 def _forwarded_headers(request) -> dict[str, str]:
-    return {"Content-Type": "application/json", "X-Request-Id": request.headers.get("X-Request-Id", "")}
+    """What a replica is told beside the body: the request's id and its session (vLLM's ``X-Session-ID``: the
+    replica's tiers keep a session's chunks for its next turn)."""
+    headers = {"Content-Type": "application/json", "X-Request-Id": request.headers.get("X-Request-Id", "")}
+    session = request.headers.get("X-Session-ID")
+    if session:
+        headers["X-Session-ID"] = session
+    return headers
 
 
 def _answer_headers(resp) -> dict[str, str]:
