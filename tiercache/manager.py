@@ -199,7 +199,7 @@ class CacheManager:
         for True to turn False never waits forever.
         """
         chain = [k for run in lookup.runs for k in run.keys]   # runs are consecutive: one chain
-        in_l1 = [k for run in lookup.runs if run.tier == self.l1.name for k in run.keys]
+        in_l1 = [k for run in lookup.runs if run.tier == self.l1.name for k in run.keys if self.l1.has(k)]
         self.l1.pin(in_l1)          # room made for the chain's tail never evicts its head
         try:
             return self._promote(lookup, dict(zip(chain[1:], chain)))
