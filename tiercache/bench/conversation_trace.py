@@ -26,7 +26,7 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BLOCK_TOKENS = 512
@@ -88,6 +88,15 @@ class _Blocks:
         return full[:length // BLOCK_TOKENS] + ([self.fresh()] if length % BLOCK_TOKENS else [])
 
 
+@dataclass(slots=True)
+class _Conversation:
+    system: int                 # which system prompt it opens with
+    turns: int                  # how many requests it sends
+    length: int                 # tokens of its history so far
+    turn: int = 0
+    full: list[int] = field(default_factory=list)   # ids of its history's full blocks found so far
+
+
 def _lognormal(rng: random.Random, mean: float, sigma: float = 0.8) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
 
@@ -100,7 +109,7 @@ def generate(spec: ConversationTraceSpec) -> Iterator[dict]:
     system_full: dict[int, list[int]] = {}
     events: list[tuple[float, int, int]] = []        # (time s, tie-break, conversation or -1 for a one-off)
     tie = itertools.count()
-    state: dict[int, dict] = {}
+    state: dict[int, _Conversation] = {}
     t = 0.0
     for c in range(spec.conversations):
         t += rng.expovariate(spec.conversation_rate)
@@ -109,7 +118,7 @@ def generate(spec: ConversationTraceSpec) -> Iterator[dict]:
         while turns < spec.max_turns and rng.random() < stop:
             turns += 1
         system = rng.choices(range(spec.system_prompts), weights)[0]
-        state[c] = {"system": system, "turns": turns, "turn": 0, "length": spec.system_tokens, "full": []}
+        state[c] = _Conversation(system, turns, spec.system_tokens)
         heapq.heappush(events, (t, next(tie), c))
     horizon = t
     if spec.one_off_rate > 0:
@@ -133,14 +142,15 @@ def generate(spec: ConversationTraceSpec) -> Iterator[dict]:
                 ids = head + ids[len(head):]
             yield {"timestamp": round(t * 1000), "input_length": length, "output_length": output, "hash_ids": ids}
             continue
-        s = state[c]
-        s["length"] += _lognormal(rng, spec.question_tokens)
-        ids = _conversation_ids(blocks, system_full, s, c, spec)
-        yield {"timestamp": round(t * 1000), "input_length": s["length"], "output_length": output,
+        conversation = state[c]
+        conversation.length += _lognormal(rng, spec.question_tokens)
+        head = _system_ids(blocks, system_full, conversation.system, spec)
+        ids = head + blocks.of(("conversation", c), conversation.length, conversation.full)[len(head):]
+        yield {"timestamp": round(t * 1000), "input_length": conversation.length, "output_length": output,
                "hash_ids": ids, "conversation_id": f"c{c}"}
-        s["length"] += output
-        s["turn"] += 1
-        if s["turn"] < s["turns"]:
+        conversation.length += output
+        conversation.turn += 1
+        if conversation.turn < conversation.turns:
             heapq.heappush(events, (t + rng.expovariate(1 / spec.think_s), next(tie), c))
         else:
             del state[c]
@@ -151,12 +161,6 @@ def _system_ids(blocks: _Blocks, system_full: dict[int, list[int]], system: int,
     """The full blocks of system prompt ``system`` (a partial last block belongs to what follows it)."""
     full = system_full.setdefault(system, [])
     return blocks.of(("system", system), spec.system_tokens - spec.system_tokens % BLOCK_TOKENS, full)
-
-
-def _conversation_ids(blocks: _Blocks, system_full: dict[int, list[int]], s: dict, c: int,
-                      spec: ConversationTraceSpec) -> list[int]:
-    head = _system_ids(blocks, system_full, s["system"], spec)
-    return head + blocks.of(("conversation", c), s["length"], s["full"])[len(head):]
 
 
 def write(path: str | Path, spec: ConversationTraceSpec) -> int:
