@@ -97,6 +97,35 @@ def test_the_score_is_the_ranking_the_router_routes_by(fleet):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_sticky_sessions_keep_a_session_on_its_replica_under_round_robin(fleet):
+    """A second router over the same replicas, round-robin with ``--sticky-sessions``: the turns of a session
+    (vLLM's ``session_id`` field, or its X-Session-ID header) stay on one replica; requests without one still
+    alternate."""
+    _, replicas = fleet
+    router = start_router([r.url for r in replicas], "--policy", "round-robin", "--sticky-sessions")
+    try:
+        client = _client(router.url)
+        def counts():
+            return [_requests_to(router, r) for r in replicas]
+        history = "A conversation about sticky routing. "
+        for turn in range(4):
+            history += f"Turn {turn}: tell me more. "
+            client.completions.create(model=MODEL, prompt=history, max_tokens=2, temperature=0,
+                                      extra_body={"session_id": "chat-1"})
+        assert sorted(counts()) == [0, 4]
+        for turn in range(3):
+            client.with_options(default_headers={"X-Session-ID": "chat-2"}).completions.create(
+                model=MODEL, prompt=f"Another conversation, turn {turn}.", max_tokens=2, temperature=0)
+        assert sorted(counts()) in ([3, 4], [0, 7])          # the second session stays where it began, too
+        assert metric(router.url, "tiercache_route_sticky_routed_total") == 5     # every turn after a first
+        before = counts()
+        for _ in range(2):
+            client.completions.create(model=MODEL, prompt="No session here.", max_tokens=2, temperature=0)
+        assert [after - b for after, b in zip(counts(), before)] == [1, 1]      # round-robin as before
+    finally:
+        router.stop()
+
+
 def test_tenants_see_only_their_own_and_granted_prefixes(fleet):
     router, _ = fleet
     prompt = "The acme quarterly plan, confidential: " * 12

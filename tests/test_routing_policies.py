@@ -56,3 +56,28 @@ def test_the_router_passes_a_requests_session_on_to_the_replica():
     told = _forwarded_headers(make_mocked_request("POST", "/v1/completions", headers={"X-Session-ID": "chat-1"}))
     assert told["X-Session-ID"] == "chat-1"
     assert "X-Session-ID" not in _forwarded_headers(make_mocked_request("POST", "/v1/completions"))
+
+
+def test_a_session_goes_back_to_its_replica_unless_it_is_gone_or_has_fallen_far_behind():
+    from tiercache.fleet.routing import STICKY_SLACK, stick
+
+    a, b, c = (replica(n, 0, waiting) for n, waiting in (("a", 0), ("b", 500), ("c", 5000)))
+    ranking = routing_policies.get("least-loaded")().rank([a, b, c])          # a 1.0 s, b 1.5 s, c 6.0 s
+    assert [r.name for r in stick(ranking, "b")] == ["b", "a", "c"]           # within twice the best: its own
+    assert [r.name for r in stick(ranking, "c")] == ["a", "b", "c"]           # six times the best: it moves on
+    assert [r.name for r in stick(ranking, "a")] == ["a", "b", "c"]
+    assert [r.name for r in stick(ranking, "gone")] == ["a", "b", "c"]        # down, or another model's
+    assert [r.name for r in stick(ranking, None)] == ["a", "b", "c"]
+    assert STICKY_SLACK == 2.0
+
+
+def test_the_routers_session_memory_is_bounded_and_forgets_the_least_recently_used():
+    from tiercache.fleet.router import Sessions
+    sessions = Sessions(limit=3)
+    for i in range(3):
+        sessions.put(("acme", f"s{i}"), f"r{i}")
+    assert sessions.get(("acme", "s0")) == "r0"          # used: now the most recent
+    sessions.put(("acme", "s3"), "r3")
+    assert len(sessions) == 3 and sessions.get(("acme", "s1")) is None
+    assert sessions.get(("initech", "s0")) is None      # a session is a tenant's: another's of that name is not it
+    assert [sessions.get(("acme", s)) for s in ("s0", "s2", "s3")] == ["r0", "r2", "r3"]

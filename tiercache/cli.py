@@ -337,7 +337,8 @@ def cmd_route(args: argparse.Namespace) -> int:
         raise ConfigError("--replica", ",".join(urls), "names a replica twice")
     tenants = Tenants.load(args.tenants) if args.tenants else Tenants()
     config = RouterConfig(policy=args.policy, health_interval_s=args.health_interval,
-                          prefill_tokens_per_s=args.prefill_tokens_per_s, admin_key=args.admin_key or "")
+                          prefill_tokens_per_s=args.prefill_tokens_per_s, admin_key=args.admin_key or "",
+                          sticky_sessions=args.sticky_sessions)
     _check_listen(args.host, args.port, "--port")
     serve(entries, args.host, args.port, config, tenants,
           ready=lambda port: print(f"tiercache route: {len(urls)} replicas behind http://{args.host}:{port}/v1 "
@@ -585,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefill-tokens-per-s", type=_positive_float, default=20_000.0,
                    help="a replica's prefill rate until the router has measured it")
     r.add_argument("--admin-key", help="key of /admin/replicas (without one those routes are off)")
+    r.add_argument("--sticky-sessions", action="store_true",
+                   help="a request with a session (vLLM's session_id field or X-Session-ID header) goes first to "
+                        "the replica that served its session last, unless it is down or twice as slow as the best")
     r.set_defaults(func=cmd_route)
 
     v = sub.add_parser("serve", help="run the gRPC cache server that engine replicas share")

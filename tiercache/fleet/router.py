@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import GivenDescriptor
 from tiercache.fleet.prefix_index import PromptKeys
 from tiercache.fleet.replicas import Fleet, Replica, ReplicaEntry
-from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies
+from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies, stick
 from tiercache.fleet.tenants import Tenant, Tenants, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,44 @@ class RouterConfig:
     per_request_s: float = 0.002
     attempts: int = 3                         # replicas tried for one request before 503
     admin_key: str = ""
+    sticky_sessions: bool = False             # a session's requests stay on the replica that served its last
 
     def rates(self) -> Rates:
         return Rates(self.prefill_tokens_per_s, dict(self.load_tokens_per_s), self.per_request_s)
+
+
+MAX_SESSIONS = 1 << 16      # sessions remembered for sticky routing, least recently used forgotten first
+
+
+class Sessions:
+    """Which replica served each (tenant, session) last: a bounded map, least recently used forgotten first."""
+
+    def __init__(self, limit: int = MAX_SESSIONS) -> None:
+        self.limit = limit
+        self._replica: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def get(self, key: tuple[str, str]) -> str | None:
+        replica = self._replica.get(key)
+        if replica is not None:
+            self._replica.move_to_end(key)
+        return replica
+
+    def put(self, key: tuple[str, str], replica: str) -> None:
+        self._replica[key] = replica
+        self._replica.move_to_end(key)
+        while len(self._replica) > self.limit:
+            self._replica.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._replica)
+
+
+def session_of(request, body: dict) -> str | None:
+    """The request's session (vLLM's ``session_id`` field, else its ``X-Session-ID`` header), if any."""
+    session = body.get("session_id")
+    if isinstance(session, str) and session:
+        return session
+    return request.headers.get("X-Session-ID") or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +106,7 @@ class Routed:
     body: dict
     prompt_tokens: int
     ranking: list[Ranked]
+    session: tuple[str, str] | None = None    # (tenant, session id) when sessions are sticky
 
 
 class Router:
@@ -80,12 +117,16 @@ class Router:
         self.config = config
         self.failovers = 0
         self.unrouted = 0
+        self.sessions = Sessions()
+        self.sticky_routed = 0      # requests sent first to the replica their session was on
 
     def _encoder(self, replicas: list[Replica]) -> Encodes | None:
         return next((r.encoder for r in replicas if r.encoder is not None), None)
 
-    def route(self, tenant: Tenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]]) -> Routed:
-        """Check, tokenize and rank one request (``body`` gets the tenant's cache salt)."""
+    def route(self, tenant: Tenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]],
+              session: str | None = None) -> Routed:
+        """Check, tokenize and rank one request (``body`` gets the tenant's cache salt); with sticky sessions, the
+        replica ``session`` was last served by goes first (`stick`)."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError("model must be a string", "model")
@@ -110,7 +151,11 @@ class Router:
                 prompt = hashed[signature]
             shared = [r.index.media.get("REMOTE") for r in replicas if replica.shares_with(r)]
             candidates.append(replica.candidate(prompt, len(tokens), [s for s in shared if s]))
-        return Routed(tenant, body, len(tokens), self.policy.rank(candidates))
+        ranking = self.policy.rank(candidates)
+        key = (tenant.name, session) if session and self.config.sticky_sessions else None
+        if key is not None:
+            ranking = stick(ranking, self.sessions.get(key))
+        return Routed(tenant, body, len(tokens), ranking, key)
 
     # -- forwarding -----------------------------------------------------------------------------------
     async def forward(self, request, path: str, routed: Routed):
@@ -120,6 +165,10 @@ class Router:
             replica = self.fleet.replicas.get(ranked.name)
             if replica is None or not replica.up:
                 continue
+            if routed.session is not None:
+                if ranked is routed.ranking[0] and self.sessions.get(routed.session) == replica.name:
+                    self.sticky_routed += 1
+                self.sessions.put(routed.session, replica.name)
             load = replica.load
             uncached = max(routed.prompt_tokens - ranked.cached_tokens, 0)
             idle = load.in_flight == 0
@@ -229,7 +278,8 @@ def build_app(router: Router):
 
     async def generate(request, path: str, prompt_of):
         tenant = tenant_of(request)
-        routed = router.route(tenant, await json_body(request), prompt_of)
+        body = await json_body(request)
+        routed = router.route(tenant, body, prompt_of, session_of(request, body))
         return await router.forward(request, path, routed)
 
     async def completions(request):
@@ -242,7 +292,7 @@ def build_app(router: Router):
         tenant = tenant_of(request)
         body = await json_body(request)
         prompt_of = chat_prompt if "messages" in body else completion_prompt
-        routed = router.route(tenant, body, prompt_of)
+        routed = router.route(tenant, body, prompt_of, session_of(request, body))
         return web.json_response({"object": "score", "policy": router.config.policy,
                                   "prompt_tokens": routed.prompt_tokens,
                                   "replicas": [r.as_dict() for r in routed.ranking]})

@@ -13,7 +13,8 @@ Families (labels in braces):
   restarts, undecodable;
 - ``tiercache_route_predicted_cached_tokens_total{replica}``, ``..._reported_cached_tokens_total{replica}``,
   ``..._prediction_error_tokens_total{replica}`` (sum of |predicted - reported|): the index's accuracy;
-- ``tiercache_route_failovers_total``, ``tiercache_route_unrouted_total``.
+- ``tiercache_route_failovers_total``, ``tiercache_route_unrouted_total``,
+  ``tiercache_route_sticky_routed_total`` (requests sent first to their session's replica).
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ class RouterCollector(Collector):
                                   value=self.router.failovers)
         yield CounterMetricFamily("tiercache_route_unrouted", "requests no replica could take",
                                   value=self.router.unrouted)
+        yield CounterMetricFamily("tiercache_route_sticky_routed", "requests sent first to their session's replica",
+                                  value=self.router.sticky_routed)
 
 
 def registry_for(router) -> CollectorRegistry:

@@ -17,6 +17,10 @@ Policies (`routing_policies`):
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
   (a replica whose queue is far above the other replicas' goes last); near
   ties go to the replica sent the fewest tokens so far.
+
+With sticky sessions (`stick`), whatever the policy, a session's next
+request goes first to the replica that served its last one, unless that
+replica is down or has fallen far behind the best.
 """
 from __future__ import annotations
 
@@ -148,3 +152,18 @@ class ExpectedTTFT(Policy):
         routed = {c.name: c.routed_tokens for c in candidates}
         tied.sort(key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
         return tied + ranked[len(tied):]
+
+
+STICKY_SLACK = 2.0     # a session leaves its replica once that replica's expected time is over twice the best's
+
+
+def stick(ranking: list[Ranked], replica: str | None, slack: float = STICKY_SLACK) -> list[Ranked]:
+    """``ranking`` with a session's ``replica`` (the one that served its last request) first — its history is
+    there, in the replica's own pool too — unless it is not ranked (down, or serving another model) or its
+    expected time to first token is over ``slack`` times the best's (it has fallen behind: the session moves)."""
+    for i, r in enumerate(ranking):
+        if r.name == replica:
+            if i and r.expected_ttft_s <= slack * ranking[0].expected_ttft_s:
+                return [r, *ranking[:i], *ranking[i + 1:]]
+            break
+    return ranking
