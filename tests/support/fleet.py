@@ -102,10 +102,6 @@ def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_si
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
            "VLLM_CPU_OMP_THREADS_BIND": str(chosen), "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
 
-    def pin() -> None:
-        os.setsid()
-        os.sched_setaffinity(0, {chosen})
-
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
@@ -113,5 +109,6 @@ def start_vllm(model_dir: Path, served_name: str, core: int, log: Path, block_si
              "--enforce-eager", "--max-model-len", "2048", "--block-size", str(block_size),
              "--enable-prefix-caching", "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
              *extra],
-            stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    os.sched_setaffinity(proc.pid, {chosen})   # not in a preexec_fn: Python in a forked child of threads can abort
     return VllmServer(proc, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}", events["replay_endpoint"], log)

@@ -47,14 +47,13 @@ def launch(args: list[str], ready_prefix: str, core: int | None = None,
     set when ``core`` is given and there are several), ready once it printed its address."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cores = sorted(os.sched_getaffinity(0))
-    pin = None
-    if core is not None and len(cores) > 1:
-        chosen = cores[core % len(cores)]
-
-        def pin() -> None:
-            os.sched_setaffinity(0, {chosen})
     proc = subprocess.Popen([sys.executable, "-m", "tiercache.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pin)
+                            stderr=subprocess.PIPE, text=True, env=env)
+    if core is not None and len(cores) > 1:
+        # Pinned from here, not by a preexec_fn: that runs Python in the forked child of a process with threads
+        # (at-fork hooks included), which can abort it. The child is still starting its interpreter: every
+        # thread it starts later inherits the mask.
+        os.sched_setaffinity(proc.pid, {cores[core % len(cores)]})
     ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith(ready_prefix):
