@@ -39,12 +39,14 @@ def fleet(tmp_path_factory):
                        "  - {name: acme, api_keys: [sk-acme]}\n"
                        "  - {name: initech, api_keys: [sk-initech]}\n"
                        "  - {name: globex, api_keys: [sk-globex], cache_group: acme}\n")
-    replicas = [start_replica(core=i) for i in range(2)]
-    router = start_router([r.url for r in replicas], "--tenants", str(tenants), "--admin-key", "adm")
-    try:
+    replicas, router = [], None
+    try:                                    # a router that fails to start leaves no replica behind
+        replicas += [start_replica(core=i) for i in range(2)]
+        router = start_router([r.url for r in replicas], "--tenants", str(tenants), "--admin-key", "adm")
         yield router, replicas
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         for r in replicas:
             r.stop()
 
@@ -190,9 +192,10 @@ def test_replicas_join_and_leave_at_run_time(fleet):
 
 
 def test_a_killed_replica_fails_over_and_a_restarted_one_is_indexed_again(tmp_path):
-    replicas = [start_replica(core=i) for i in range(2)]
-    router = start_router([r.url for r in replicas])
+    replicas, router = [], None
     try:
+        replicas += [start_replica(core=i) for i in range(2)]
+        router = start_router([r.url for r in replicas])
         client = _client(router.url)
         prompt = "Shared prefix for the failover run. " * 10
         results, errors = [], []
@@ -226,7 +229,8 @@ def test_a_killed_replica_fails_over_and_a_restarted_one_is_indexed_again(tmp_pa
         by_name = {r["replica"]: r for r in score["replicas"]}
         assert by_name[_name(replicas[0])]["cached_tokens"] == 0         # its old entries are gone
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         for r in replicas:
             r.stop()
 
