@@ -118,3 +118,12 @@ def test_a_port_in_use_is_one_line_before_any_work():
         proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "api", "--port", str(port)],
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--port" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_request_continues_when_it_has_a_session_or_says_so():
+    from tiercache.engine.openai_api import continues_of
+    assert not continues_of({}) and not continues_of({"kv_transfer_params": {"do_remote_prefill": True}})
+    assert continues_of({"session_id": "chat-1"})
+    assert continues_of({}, {"X-Session-ID": "chat-1"})
+    assert continues_of({"kv_transfer_params": {"continues": True}})
+    assert not continues_of({"kv_transfer_params": {"continues": False}}, {})

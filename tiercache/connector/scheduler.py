@@ -157,7 +157,7 @@ class OffloadScheduler(SchedulerConnector):
         rid = request.request_id
         found = self._lookups.pop(rid, None)
         self.counters.admitted_tokens += request.num_tokens
-        keys = self._chunks[rid] = tuple(chunk_keys(request.block_hashes, self.bpc, manager.store_partial_chunks))
+        keys = self._chunks[rid] = self._chunk_keys(request)
         manager.record_request(keys)
         manager.request_state(keys, RequestState.RUNNING)
         if not num_external_tokens or found is None:
@@ -258,7 +258,7 @@ class OffloadScheduler(SchedulerConnector):
     def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
         rid = request.request_id
         if self.manager is not None and rid in self._chunks:
-            self._chunks[rid] = tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.store_partial_chunks))
+            self._chunks[rid] = self._chunk_keys(request)         # its generated tokens' chunks too
             self._hint(rid, RequestState.CONTINUES if request.continues else RequestState.FINISHED)
         self._chunks.pop(rid, None)
         self._stored_chunks.pop(rid, None)
@@ -272,6 +272,9 @@ class OffloadScheduler(SchedulerConnector):
     def request_preempted(self, request_id: str) -> bool:
         self._hint(request_id, RequestState.PREEMPTED)
         return self._keep_blocks(request_id)
+
+    def _chunk_keys(self, request: RequestView) -> tuple[BlockHash, ...]:
+        return tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.store_partial_chunks))
 
     def _hint(self, request_id: str, state: RequestState) -> None:
         """Tell the policies where an admitted request stands (`RequestState`), by its chunk keys."""
