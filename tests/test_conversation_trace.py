@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tiercache.bench.conversation_trace import BLOCK_TOKENS, ConversationTraceSpec, generate
-from tiercache.bench.trace import load_trace, replay
+from tiercache.bench.trace import TraceRequest, load_trace, replay
 
 SMALL = ConversationTraceSpec(conversations=200, conversation_rate=2.0, think_s=20.0, one_off_rate=1.0, seed=3)
 
@@ -57,15 +57,8 @@ def test_make_trace_writes_a_trace_bench_trace_reads_with_its_conversations(tmp_
 def test_lfu_da_state_keeps_more_than_lfu_da_and_lru_on_the_shared_trace_and_a_conversation_trace(shared_trace):
     """Measured in benchmarks/RESULTS.md ("Request-state hints"); here at one point each, where the gap is
     widest: the replays send every request's state as the connector does."""
-    conversations = [r for r in load_trace_records(generate(SMALL))]
+    conversations = [TraceRequest.from_record(r) for r in generate(SMALL)]
     for trace, capacity in ((shared_trace, 1_000_000), (conversations, 100_000)):
         lru, lfu, state = (replay(trace, capacity, p).token_hit_ratio for p in ("lru", "lfu-da", "lfu-da-state"))
         assert state > lfu >= lru * 0.99, (capacity, lru, lfu, state)
 
-
-def load_trace_records(records):
-    from tiercache.bench.trace import TraceRequest
-    from tiercache.contracts.keys import BlockHash
-    return [TraceRequest(float(r["timestamp"]), r["input_length"], r["output_length"],
-                         tuple(BlockHash(h.to_bytes(32, "big")) for h in r["hash_ids"]), r.get("conversation_id"))
-            for r in records]

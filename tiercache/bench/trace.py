@@ -52,6 +52,14 @@ class TraceRequest:
     keys: tuple[BlockHash, ...]
     conversation: str | None = None     # ``conversation_id``: the request is a turn of a conversation
 
+    @classmethod
+    def from_record(cls, row: dict) -> TraceRequest:
+        """One Mooncake record (a dict); raises KeyError, TypeError or ValueError for a malformed one."""
+        conversation = row.get("conversation_id")
+        return cls(float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
+                   tuple(BlockHash(int(h).to_bytes(32, "big")) for h in row["hash_ids"]),
+                   None if conversation is None else str(conversation))
+
     @property
     def finished_state(self) -> RequestState:
         """What an engine tells the policies when this request finishes."""
@@ -67,12 +75,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                keys = tuple(BlockHash(int(h).to_bytes(32, "big")) for h in row["hash_ids"])
-                conversation = row.get("conversation_id")
-                requests.append(TraceRequest(float(row["timestamp"]), int(row["input_length"]),
-                                             int(row["output_length"]), keys,
-                                             None if conversation is None else str(conversation)))
+                requests.append(TraceRequest.from_record(json.loads(line)))
             except (ValueError, KeyError, TypeError, OverflowError) as err:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace record ({err!r})") from None
     if not requests:
