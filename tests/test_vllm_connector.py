@@ -6,12 +6,12 @@ TP=2 each rank holds a head of its own. What a run did is read from vLLM's own o
 outputs, its Prometheus metrics (where the connector's counters appear) and its KV-event publisher.
 
 The runs of one TP size share one disk path, one Redis and one `tiercache serve` with the other size's
-runs, in this order: everything (L1 hits, vLLM's prefix cache on, a batch), then fresh processes that
-hit the disk, then Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks; each size hits
-its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token suffixes.
-The runs that share no tier (the baseline without the connector; cache salts, layer-by-layer loads and a
-bad configuration, each with its own L1 alone) are launched in the background from the start, one at a
-time beside the tests' own launches: a vLLM's start-up is about one core's work, and this halves theirs.
+runs: everything (L1 hits, vLLM's prefix cache on, a batch) at TP=1, then at TP=2, and after each, fresh
+processes that hit the disk, and Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks;
+each size hits its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token
+suffixes. Every run the selected tests name (`vllm_runs`) is launched from the start, two at a time, each
+once the runs it follows have ended (`RUNS`): a vLLM's start-up, most of a run's time, is about one core's
+work, and the tests then read what each run wrote.
 """
 import concurrent.futures
 import itertools
@@ -20,6 +20,8 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,9 +58,23 @@ def test_the_readme_configuration_is_valid():
     assert cfg.disk.enabled and cfg.grpc.enabled and cfg.keys.block_size == 128
 
 
+@dataclass(frozen=True)
+class Run:
+    """One vLLM launch: its spec, the runs it follows (for their results, or for what they left in a shared
+    tier), and what it does to the shared tiers just before it starts (``before``) and once it has ended
+    (``then``)."""
+    spec: Callable[["Env"], dict]
+    tp: int = 1
+    after: tuple[str, ...] = ()
+    events: bool = False
+    before: Callable[["Env"], None] | None = None
+    then: Callable[["Env"], None] | None = None
+
+
 class Env:
-    """The model, the prompts, the shared tiers, every run's result (each launched once, when first asked —
-    or early, beside the others, for a run that touches no shared tier: `prefetch`)."""
+    """The model, the prompts, the shared tiers, and every launch the selected tests need: started from the
+    beginning, two at a time, in `RUNS`' order, each once the runs it follows have ended (a vLLM's start-up,
+    most of a run's time, is about one core's work; two at once keep this machine's two cores busy)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -73,18 +89,43 @@ class Env:
         (base / "redis").mkdir()
         self.redis = RedisServer(base / "redis")
         self.server = CacheServerProcess(base, "--capacity", "256MiB")
-        self.results: dict = {}
-        self.rank_dirs: dict[int, list[Path]] = {}
         self.launches = itertools.count()
-        self.prefetched: dict = {}          # (name, tp) → a Future of its (CompletedProcess, out path)
-        self._prefetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
+        self.notes: dict = {}               # what a run's before/then hooks leave for its test
+        self._runs: dict[str, concurrent.futures.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-run")
 
-    def prefetch(self, runs: list[tuple[str, dict, int]]) -> None:
-        """Launch these runs one after another in the background, while the tests launch theirs: at most two
-        vLLMs at once, each about one core's work (imports and start-up, most of a run's time, run on one).
-        Only for runs that read and write no tier another run shares — their own L1 alone, or none."""
-        for name, spec, tp in runs:
-            self.prefetched[(name, tp)] = self._prefetcher.submit(launch, self, spec, tp)
+    def start(self, names: set[str]) -> None:
+        """Launch these runs and the runs they follow. Submitted in `RUNS`' order, so a run waits only for
+        runs taken up before it: two workers never both wait on a run still queued."""
+        wanted, todo = set(), list(names)
+        while todo:
+            name = todo.pop()
+            if name not in wanted:
+                wanted.add(name)
+                todo.extend(RUNS[name].after)
+        for name in (n for n in RUNS if n in wanted):
+            self._runs[name] = self._pool.submit(self._run, name)
+
+    def _run(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        run = RUNS[name]
+        for dependency in run.after:
+            self._runs[dependency].result()     # raises what it raised: this run fails with it
+        if run.before:
+            run.before(self)
+        launched = launch(self, run.spec(self), run.tp, run.events)
+        if run.then:
+            run.then(self)
+        return launched
+
+    def launched(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        """``name``'s finished launch (waited for): the process and the path of what it wrote."""
+        return self._runs[name].result()
+
+    def result(self, name: str) -> dict:
+        """What ``name``'s vLLM wrote, once it has exited cleanly."""
+        proc, out = self.launched(name)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return json.loads(out.read_text())
 
     def tiers(self, *names: str) -> dict:
         sections = {"disk": {"enabled": True, "path": str(self.disk), "write_mode": "write-through"},
@@ -93,7 +134,7 @@ class Env:
         return {name: sections[name] for name in names}
 
     def close(self) -> None:
-        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.redis.stop()
         self.server.stop()
 
@@ -105,16 +146,14 @@ def env(tmp_path_factory, request):
         pytest.skip("redis-server is not installed (.ci/run installs it)")
     pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
     e = Env(tmp_path_factory.mktemp("vllm"))
-    # prefetched only for the tests selected (each run's test named by a part of its name; the baseline
-    # for every other test of a vLLM run)
-    tests = [item.name for item in request.session.items
-             if item.path == Path(__file__).resolve() and "env" in getattr(item, "fixturenames", ())]
-    alone = {"salted": (salted_spec, "cache_salts"), "layerwise": (layerwise_spec, "layer_by_layer"),
-             "bad config": (lambda _: BAD_CONFIG_SPEC, "bad_extra_config")}
-    runs = [(name, spec(e), 1) for name, (spec, part) in alone.items() if any(part in t for t in tests)]
-    if any(not any(part in t for _, part in alone.values()) for t in tests):
-        runs.insert(0, ("baseline", baseline_spec(e), 1))
-    e.prefetch(runs)
+    # only the runs the selected tests name (`vllm_runs`), with what those follow
+    names = set()
+    for item in request.session.items:
+        marker = item.get_closest_marker("vllm_runs") if item.path == Path(__file__).resolve() else None
+        if marker is not None:
+            params = getattr(item, "callspec", None)
+            names |= {name.format(**(params.params if params else {})) for name in marker.args}
+    e.start(names)
     yield e
     e.close()
 
@@ -140,23 +179,6 @@ def launch(env: Env, spec: dict, tp: int = 1, events: bool = False) -> tuple[sub
     return proc, out
 
 
-def run(env: Env, name: str, spec: dict, tp: int, events: bool = False) -> dict:
-    """``name``'s result, launched the first time it is asked for."""
-    key = (name, tp)
-    if key not in env.results:
-        proc, out = launched(env, name, spec, tp, events)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        env.results[key] = json.loads(out.read_text())
-    return env.results[key]
-
-
-def launched(env: Env, name: str, spec: dict, tp: int, events: bool = False) -> tuple[subprocess.CompletedProcess,
-                                                                                      Path]:
-    """``name``'s launch: the prefetched one (waited for), or one now."""
-    future = env.prefetched.pop((name, tp), None)
-    return future.result() if future is not None else launch(env, spec, tp, events)
-
-
 def phase(env: Env, *names: str, together: bool = False, reset: bool = False, pause_s: float = 0) -> dict:
     return {"prompts": [env.prompts[n] for n in names], "together": together, "reset_prefix_cache": reset,
             "pause_s": pause_s}
@@ -167,12 +189,8 @@ def baseline(env: Env) -> dict[str, tuple]:
     sizes (this float32 model at TP=2 without the connector gives the same tokens, logprobs within 5e-7 of
     TP=1's, far inside the 1e-3 compared; one vLLM launch fewer)."""
     names = list(env.prompts)
-    got = run(env, "baseline", baseline_spec(env), 1)
+    got = env.result("baseline")
     return {n: (o, lp) for n, o, lp in zip(names, got["outputs"], got["logprobs"])}
-
-
-def baseline_spec(env: Env) -> dict:
-    return {"phases": [phase(env, *env.prompts)]}
 
 
 def same_outputs(env: Env, got: dict, names: list[str]) -> None:
@@ -182,29 +200,129 @@ def same_outputs(env: Env, got: dict, names: list[str]) -> None:
         assert a == pytest.approx(want[n][1], abs=1e-3)
 
 
-def run_everything(env: Env, tp: int) -> dict:
-    """Every tier at once (cpu, disk, redis, grpc, all written through); vLLM's own prefix cache on. P and Q are
-    computed and stored; L0 is dropped; four requests sharing them come as one batch and load from L1. The
-    disk directories the run created are this TP size's, one per rank (`Env.rank_dirs`)."""
-    if ("everything", tp) not in env.results:
-        before = set(env.disk.iterdir()) if env.disk.exists() else set()
-        run(env, "everything", {
-            "prefix_caching": True,
-            "phases": [phase(env, "p0", "q0"), phase(env, "p1", "p2", "p3", "q1", together=True, reset=True)],
-            "kv_transfer_config": connector(**env.tiers("disk", "redis", "grpc")),
-        }, tp, events=True)
-        env.rank_dirs[tp] = sorted(set(env.disk.iterdir()) - before)
-    return env.results[("everything", tp)]
+# --- the runs -------------------------------------------------------------------------------------------------
+# Every tier at once (cpu, disk, redis, grpc, all written through); vLLM's own prefix cache on. P and Q are
+# computed and stored; L0 is dropped; four requests sharing them come as one batch and load from L1. The disk
+# directories a run creates are its TP size's, one per rank (`notes["rank dirs", tp]`).
 
+def everything_spec(env: Env) -> dict:
+    return {"prefix_caching": True,
+            "phases": [phase(env, "p0", "q0"), phase(env, "p1", "p2", "p3", "q1", together=True, reset=True)],
+            "kv_transfer_config": connector(**env.tiers("disk", "redis", "grpc"))}
+
+
+def everything(tp: int, **kwargs) -> Run:
+    """The run, noting the disk directories it created: its ranks' (only the disk runs, which follow it, and
+    it write to that path)."""
+    def before(env: Env) -> None:
+        env.notes["disk dirs before", tp] = set(env.disk.iterdir()) if env.disk.exists() else set()
+
+    def then(env: Env) -> None:
+        env.notes["rank dirs", tp] = sorted(set(env.disk.iterdir()) - env.notes["disk dirs before", tp])
+    return Run(everything_spec, tp, events=True, before=before, then=then, **kwargs)
+
+
+def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
+    """P's and Q's chunk keys, from the KV events of the run that stored them (L1 first, in order)."""
+    stored = [keys for kind, medium, *keys in env.result(f"everything tp{tp}")["event_order"]
+              if kind == "stored" and medium == "CPU"]
+    return {"P": stored[0], "Q": stored[1]}
+
+
+def disk_spec(env: Env) -> dict:
+    return {"phases": [phase(env, "p1", "q1")],
+            "kv_transfer_config": connector(**env.tiers("disk"), cpu={"capacity": "512KiB"})}
+
+
+def damage_one_ranks_copy_of_q(env: Env) -> None:
+    """At TP=2, rank 1's file of Q's first chunk gets a flipped byte."""
+    q0 = chunk_keys(env, 2)["Q"][0]
+    victim = env.notes["rank dirs", 2][-1] / q0[:2] / f"{q0}.chunk"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    victim.write_bytes(bytes(data))
+    env.notes["damaged"] = victim, bytes(data)
+
+
+def q_values(env: Env, tp: int) -> list[bytes]:
+    """Every rank's Redis value of Q's chunks (the chunks the ``tp`` run stored), of either TP size."""
+    import redis
+    client = redis.Redis.from_url(env.redis.url)
+    return [k for key in chunk_keys(env, tp)["Q"] for k in client.scan_iter(match=f"tiercache:*:{key}")]
+
+
+def take_q_out_of_redis(tp: int) -> Callable[[Env], None]:
+    def before(env: Env) -> None:
+        import redis
+        if found := q_values(env, tp):
+            redis.Redis.from_url(env.redis.url).delete(*found)
+        assert not q_values(env, tp)
+    return before
+
+
+def remote_spec(tp: int) -> Callable[[Env], dict]:
+    """At TP=2 rank 1's first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`)."""
+    def spec(env: Env) -> dict:
+        config = connector(**env.tiers("redis", "grpc"))
+        if tp == 2:
+            config["kv_connector"] = "FaultyRankConnector"
+            config["kv_connector_module_path"] = "tests.vllm_support.faulty"
+        return {"phases": [phase(env, "p2", "q1")], "kv_transfer_config": config}
+    return spec
+
+
+def salted_spec(env: Env) -> dict:
+    p = env.prompts["p0"]
+    return {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
+        {"prompts": [{"ids": p, "cache_salt": "a"}]},
+        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
+        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}
+
+
+def layerwise_spec(env: Env) -> dict:
+    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
+    return {"phases": [phase(env, "short"), phase(env, "p0", "other", "p1"), phase(env, "short", pause_s=6)],
+            "kv_transfer_config": connector(**slow)}
+
+
+def write_back_spec(*names: str) -> Callable[[Env], dict]:
+    def spec(env: Env) -> dict:
+        tiers = {"disk": {"enabled": True, "path": str(env.base / "l2-write-back"), "write_mode": "write-back"}}
+        return {"phases": [phase(env, *names)], "kv_transfer_config": connector(**tiers)}
+    return spec
+
+
+def count_written_back(env: Env) -> None:
+    env.notes["written back"] = len(list((env.base / "l2-write-back").rglob("*.chunk")))
+
+
+BAD_CONFIG_SPEC = {"prompts": [[5] * 10], "max_tokens": 1, "kv_transfer_config": connector(keys={"chunk_tokens": 200})}
+
+# In the order they are taken up: the chain through the shared tiers (everything at TP=1, then at TP=2, then
+# the fresh processes reading what those left) first, the runs with tiers of their own beside it.
+RUNS: dict[str, Run] = {
+    "everything tp1": everything(1),
+    "baseline": Run(lambda env: {"phases": [phase(env, *env.prompts)]}),
+    "everything tp2": everything(2, after=("everything tp1",)),
+    "write-back tp2": Run(write_back_spec("p0", "q0"), 2, then=count_written_back),
+    "salted": Run(salted_spec),
+    "disk tp1": Run(disk_spec, 1, after=("everything tp1",), events=True),
+    "disk tp2": Run(disk_spec, 2, after=("everything tp2",), events=True, before=damage_one_ranks_copy_of_q),
+    "remote tp1": Run(remote_spec(1), 1, after=("everything tp1",), before=take_q_out_of_redis(1)),
+    "remote tp2": Run(remote_spec(2), 2, after=("everything tp2",), before=take_q_out_of_redis(2)),
+    "layerwise": Run(layerwise_spec),
+    "after write-back tp2": Run(write_back_spec("p1", "q1"), 2, after=("write-back tp2",)),
+    "bad config": Run(lambda env: BAD_CONFIG_SPEC),
+}
 
 EVERYTHING = ["p0", "q0", "p1", "p2", "p3", "q1"]
 
 
 @pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.vllm_runs("everything tp{tp}", "baseline")
 def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp):
-    run_everything(env, 1)                                   # the TP=1 run's chunks are there first
-    got = run_everything(env, tp)
+    got = env.result(f"everything tp{tp}")                   # at TP=2, after the TP=1 run's chunks are there
     same_outputs(env, got, EVERYTHING)
     assert got["num_cached_tokens"][:2] == [0, 0]           # at TP=2, nothing of the TP=1 run's chunks is found
     assert all(n >= PREFIX_HIT for n in got["num_cached_tokens"][2:])   # from L1, or from L0 once batch-mates
@@ -217,50 +335,27 @@ def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp)
 
 
 @pytest.mark.slow      # launches vLLM
+@pytest.mark.vllm_runs("salted")
 def test_requests_with_other_cache_salts_never_load_each_others_chunks(env):
     """vLLM keeps two salts apart in its own pool; the connector keeps them apart in every tier: P under salt
     "b" after P under salt "a" (vLLM's pool emptied between) finds nothing, P under "a" again loads from L1."""
-    got = run(env, "salted", salted_spec(env), 1)
+    got = env.result("salted")
     assert got["num_cached_tokens"][:2] == [0, 0]
     assert got["num_cached_tokens"][2] >= PREFIX_HIT
     assert got["outputs"][0] == got["outputs"][1] == got["outputs"][2]
 
 
-def salted_spec(env: Env) -> dict:
-    p = env.prompts["p0"]
-    return {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
-        {"prompts": [{"ids": p, "cache_salt": "a"}]},
-        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
-        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}
-
-
-def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
-    """P's and Q's chunk keys, from the KV events of the run that stored them (L1 first, in order)."""
-    stored = [keys for kind, medium, *keys in run_everything(env, tp)["event_order"]
-              if kind == "stored" and medium == "CPU"]
-    return {"P": stored[0], "Q": stored[1]}
-
-
 @pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.vllm_runs("disk tp{tp}", "baseline")
 def test_a_fresh_process_loads_from_its_own_disk_files_and_a_rank_with_a_corrupt_file_recomputes(env, tp):
     """Fresh processes on the shared disk path: each TP size hits its own files (at TP=2, one file per rank).
     At TP=2 one rank's copy of Q's first chunk is damaged first: that chunk is a miss on that rank, hence for
     the request, which recomputes (outputs unchanged); the damaged file is deleted, and the recomputed chunk
     written through again, whole. L1 holds two chunks, so Q's promotion evicts P's from it, and the KV events
     say so after they said P arrived."""
-    run_everything(env, tp)
-    dirs = env.rank_dirs[tp]
-    assert len(dirs) == tp
-    q0 = chunk_keys(env, tp)["Q"][0]
-    victim = dirs[-1] / q0[:2] / f"{q0}.chunk"
-    if tp == 2:
-        data = bytearray(victim.read_bytes())
-        data[len(data) // 2] ^= 0x5A
-        victim.write_bytes(bytes(data))
-    small_l1 = {"cpu": {"capacity": "512KiB"}}
-    got = run(env, "disk", {"phases": [phase(env, "p1", "q1")],
-                            "kv_transfer_config": connector(**env.tiers("disk"), **small_l1)}, tp, events=True)
+    got = env.result(f"disk tp{tp}")
+    assert len(env.notes["rank dirs", tp]) == tp
     same_outputs(env, got, ["p1", "q1"])
     m = got["metrics"]
     if tp == 1:
@@ -273,36 +368,24 @@ def test_a_fresh_process_loads_from_its_own_disk_files_and_a_rank_with_a_corrupt
         assert all(first_stored[k] < i for k, i in first_removed.items())
         assert {medium for medium, _ in got["removed_events"]} == {"CPU"}
     else:
+        victim, damaged = env.notes["damaged"]
         assert got["num_cached_tokens"] == [PREFIX_HIT, 0]
         assert m["tier/disk/integrity_failures"] == 1 and m["tier/disk/loaded"] == 3
-        assert victim.read_bytes() != bytes(data)
+        assert victim.read_bytes() != damaged
         from tiercache.tiers.disk import DiskTransport
         rank = DiskTransport(env.disk, bytes.fromhex(victim.parent.parent.name))
+        q0 = chunk_keys(env, tp)["Q"][0]
         assert rank.read_chunk_into(bytes.fromhex(q0), memoryview(bytearray(1 << 20))) > 0   # verifies: whole again
 
 
 @pytest.mark.slow      # launches vLLM
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.vllm_runs("remote tp{tp}", "baseline")
 def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
     """Q's values are taken out of Redis first, so P comes from Redis and Q from the server. At TP=2 rank 1's
     first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`): that request recomputes, outputs
     unchanged, and the failed load is counted."""
-    import redis
-
-    run_everything(env, tp)
-    client = redis.Redis.from_url(env.redis.url)
-
-    def q_values() -> list[bytes]:   # every rank's value of Q's chunks, of either TP size
-        return [k for key in chunk_keys(env, tp)["Q"] for k in client.scan_iter(match=f"tiercache:*:{key}")]
-
-    if q_values():
-        client.delete(*q_values())
-    assert not q_values()
-    config = connector(**env.tiers("redis", "grpc"))
-    if tp == 2:
-        config["kv_connector"] = "FaultyRankConnector"
-        config["kv_connector_module_path"] = "tests.vllm_support.faulty"
-    got = run(env, "remote", {"phases": [phase(env, "p2", "q1")], "kv_transfer_config": config}, tp)
+    got = env.result(f"remote tp{tp}")
     same_outputs(env, got, ["p2", "q1"])
     m = got["metrics"]
     assert m["tier/redis/loaded"] == 2 and m["tier/grpc/loaded"] == 2
@@ -313,6 +396,7 @@ def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
 
 
 @pytest.mark.slow      # launches vLLM
+@pytest.mark.vllm_runs("layerwise", "baseline")
 def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_its_blocks(env):
     """Copies on transfer threads and the host-device link throttled (256 KiB/s: a job may start while the
     link's bucket is not in debt, and each leaves it 2 s in debt). A short request warms vLLM up; then p0's
@@ -321,7 +405,7 @@ def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_it
     use once a last short request has let vLLM step again. p1's hit lands seconds after its forward has
     started: vLLM waits for each layer before its attention reads it, or the logprobs would change. The
     unrelated prompt overwrites the blocks vLLM hands p1, so what p1 reads is the load's or garbage."""
-    got = run(env, "layerwise", layerwise_spec(env), 1)
+    got = env.result("layerwise")
     same_outputs(env, got, ["short", "p0", "other", "p1", "short"])
     assert got["num_cached_tokens"] == [0, 0, 0, PREFIX_HIT, 0]
     m = got["metrics"]
@@ -329,43 +413,31 @@ def test_loads_land_layer_by_layer_and_stores_that_outlive_their_request_free_it
     assert got["kv_cache_usage"] == 0.0
 
 
-def layerwise_spec(env: Env) -> dict:
-    slow = {"transfer": {"inline_host_copies": "off", "layerwise": True, "device_host_rate": "256KiB"}}
-    return {"phases": [phase(env, "short"), phase(env, "p0", "other", "p1"), phase(env, "short", pause_s=6)],
-            "kv_transfer_config": connector(**slow)}
-
-
 @pytest.mark.slow      # launches vLLM
-@pytest.mark.parametrize("tp", [2])
-def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env, tp):
-    """A write-back disk under an L1 that holds every chunk, so nothing reaches the disk while vLLM runs: the
-    files a fresh vLLM finds are those each rank wrote down as vLLM shut down (each rank its own share), and
-    every document's chunks come back from them, outputs unchanged."""
-    path = env.base / f"l2-write-back-tp{tp}"
-    tiers = {"disk": {"enabled": True, "path": str(path), "write_mode": "write-back"}}
-    proc, out = launch(env, {"phases": [phase(env, "p0", "q0")], "kv_transfer_config": connector(**tiers)}, tp)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    first = json.loads(out.read_text())
+@pytest.mark.vllm_runs("write-back tp2", "after write-back tp2", "baseline")
+def test_a_clean_shutdown_writes_l1_down_and_a_fresh_vllm_finds_it_on_disk(env):
+    """A write-back disk under an L1 that holds every chunk, so nothing reaches the disk while vLLM runs (at
+    TP=2): the files a fresh vLLM finds are those each rank wrote down as vLLM shut down (each rank its own
+    share), and every document's chunks come back from them, outputs unchanged."""
+    proc, _ = env.launched("write-back tp2")
+    first = env.result("write-back tp2")
     same_outputs(env, first, ["p0", "q0"])
     assert not first["metrics"].get("tier/disk/stored")             # nothing went down while vLLM ran
     logged = proc.stdout + proc.stderr                               # vLLM logs to stdout by default
-    assert logged.count("only L1 held to disk at shutdown") == tp, logged[-6000:]
-    assert len(list(path.rglob("*.chunk"))) == 4 * tp              # P's and Q's two chunks, on every rank
-    second = run(env, f"after write-back tp{tp}", {"phases": [phase(env, "p1", "q1")],
-                                                   "kv_transfer_config": connector(**tiers)}, tp)
+    assert logged.count("only L1 held to disk at shutdown") == 2, logged[-6000:]
+    assert env.notes["written back"] == 4 * 2                      # P's and Q's two chunks, on every rank
+    second = env.result("after write-back tp2")
     same_outputs(env, second, ["p1", "q1"])
     assert second["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT]
     assert second["metrics"]["tier/disk/loaded"] == 4
 
 
 @pytest.mark.slow      # launches vLLM
+@pytest.mark.vllm_runs("bad config")
 def test_a_bad_extra_config_names_the_field(env):
-    proc, _ = launched(env, "bad config", BAD_CONFIG_SPEC, 1)
+    proc, _ = env.launched("bad config")
     assert proc.returncode != 0
     assert "kv_connector_extra_config.keys.chunk_tokens" in proc.stderr
-
-
-BAD_CONFIG_SPEC = {"prompts": [[5] * 10], "max_tokens": 1, "kv_transfer_config": connector(keys={"chunk_tokens": 200})}
 
 
 def test_connector_stats_aggregate_and_reduce_for_vllms_logger():
