@@ -170,7 +170,7 @@ def test_count_min_sketch_never_under_counts_and_widening_keeps_estimates():
     for _ in range(6000):
         k = rng.choice(keys[:1500])
         truth[k] += 1
-        sketch.add(k)
+        sketch.add_many([k])
     sketch.add_many(keys[1500:])
     truth.update(keys[1500:])
     before = {k: sketch.estimate(k) for k in keys}
@@ -181,6 +181,48 @@ def test_count_min_sketch_never_under_counts_and_widening_keeps_estimates():
     assert sketch.halve_every == 1 << 14
     sketch.add_many(_keys((1 << 14) - sketch._additions, b"more"))   # the window fills: every count halves
     assert all(sketch.estimate(k) <= (before[k] + 1) // 2 + 1 for k in keys)
+
+
+def test_raising_counts_in_the_sketch_never_lowers_one_and_saturates():
+    from tiercache.policies.sketch import CountMinSketch
+    keys = _keys(64)
+    sketch = CountMinSketch(width_bits=12)
+    sketch.add_many(keys[:32])
+    sketch.raise_many(keys[16:48], [5] * 16 + [40] * 16)     # 40: above what a counter holds
+    assert [sketch.estimate(k) for k in keys[:16]] == [1] * 16
+    assert [sketch.estimate(k) for k in keys[16:32]] == [5] * 16
+    assert [sketch.estimate(k) for k in keys[32:48]] == [sketch.SATURATE] * 16
+    sketch.raise_many(keys[16:32], [2] * 16)                  # lower than they are: unchanged
+    assert [sketch.estimate(k) for k in keys[16:32]] == [5] * 16
+    assert all(sketch.estimate(k) == 0 for k in keys[48:])   # 64 keys in 4096 counters: no collision here
+
+
+@pytest.mark.parametrize("flushed", [False, True])
+def test_lfu_da_counts_a_key_exactly_while_it_stays_and_it_comes_back_with_that_count(flushed):
+    """Uses are counted on the key while the tier holds it; what it leaves behind (kept aside, then written into
+    the sketch ``FLUSH`` keys at a time) is where a key that comes back resumes."""
+    p = eviction_policies.get("lfu-da")()
+    popular, one_offs = _keys(1, b"p")[0], _keys(3, b"o")
+    p.insert(popular)
+    for _ in range(4):
+        p.touch(popular)                                    # seen five times
+    for k in one_offs:
+        p.insert(k)
+    p.remove(popular)
+    if flushed:                                             # enough other keys leave to flush what was kept aside
+        others = _keys(p.FLUSH, b"x")
+        for k in others:
+            p.insert(k)
+        for k in others:
+            p.remove(k)
+    p.insert(popular)                                       # back: its sixth use
+    thrice = _keys(3, b"t")
+    for k in thrice:
+        p.insert(k)
+        p.touch(k)
+        p.touch(k)
+    assert [p.pop_victim() for _ in range(6)] == one_offs + thrice   # it outranks keys used fewer times
+    assert p.pop_victim() == popular
 
 
 def test_lfu_da_keeps_reused_keys_over_one_offs_and_ages_them_out():

@@ -289,13 +289,15 @@ class PrefixLRUPolicy(LRUPolicy):
 class LFUDAPolicy:
     """LFU with dynamic aging (Arlitt et al., 2000): evict the lowest ``age + count``.
 
-    ``count`` is how often the tier has seen the key — stored or hit — kept in
-    a `CountMinSketch`, so it outlives the key's stay: a chunk that comes back
-    after an eviction returns with its history and is not taken for a one-off.
-    ``age`` is the priority of the last victim; a key's priority is fixed when
-    it is stored or hit, so a popular key that stops being asked for is
-    overtaken by newer ones and leaves in time. Ties go to the least recently
-    used. Keys must be bytes (chunk keys).
+    ``count`` is how often the tier has seen the key — stored or hit. While
+    the tier holds a key it is counted exactly (up to the sketch's 15); when
+    the key leaves, its count goes into a `CountMinSketch`, so it outlives the
+    key's stay: a chunk that comes back after an eviction returns with its
+    history and is not taken for a one-off. ``age`` is the priority of the
+    last victim; a key's priority is fixed when it is stored or hit, so a
+    popular key that stops being asked for is overtaken by newer ones and
+    leaves in time. Ties go to the least recently used. Keys must be bytes
+    (chunk keys).
 
     Why this is the default: on a prefix cache most chunks are the tails of
     one-off prompts (58% of the Mooncake trace's blocks are asked for once)
@@ -304,58 +306,87 @@ class LFUDAPolicy:
     touched after heads (tiers touch a request's chunks tail first), so among
     equal counts a chain's tail still goes first.
 
-    The sketch counts over a window of ``HISTORY`` times as many accesses as
-    the tier holds keys (halving all counts after each window), widened as
-    the tier fills so collisions stay rare: a sketch too narrow for the keys
-    it sees over-counts one-off chunks and loses most of the gain. A heap with
-    lazy deletion: a hit pushes a new entry, stale ones are skipped when
-    popped, and the heap is rebuilt once stale entries outnumber live ones
-    three to one.
+    Cost, on the scheduler's thread: a use is a dict update and a heap push;
+    an insert adds one estimate from the sketch (one cache line); the counts
+    of keys that left are written into the sketch ``FLUSH`` at a time,
+    vectorized (a key that comes back before that finds its count among
+    them). The sketch counts over a window of ``HISTORY`` times as many
+    departures as the tier holds keys (halving all counts after each window),
+    widened as the tier fills so collisions stay rare: a sketch too narrow
+    for the keys it sees over-counts one-off chunks and loses most of the
+    gain. A heap with lazy deletion: a hit pushes a new entry, stale ones are
+    skipped when popped, and the heap is rebuilt once stale entries outnumber
+    live ones three to one.
     """
 
     HISTORY = 128
+    FLUSH = 1024
 
     def __init__(self) -> None:
         self._counts = CountMinSketch()
         self._counts.resize(self.HISTORY * 512)
-        self._priority: dict[Key, tuple[int, int]] = {}
+        self._entries: dict[Key, tuple[int, int, int]] = {}   # resident key → (priority, clock, count)
         self._heap: list[tuple[int, int, Key]] = []
+        self._left: dict[Key, int] = {}                        # keys gone since the last flush → count
         self._age = 0
         self._clock = 0
 
-    def _push(self, key: Key, count: int | None = None) -> None:
+    def _push(self, key: Key, count: int, bonus: int = 0) -> None:
         self._clock += 1
-        entry = (self._age + (self._counts.add(key) if count is None else count), self._clock)
-        self._priority[key] = entry
-        if len(self._heap) >= 4 * len(self._priority) + 64:     # mostly stale: rebuild from the live entries
-            self._heap = [(*e, k) for k, e in self._priority.items()]
+        priority = self._age + count + bonus
+        self._entries[key] = (priority, self._clock, count)
+        if len(self._heap) >= 4 * len(self._entries) + 64:     # mostly stale: rebuild from the live entries
+            self._heap = [(e[0], e[1], k) for k, e in self._entries.items()]
             heapq.heapify(self._heap)
         else:
-            heapq.heappush(self._heap, (*entry, key))
+            heapq.heappush(self._heap, (priority, self._clock, key))
+
+    def _count(self, key: Key) -> int:
+        """How often the tier has seen ``key`` (0 for a key it never held, or whose count has faded)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry[2]
+        count = self._left.get(key)
+        return count if count is not None else self._counts.estimate(key)
 
     def insert(self, key: Key) -> None:
-        self._push(key)
-        if len(self._priority) * self.HISTORY > self._counts.halve_every:
-            self._counts.resize(2 * len(self._priority) * self.HISTORY)
+        count = self._count(key) + 1
+        self._left.pop(key, None)
+        self._push(key, count if count < CountMinSketch.SATURATE else CountMinSketch.SATURATE)
+        if len(self._entries) * self.HISTORY > self._counts.halve_every:
+            self._counts.resize(2 * len(self._entries) * self.HISTORY)
 
     def touch(self, key: Key) -> None:
-        if key in self._priority:
-            self._push(key)
+        entry = self._entries.get(key)
+        if entry is not None:
+            count = entry[2] + 1
+            self._push(key, count if count < CountMinSketch.SATURATE else CountMinSketch.SATURATE)
+
+    def _leave(self, key: Key, count: int) -> None:
+        left = self._left
+        left[key] = count
+        if len(left) >= self.FLUSH:
+            self._counts.raise_many(list(left), list(left.values()))
+            left.clear()
 
     def remove(self, key: Key) -> None:
-        self._priority.pop(key, None)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._leave(key, entry[2])
 
     def pop_victim(self) -> Key | None:
         while self._heap:
             priority, clock, key = heapq.heappop(self._heap)
-            if self._priority.get(key) == (priority, clock):
-                del self._priority[key]
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == priority and entry[1] == clock:
+                del self._entries[key]
+                self._leave(key, entry[2])
                 self._age = priority
                 return key
         return None
 
     def __len__(self) -> int:
-        return len(self._priority)
+        return len(self._entries)
 
 
 @eviction_policies.register("lfu-da-state")
@@ -385,9 +416,9 @@ class StateLFUDAPolicy(LFUDAPolicy):
         super().__init__()
         self._first: OrderedDict[Key, None] = OrderedDict()   # left behind by finished requests: go first
 
-    def _push(self, key: Key, count: int | None = None) -> None:
+    def _push(self, key: Key, count: int, bonus: int = 0) -> None:
         self._first.pop(key, None)
-        super()._push(key, count)
+        super()._push(key, count, bonus)
 
     def remove(self, key: Key) -> None:
         super().remove(key)
@@ -400,17 +431,17 @@ class StateLFUDAPolicy(LFUDAPolicy):
             return
         bonus = self.RETAIN_BONUS.get(state)
         for key in reversed(keys):
-            if key not in self._priority:
+            entry = self._entries.get(key)
+            if entry is None:
                 continue
-            count = self._counts.estimate(key)
             if bonus is not None:
-                self._push(key, count + bonus)
-            elif count <= 1:
+                self._push(key, entry[2], bonus)
+            elif entry[2] <= 1:
                 self._first[key] = None
 
     def pop_victim(self) -> Key | None:
         if self._first:
             key, _ = self._first.popitem(last=False)
-            del self._priority[key]
+            self._leave(key, self._entries.pop(key)[2])
             return key
         return super().pop_victim()
