@@ -366,8 +366,12 @@ class LFUDAPolicy:
         left = self._left
         left[key] = count
         if len(left) >= self.FLUSH:
-            self._counts.raise_many(list(left), list(left.values()))
-            left.clear()
+            self._flush()
+
+    def _flush(self) -> None:
+        left = self._left
+        self._counts.raise_many(list(left), list(left.values()))
+        left.clear()
 
     def remove(self, key: Key) -> None:
         entry = self._entries.pop(key, None)
@@ -375,13 +379,16 @@ class LFUDAPolicy:
             self._leave(key, entry[2])
 
     def pop_victim(self) -> Key | None:
-        while self._heap:
-            priority, clock, key = heapq.heappop(self._heap)
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] == priority and entry[1] == clock:
-                del self._entries[key]
-                self._leave(key, entry[2])
+        heap, entries, left = self._heap, self._entries, self._left
+        while heap:
+            priority, clock, key = heapq.heappop(heap)
+            entry = entries.get(key)
+            if entry is not None and entry[1] == clock:        # the key's live entry (each push has its own clock)
+                del entries[key]
                 self._age = priority
+                left[key] = entry[2]                            # `_leave`, written out: this is the hot path
+                if len(left) >= self.FLUSH:
+                    self._flush()
                 return key
         return None
 
