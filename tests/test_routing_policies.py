@@ -43,9 +43,26 @@ def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_
     assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 600, 100), sent("c", 600, 5000)])] \
         == ["b", "c", "a"]
     assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 590, 100)])] == ["b", "a"]  # within 15 %
-    # a holds the conversation's history (0.1 s left to compute), b only the system prompt (0.4 s): a, however
-    # many tokens it has been sent
-    assert [r.name for r in policy.rank([sent("a", 900, 90000), sent("b", 600, 0)])] == ["a", "b"]
+    # a holds the conversation's history (0.1 s left to compute), b only the system prompt (0.4 s): a, though
+    # it has been sent a little more
+    assert [r.name for r in policy.rank([sent("a", 900, 11000), sent("b", 600, 10000)])] == ["a", "b"]
+
+
+def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_history_where_it_is():
+    """a alone holds a system prompt (1200 tokens) and has been sent twice the mean of the fleet's tokens: a new
+    conversation on it (1500 tokens) moves to the replica sent the fewest, for 1200 more tokens of prefill —
+    within the guard's 2048. Within its share a keeps it; and a long conversation whose 4000-token history is on
+    a stays there whatever a has been sent (moving it would recompute 4000 tokens)."""
+    def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+    policy = routing_policies.get("expected-ttft")()
+    fleet = [sent("a", 1500, 1200, 40000), sent("b", 1500, 0, 15000), sent("c", 1500, 0, 5000)]
+    assert [r.name for r in policy.rank(fleet)][0] == "c"
+    within = [sent("a", 1500, 1200, 22000), sent("b", 1500, 0, 20000), sent("c", 1500, 0, 18000)]
+    assert [r.name for r in policy.rank(within)][0] == "a"                # 1.1 times the mean: a
+    long = [sent("a", 4300, 4000, 40000), sent("b", 4300, 0, 15000), sent("c", 4300, 0, 5000)]
+    assert [r.name for r in policy.rank(long)][0] == "a"
+    assert [r.name for r in routing_policies.get("expected-ttft")(share_slack=1e9).rank(fleet)][0] == "a"
 
 
 def test_the_router_passes_a_requests_session_on_to_the_replica():

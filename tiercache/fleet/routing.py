@@ -16,7 +16,11 @@ Policies (`routing_policies`):
 - ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
   (a replica whose queue is far above the other replicas' goes last); near
-  ties go to the replica sent the fewest tokens so far.
+  ties go to the replica sent the fewest tokens so far, and so does a request
+  whose best replica has been sent over its share when another can take it
+  for a bounded extra prefill (a share guard: a prefix held by one replica
+  spreads to a second one instead of pulling in every conversation that
+  starts with it).
 
 With sticky sessions (`stick`), whatever the policy, a session's next
 request goes first to the replica that served its last one, unless that
@@ -129,11 +133,23 @@ class ExpectedTTFT(Policy):
     Replicas whose estimates are within ``tie_ratio`` of the best are a tie, and the one sent the fewest
     prompt tokens so far goes first: a new conversation (its system prompt everywhere, every replica idle)
     would otherwise always go to the same replica by name, and every later turn follows its history there.
-    The estimates' own rates are measured, so a difference that small is noise, not a reason."""
+    The estimates' own rates are measured, so a difference that small is noise, not a reason.
 
-    def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15) -> None:
+    Share guard: when the first replica has been sent more than ``1 + share_slack`` times the mean of the
+    prompt tokens sent to the ranked replicas, the request goes to the replica sent the fewest among those
+    (not hot) whose estimate is at most ``rebalance_tokens`` of prefill (at the first's rate) above the
+    first's. A prefix that only one replica holds — a rarely used system prompt — otherwise draws every
+    conversation that starts with it, and each conversation's later turns follow; queues stay short between
+    turns, so the hotspot guard never sees it. The bound lets a new conversation move (it recomputes its
+    system prompt once, and that prefix then lives on two replicas) and keeps a long conversation where its
+    history is."""
+
+    def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15, share_slack: float = 0.2,
+                 rebalance_tokens: int = 2048) -> None:
         self.hotspot_factor = hotspot_factor
         self.tie_ratio = tie_ratio
+        self.share_slack = share_slack
+        self.rebalance_tokens = rebalance_tokens
 
     def rank(self, candidates: list[Candidate]) -> list[Ranked]:
         ranked = [estimate(c) for c in candidates]
@@ -151,7 +167,22 @@ class ExpectedTTFT(Policy):
                 and r.expected_ttft_s <= best.expected_ttft_s * (1 + self.tie_ratio)]
         routed = {c.name: c.routed_tokens for c in candidates}
         tied.sort(key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
-        return tied + ranked[len(tied):]
+        ranked = tied + ranked[len(tied):]
+        return self._share(ranked, routed, {c.name: c.rates.prefill for c in candidates}, hot)
+
+    def _share(self, ranked: list[Ranked], routed: dict[str, int], prefill_rate: dict[str, float],
+               hot) -> list[Ranked]:
+        """``ranked`` with the share guard applied (see the class)."""
+        first = ranked[0]
+        mean = sum(routed.values()) / len(routed)
+        if not mean or routed[first.name] <= (1 + self.share_slack) * mean:
+            return ranked
+        budget_s = self.rebalance_tokens / prefill_rate[first.name]
+        able = [r for r in ranked if not hot(r) and r.expected_ttft_s <= first.expected_ttft_s + budget_s]
+        if not able:
+            return ranked
+        lightest = min(able, key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
+        return ranked if lightest is first else [lightest, *(r for r in ranked if r is not lightest)]
 
 
 STICKY_SLACK = 2.0     # a session leaves its replica once that replica's expected time is over twice the best's
