@@ -49,10 +49,10 @@ def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_
 
 
 def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_history_where_it_is():
-    """a alone holds a system prompt (1200 tokens) and has been sent twice the mean of the fleet's tokens: a new
-    conversation on it (1500 tokens) moves to the replica sent the fewest, for 1200 more tokens of prefill —
-    within the guard's 2048. Within its share a keeps it; and a long conversation whose 4000-token history is on
-    a stays there whatever a has been sent (moving it would recompute 4000 tokens)."""
+    """a alone holds a system prompt (1200 tokens) and has been sent twice the mean of the fleet's tokens (20000
+    over it): a new conversation on it (1500 tokens) moves to the replica sent the fewest, for 1200 more tokens
+    of prefill — within a tenth of the excess. Within its share a keeps it, and so it does when the excess is
+    small; a long conversation whose 4000-token history is on a stays there (moving it would recompute 4000)."""
     def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
         return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
     policy = routing_policies.get("expected-ttft")()
@@ -60,6 +60,8 @@ def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_his
     assert [r.name for r in policy.rank(fleet)][0] == "c"
     within = [sent("a", 1500, 1200, 22000), sent("b", 1500, 0, 20000), sent("c", 1500, 0, 18000)]
     assert [r.name for r in policy.rank(within)][0] == "a"                # 1.1 times the mean: a
+    early = [sent("a", 1500, 1200, 4000), sent("b", 1500, 0, 1500), sent("c", 1500, 0, 500)]
+    assert [r.name for r in policy.rank(early)][0] == "a"                 # twice the mean, 2000 over it: a
     long = [sent("a", 4300, 4000, 40000), sent("b", 4300, 0, 15000), sent("c", 4300, 0, 5000)]
     assert [r.name for r in policy.rank(long)][0] == "a"
     assert [r.name for r in routing_policies.get("expected-ttft")(share_slack=1e9).rank(fleet)][0] == "a"

@@ -18,7 +18,7 @@ Policies (`routing_policies`):
   (a replica whose queue is far above the other replicas' goes last); near
   ties go to the replica sent the fewest tokens so far, and so does a request
   whose best replica has been sent over its share when another can take it
-  for a bounded extra prefill (a share guard: a prefix held by one replica
+  for an extra prefill bounded by that excess (a share guard: a prefix held by one replica
   spreads to a second one instead of pulling in every conversation that
   starts with it).
 
@@ -137,19 +137,20 @@ class ExpectedTTFT(Policy):
 
     Share guard: when the first replica has been sent more than ``1 + share_slack`` times the mean of the
     prompt tokens sent to the ranked replicas, the request goes to the replica sent the fewest among those
-    (not hot) whose estimate is at most ``rebalance_tokens`` of prefill (at the first's rate) above the
-    first's. A prefix that only one replica holds — a rarely used system prompt — otherwise draws every
-    conversation that starts with it, and each conversation's later turns follow; queues stay short between
-    turns, so the hotspot guard never sees it. The bound lets a new conversation move (it recomputes its
-    system prompt once, and that prefix then lives on two replicas) and keeps a long conversation where its
-    history is."""
+    (not hot) that can take it for at most ``rebalance_share`` of that excess (the first replica's tokens
+    over the mean) in extra prefill, at the first's rate. A prefix that only one replica holds — a rarely
+    used system prompt — otherwise draws every conversation that starts with it, and each conversation's
+    later turns follow; queues stay short between turns, so the hotspot guard never sees it. The bound
+    scales with the imbalance it mends: a small excess moves nothing, a new conversation moves once the
+    excess is ten times its shared prefix (it recomputes that prefix once, and it then lives on two
+    replicas), a long conversation stays where its history is unless the imbalance is ten times that."""
 
     def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15, share_slack: float = 0.2,
-                 rebalance_tokens: int = 2048) -> None:
+                 rebalance_share: float = 0.1) -> None:
         self.hotspot_factor = hotspot_factor
         self.tie_ratio = tie_ratio
         self.share_slack = share_slack
-        self.rebalance_tokens = rebalance_tokens
+        self.rebalance_share = rebalance_share
 
     def rank(self, candidates: list[Candidate]) -> list[Ranked]:
         ranked = [estimate(c) for c in candidates]
@@ -177,7 +178,7 @@ class ExpectedTTFT(Policy):
         mean = sum(routed.values()) / len(routed)
         if not mean or routed[first.name] <= (1 + self.share_slack) * mean:
             return ranked
-        budget_s = self.rebalance_tokens / prefill_rate[first.name]
+        budget_s = self.rebalance_share * (routed[first.name] - mean) / prefill_rate[first.name]
         able = [r for r in ranked if not hot(r) and r.expected_ttft_s <= first.expected_ttft_s + budget_s]
         if not able:
             return ranked
