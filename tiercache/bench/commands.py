@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import sys
 from pathlib import Path
 
@@ -514,6 +515,9 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
                                    seed=args.seed)
     shared = {"no": [False], "yes": [True], "both": [False, True]}[args.shared]
     fleets = [(n, s) for n in args.replicas for s in shared]
+    # Stopped with SIGTERM, the bench unwinds as on Ctrl-C, so the fleet it started (replicas, router, server:
+    # processes of their own) is stopped by `run_one`'s `finally` rather than left running.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     requests = sum(len(c.questions) for c in route.conversations(workload))
     report = route.RouteReport(dataclasses.asdict(workload))
     with tqdm(total=requests * len(fleets) * len(args.policies), desc="bench route", file=sys.stderr,

@@ -1,0 +1,75 @@
+"""`tiercache bench route` as users run it: a small workload through real fleets, and a bench stopped midway
+that leaves no replica of its fleet behind."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install 'tiercache[fleet]')")
+pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'tiercache[fleet]')")
+pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'tiercache[fleet]')")
+pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (pip install 'tiercache[metrics]')")
+
+BENCH = [sys.executable, "-m", "tiercache.cli", "bench", "route", "--replicas", "2", "--shared", "no",
+         "--overhead-pairs", "0", "--quiet"]
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow      # two fleets of two replicas and a router
+def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fleet(tmp_path):
+    out = tmp_path / "route.json"
+    subprocess.run([*BENCH, "--policies", "round-robin,expected-ttft", "--conversations", "4", "--max-turns", "2",
+                    "--rate", "4", "--json", str(out)], check=True, timeout=240, capture_output=True)
+    from tiercache.bench.route import RouteWorkload, conversations
+    turns = sum(len(c.questions) for c in conversations(RouteWorkload(conversations=4, max_turns=2, rate=4)))
+    report = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in report["runs"]}
+    assert set(runs) == {"round-robin", "expected-ttft"}
+    for run in runs.values():
+        assert run["replicas"] == 2 and run["requests"] == turns     # every turn answered, none lost
+        replicas = run["per_replica"].values()
+        assert len(replicas) == 2 and sum(r["prompt_tokens"] for r in replicas) > 0
+        assert run["load_imbalance"] >= 1.0 and 0 <= run["prediction_error"] <= 1
+        assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
+
+
+@pytest.mark.slow      # starts a fleet
+def test_a_bench_stopped_with_sigterm_stops_the_fleet_it_started(tmp_path):
+    bench = subprocess.Popen([*BENCH, "--policies", "round-robin", "--conversations", "200", "--rate", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(_children(bench.pid)) < 3:          # two replicas and the router
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench did not start its fleet"
+            time.sleep(0.2)
+        started = _children(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        for pid in _children(bench.pid) | started:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        bench.kill()
