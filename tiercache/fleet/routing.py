@@ -18,9 +18,9 @@ Policies (`routing_policies`):
   (a replica whose queue is far above the other replicas' goes last); near
   ties go to the replica sent the fewest tokens so far, and so does a request
   whose best replica has been sent over its share when another can take it
-  for an extra prefill bounded by that excess (a share guard: a prefix held by one replica
-  spreads to a second one instead of pulling in every conversation that
-  starts with it).
+  for an extra prefill bounded by that excess (a share guard: a prefix held
+  by one replica spreads to a second one instead of pulling in every
+  conversation that starts with it).
 
 With sticky sessions (`stick`), whatever the policy, a session's next
 request goes first to the replica that served its last one, unless that
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiercache.fleet.prefix_index import CachedTokens
@@ -172,7 +173,7 @@ class ExpectedTTFT(Policy):
         return self._share(ranked, routed, {c.name: c.rates.prefill for c in candidates}, hot)
 
     def _share(self, ranked: list[Ranked], routed: dict[str, int], prefill_rate: dict[str, float],
-               hot) -> list[Ranked]:
+               hot: Callable[[Ranked], bool]) -> list[Ranked]:
         """``ranked`` with the share guard applied (see the class)."""
         first = ranked[0]
         mean = sum(routed.values()) / len(routed)
