@@ -39,9 +39,10 @@ class CountMinSketch:
     SATURATE = 15
 
     def __init__(self, width_bits: int = 16, halve_every: int | None = None) -> None:
-        """``width_bits``: log2 of the counters each of the ``DEPTH`` rows has (4 per block)."""
-        if not 4 <= width_bits <= 30:
-            raise ValueError(f"count-min sketch width_bits must be in [4, 30], got {width_bits}")
+        """``width_bits``: log2 of the counters each of the ``DEPTH`` rows has (16 of them in each block; at
+        least two blocks, so the block index takes at least one bit of the digest)."""
+        if not 5 <= width_bits <= 30:
+            raise ValueError(f"count-min sketch width_bits must be in [5, 30], got {width_bits}")
         self._table = np.zeros(((1 << width_bits) // 16, self.BLOCK), dtype=np.uint8)
         self._set_width(width_bits)
         self.halve_every = 10 * self.width if halve_every is None else halve_every
@@ -90,7 +91,7 @@ class CountMinSketch:
         if not keys:
             return
         slots = self._slots(keys)
-        counts = np.minimum(np.asarray(counts, dtype=np.uint8), self.SATURATE)
+        counts = np.minimum(np.asarray(counts, dtype=np.int64), self.SATURATE).astype(np.uint8)
         np.maximum.at(self._table.reshape(-1), slots, np.broadcast_to(counts, slots.shape))
         self._added(len(keys))
 
