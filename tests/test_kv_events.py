@@ -111,6 +111,23 @@ def test_the_index_splits_a_prompt_between_the_pool_and_the_fastest_tier():
     assert index.cached(keys, scheme).total == 0
 
 
+def test_blocks_of_requests_still_in_flight_on_a_replica_count_as_in_its_pool_until_they_finish():
+    scheme = TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                             chunk_tokens=64, seed=(b"s" * 32).hex()))
+    first, second = scheme.keys(list(range(300)), ""), scheme.keys(list(range(200)) + [7] * 100, "")
+    index = ReplicaIndex()
+    index.apply(KVEventBatch(ts=0, events=_stored(first.block_hashes[:2])))
+    assert index.cached(second, scheme).engine == 32
+    index.hold(first.block_hashes)                          # two requests of that prompt sent, not finished
+    index.hold(first.block_hashes)
+    assert index.cached(second, scheme).engine == 192       # the 12 blocks the two prompts share
+    index.release(first.block_hashes)
+    assert index.cached(second, scheme).engine == 192       # one still computing them
+    index.release(first.block_hashes)
+    assert index.cached(second, scheme).engine == 32        # finished: only what the events said stays
+    assert index.in_flight == {}
+
+
 def test_what_another_replica_stored_in_a_shared_tier_counts_at_the_remote_rate():
     scheme = TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
                                              chunk_tokens=64, seed=(b"s" * 32).hex()))

@@ -99,6 +99,32 @@ def test_the_score_is_the_ranking_the_router_routes_by(fleet):
     assert chunks[-1].usage.completion_tokens == 6
 
 
+def test_a_request_sent_while_another_computes_its_prefix_is_predicted_to_find_it_there(fleet):
+    """Two requests with one new long prefix, the second sent while the first is still in flight, through a
+    router ranking by cached tokens alone (`prefix-affinity`, so that the replica busy with the first is not
+    passed over for an idle one, as `expected-ttft` rightly does): the router counts the first's blocks as in
+    its replica's pool from the moment it sends it, before any event has said so, so the second goes to the same
+    replica and is predicted the cached tokens the replica reports. Without that it was predicted a miss on
+    both, and sent to the idle replica to compute the prefix again."""
+    _, replicas = fleet
+    router = start_router([r.url for r in replicas], "--policy", "prefix-affinity")
+    try:
+        client = _client(router.url)
+        prefix = "An appendix nobody has sent before, with tables and figures. " * 60
+        first = threading.Thread(target=client.completions.create,
+                                 kwargs={"model": MODEL, "prompt": prefix + "First.", "max_tokens": 32})
+        first.start()
+        _wait(lambda: sum(_requests_to(router, r) for r in replicas) > 0, what="the first request routed")
+        second = client.completions.create(model=MODEL, prompt=prefix + "Second.", max_tokens=2)
+        first.join(60)
+        assert sorted(_requests_to(router, r) for r in replicas) == [0, 2]        # both on one replica
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert all(metric(router.url, "tiercache_route_prediction_error_tokens_total", replica=_name(r)) == 0
+                   for r in replicas)
+    finally:
+        router.stop()
+
+
 def test_sticky_sessions_keep_a_session_on_its_replica_under_round_robin(fleet):
     """A second router over the same replicas, round-robin with ``--sticky-sessions``: the turns of a session
     (vLLM's ``session_id`` field, or its X-Session-ID header) stay on one replica; requests without one still

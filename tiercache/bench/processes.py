@@ -49,13 +49,18 @@ def launch(args: list[str], ready_prefix: str, core: int | None = None,
     cores = sorted(os.sched_getaffinity(0))
     proc = subprocess.Popen([sys.executable, "-m", "tiercache.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
-    if core is not None and len(cores) > 1:
-        # Pinned from here, not by a preexec_fn: that runs Python in the forked child of a process with threads
-        # (at-fork hooks included), which can abort it. The child is still starting its interpreter: every
-        # thread it starts later inherits the mask.
-        os.sched_setaffinity(proc.pid, {cores[core % len(cores)]})
-    ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
+    try:
+        if core is not None and len(cores) > 1:
+            # Pinned from here, not by a preexec_fn: that runs Python in the forked child of a process with
+            # threads (at-fork hooks included), which can abort it. The child is still starting its interpreter:
+            # every thread it starts later inherits the mask.
+            os.sched_setaffinity(proc.pid, {cores[core % len(cores)]})
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else ""
+    except BaseException:         # stopped while it starts (SIGTERM, Ctrl-C): nobody else knows of it yet
+        proc.kill()
+        proc.wait()
+        raise
     if not line.startswith(ready_prefix):
         proc.kill()
         raise RuntimeError(f"tiercache {' '.join(args)} did not start: {line}{proc.stderr.read()[-2000:]}")

@@ -90,12 +90,32 @@ class CachedTokens:
 
 
 class ReplicaIndex:
-    """One replica's blocks (pool) and chunks (tiers), per medium, as its events say."""
+    """One replica's blocks (pool) and chunks (tiers), per medium, as its events say; and the pool blocks of
+    the requests the router has sent it and not seen finish (`hold`, `release`): the replica is computing
+    them, and a request that shares them and arrives meanwhile finds them in its pool — the replica takes
+    its requests in order — before any event has said so. Without them, a conversation's next request sent
+    while the first is still in its prefill was predicted a miss and could be sent elsewhere to compute the
+    same prefix again."""
 
     def __init__(self) -> None:
         self.media: dict[str, set[bytes]] = {}
         self.names = None                       # the scheme's `block_names`, when its hashes are renamed
         self.renamed: frozenset[str] = frozenset()
+        self.in_flight: dict[bytes, int] = {}   # pool block → requests sent here, not finished, that hold it
+
+    def hold(self, blocks: Sequence[bytes]) -> None:
+        in_flight = self.in_flight
+        for block in blocks:
+            in_flight[block] = in_flight.get(block, 0) + 1
+
+    def release(self, blocks: Sequence[bytes]) -> None:
+        in_flight = self.in_flight
+        for block in blocks:
+            n = in_flight[block] - 1
+            if n:
+                in_flight[block] = n
+            else:
+                del in_flight[block]
 
     def rename(self, scheme: KeyScheme) -> None:
         self.names, self.renamed = scheme.block_names(), scheme.translated_media
@@ -138,7 +158,7 @@ class ReplicaIndex:
         least one). ``shared``: what the other replicas that read the same shared tiers (with the same chains)
         stored there — this replica loads those chunks too, at the remote rate."""
         limit = max(prompt.num_tokens - 1, 0)
-        engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()))
+        engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()), self.in_flight)
         engine = scheme.engine_tokens(engine_blocks, prompt.num_tokens)
         tiers: dict[str, int] = {}
         if scheme.chunk_tokens:
@@ -167,10 +187,11 @@ def event_key(value: object) -> bytes:
     return value.to_bytes((value.bit_length() + 8) // 8, "big", signed=True)
 
 
-def _leading(keys: Iterable[bytes], held) -> int:
+def _leading(keys: Iterable[bytes], held, also=()) -> int:
+    """How many of ``keys``, from the first, are in ``held`` or in ``also``."""
     n = 0
     for key in keys:
-        if key not in held:
+        if key not in held and key not in also:
             break
         n += 1
     return n

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiercache.engine.openai_api import (
     ApiError,
@@ -107,6 +107,7 @@ class Routed:
     prompt_tokens: int
     ranking: list[Ranked]
     session: tuple[str, str] | None = None    # (tenant, session id) when sessions are sticky
+    blocks: dict[str, list[bytes]] = field(default_factory=dict)   # per replica: its pool blocks of the prompt
 
 
 class Router:
@@ -141,7 +142,7 @@ class Router:
         encoder = self._encoder(replicas)
         tokens = prompt_of(encoder, body) if encoder is not None else []
         hashed: dict[tuple, PromptKeys] = {}     # replicas that chain alike share one hashing
-        candidates = []
+        candidates, blocks = [], {}
         for replica in replicas:
             prompt = None
             if replica.scheme is not None and tokens:
@@ -149,13 +150,14 @@ class Router:
                 if signature not in hashed:
                     hashed[signature] = replica.scheme.keys(tokens, salt)
                 prompt = hashed[signature]
+                blocks[replica.name] = prompt.block_hashes
             shared = [r.index.media.get("REMOTE") for r in replicas if replica.shares_with(r)]
             candidates.append(replica.candidate(prompt, len(tokens), [s for s in shared if s]))
         ranking = self.policy.rank(candidates)
         key = (tenant.name, session) if session and self.config.sticky_sessions else None
         if key is not None:
             ranking = stick(ranking, self.sessions.get(key))
-        return Routed(tenant, body, len(tokens), ranking, key)
+        return Routed(tenant, body, len(tokens), ranking, key, blocks)
 
     # -- forwarding -----------------------------------------------------------------------------------
     async def forward(self, request, path: str, routed: Routed):
@@ -176,6 +178,8 @@ class Router:
             load.pending_prefill += uncached
             load.requests += 1
             load.prompt_tokens += routed.prompt_tokens
+            blocks = routed.blocks.get(replica.name, ())
+            replica.index.hold(blocks)
             started, first = time.perf_counter(), None
             try:
                 async with self.fleet.session.post(f"{replica.url}{path}", json=routed.body,
@@ -215,6 +219,7 @@ class Router:
             finally:
                 load.in_flight -= 1
                 load.pending_prefill -= uncached
+                replica.index.release(blocks)
         self.unrouted += 1
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")
 
