@@ -244,19 +244,17 @@ def damage_one_ranks_copy_of_q(env: Env) -> None:
     env.notes["damaged"] = victim, bytes(data)
 
 
-def q_values(env: Env, tp: int) -> list[bytes]:
-    """Every rank's Redis value of Q's chunks (the chunks the ``tp`` run stored), of either TP size."""
-    import redis
-    client = redis.Redis.from_url(env.redis.url)
-    return [k for key in chunk_keys(env, tp)["Q"] for k in client.scan_iter(match=f"tiercache:*:{key}")]
-
-
 def take_q_out_of_redis(tp: int) -> Callable[[Env], None]:
+    """Every rank's Redis value of Q's chunks (the chunks the ``tp`` run stored), of either TP size, deleted."""
     def before(env: Env) -> None:
         import redis
-        if found := q_values(env, tp):
-            redis.Redis.from_url(env.redis.url).delete(*found)
-        assert not q_values(env, tp)
+        client = redis.Redis.from_url(env.redis.url)
+
+        def q_values() -> list[bytes]:
+            return [k for key in chunk_keys(env, tp)["Q"] for k in client.scan_iter(match=f"tiercache:*:{key}")]
+        if found := q_values():
+            client.delete(*found)
+        assert not q_values()
     return before
 
 
