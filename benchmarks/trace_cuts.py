@@ -52,15 +52,24 @@ def decision_cost(tier_chunks: int = 20_000, n: int = 200_000) -> None:
     print(f"\nsecond-sighting per chunk: record {record * 1e6:.2f} us, admit {admit * 1e6:.2f} us "
           f"(history {guard.ghost_keys} keys)")
 
-    def timed(name: str) -> tuple[float, float, float, float]:
-        """Per chunk, a full tier: an eviction, an insert, a use, and a request's hints (running, then finished).
-        As a tier does it, a request's chunks at a time: its victims picked, then its chunks put in."""
+    def timed(name: str) -> tuple[float, float, float, float, float]:
+        """Per chunk, a full tier: an eviction, an insert, a use, a request's hints (running, then finished), and
+        telling a policy that learns from demand of the request (`record`). As a tier does it, a request's
+        chunks at a time: the request recorded, its victims picked, then its chunks put in."""
         policy = eviction_policies.get(name)()
-        for k in keys[:tier_chunks]:
-            policy.insert(k)
-        evict = insert = 0.0
+        record = getattr(policy, "record", None)
+        for r in requests[:tier_chunks // 20]:
+            if record is not None:
+                record(r)
+            for k in r:
+                policy.insert(k)
+        evict = insert = told = 0.0
         clock = timeit.default_timer
         for r in requests[tier_chunks // 20:]:
+            if record is not None:
+                started = clock()
+                record(r)
+                told += clock() - started
             started = clock()
             for _ in r:
                 policy.pop_victim()
@@ -80,12 +89,14 @@ def decision_cost(tier_chunks: int = 20_000, n: int = 200_000) -> None:
                 retain(r, RequestState.RUNNING)
                 retain(r, RequestState.FINISHED)
         hints = (clock() - started) / tier_chunks
-        return evict / inserted, insert / inserted, touch, hints
-    for name in ("lfu-da", "lfu-da-state"):
-        evict, insert, touch, hints = (min(t) for t in zip(*(timed(name) for _ in range(3))))
-        said = f"{hints * 1e6:.2f} us" if hasattr(eviction_policies.get(name), "retain") else "ignored"
+        return evict / inserted, insert / inserted, touch, hints, told / inserted
+    for name in ("lfu-da", "lfu-da-state", "reuse-model"):
+        evict, insert, touch, hints, told = (min(t) for t in zip(*(timed(name) for _ in range(3))))
+        policy = eviction_policies.get(name)
+        said = f"{hints * 1e6:.2f} us" if hasattr(policy, "retain") else "ignored"
+        heard = f"{told * 1e6:.2f} us" if hasattr(policy, "record") else "ignored"
         print(f"{name} per chunk: eviction {evict * 1e6:.2f} us, insert {insert * 1e6:.2f} us, "
-              f"use {touch * 1e6:.2f} us, running + finished hints {said}")
+              f"use {touch * 1e6:.2f} us, running + finished hints {said}, request recorded {heard}")
 
 
 if __name__ == "__main__":

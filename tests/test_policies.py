@@ -322,7 +322,7 @@ def test_lfu_da_state_keeps_a_continuing_requests_chunks_and_gives_up_a_finished
     assert drain(p2) == [chat[0], chat[2], chat[1]]  # a preempted request's chunks outrank a conversation's
 
 
-@pytest.mark.parametrize("name", ["lru", "fifo", "lfu-da", "lfu-da-state", "s3-fifo", "arc", "prefix-lru"])
+@pytest.mark.parametrize("name", eviction_policies.names())
 def test_hints_never_bring_back_a_key_the_policy_does_not_hold(name):
     from tiercache.contracts.connector import RequestState
 
@@ -356,3 +356,82 @@ def test_second_sighting_takes_a_continuing_conversation_at_its_first_sighting()
     for i in range(40):                                      # the vouching is history too: bounded
         a.retain([hashlib.sha256(b"x" + bytes([i])).digest()], RequestState.PREEMPTED)
         assert len(a._seen) <= 16
+
+
+def _serve(policy, keys, capacity):
+    """A tier of ``capacity`` chunks under ``policy`` serves a request: told of it, its held chunks used, the
+    rest stored (victims picked as needed)."""
+    policy.record(keys)
+    for k in keys:
+        if k in policy._entries:
+            policy.touch(k)
+        else:
+            while len(policy) >= capacity:
+                policy.pop_victim()
+            policy.insert(k)
+
+
+def test_reuse_model_ranks_a_kind_of_request_that_comes_back_above_one_that_does_not():
+    p = eviction_policies.get("reuse-model")()
+    p.MIN_HORIZON = 64
+    for i in range(300):                     # long requests asked for again soon; two-chunk one-offs never
+        long, once = _keys(16, b"long%d-" % i), _keys(2, b"once%d-" % i)
+        _serve(p, long, 40)
+        _serve(p, once, 40)
+        _serve(p, long, 40)
+    assert p.model.weight(_keys(1, b"long0-")[0], 1) == 1.0             # settled long ago: nothing to go by
+    drain(p)
+    fresh_long, fresh_once = _keys(16, b"new long"), _keys(2, b"new once")
+    _serve(p, fresh_long, 40)
+    _serve(p, fresh_once, 40)                # newer, and seen as often: LFU-DA would give up the long one first
+    assert sorted([p.pop_victim(), p.pop_victim()]) == sorted(fresh_once)
+    assert p.model.weight(fresh_long[0], 1) > 1.0 > p.model.weight(fresh_once[0], 1)
+
+
+def test_reuse_model_counts_a_reuse_only_within_its_horizon():
+    from tiercache.policies.reuse_model import ReuseModel
+
+    model = ReuseModel(horizon=10)
+    for i in range(400):        # one-chunk requests back 5 sightings later; two-chunk ones 5 rounds (> 30) later
+        soon = _keys(1, b"soon%d" % i)
+        model.observe(soon, ())
+        model.observe(_keys(4, b"fill%d" % i), ())
+        model.observe(soon, ())
+        if i % 5 == 0:
+            model.observe(_keys(2, b"late%d" % (i // 10)), ())
+    one, two = _keys(1, b"new one"), _keys(2, b"new two")
+    model.observe(one, ())
+    model.observe(two, ())
+    assert model.weight(one[0], 1) > 1.0 > model.weight(two[0], 1)
+
+
+def test_reuse_model_memory_is_bounded_by_its_horizon():
+    from tiercache.policies.reuse_model import ReuseModel
+
+    model = ReuseModel(horizon=100)
+    for i in range(2000):
+        model.observe(_keys(7, b"r%d-" % i), ())
+        assert len(model) <= 100 + 7 and len(model._latest) <= 100 + 7
+    model.horizon = 1000                     # a tier that grew: the ring grows with it, nothing lost
+    for i in range(300):
+        model.observe(_keys(7, b"s%d-" % i), ())
+    assert 1000 <= len(model) <= 1000 + 7
+
+
+def test_reuse_model_hears_every_request_through_the_cache_manager():
+    from tiercache.manager import CacheManager
+    from tiercache.tiers.cpu import CpuIndex
+    from tiercache.tiers.metadata import MetadataIndex
+
+    l1 = CpuIndex(8, 1, eviction="reuse-model")
+    l2 = MetadataIndex(16, eviction="reuse-model", name="l2")
+    manager = CacheManager(l1, block_size=16, blocks_per_chunk=1, block_bytes=1, lower=[l2])
+    manager.record_request(_keys(5))
+    assert len(l1.policy.model) == len(l2.policy.model) == 5
+
+
+def test_reuse_model_beats_lru_on_the_shared_trace(shared_trace):
+    from tiercache.bench.trace import replay
+    for capacity in (1_000_000, 3_000_000):
+        lru, learned = replay(shared_trace, capacity, "lru"), replay(shared_trace, capacity, "reuse-model")
+        assert learned.token_hit_ratio > 1.01 * lru.token_hit_ratio, capacity

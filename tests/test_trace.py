@@ -115,12 +115,12 @@ def test_bench_trace_replays_l1_over_l2_and_counts_the_chunks_each_policy_writes
     trace = write_trace(tmp_path / "t.jsonl", [req([1, 2, 3]), req([1, 2, 4]), req([5]), req([1, 2]), req([6])])
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
-                           "--capacity-tokens", "1024", "--l1-tokens", "1024", "--policy", "lru", "--json", str(out),
-                           "--quiet"], capture_output=True, text=True)
+                           "--capacity-tokens", "1024", "--l1-tokens", "1024", "--policy", "lru,lru/reuse-model",
+                           "--json", str(out), "--quiet"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     rows = {r["policy"]: r for r in report["results"]}
-    assert report["l1_tokens"] == 1024 and set(rows) == {"lru", "belady (offline)"}
+    assert report["l1_tokens"] == 1024 and set(rows) == {"lru", "lru/reuse-model", "belady (offline)"}
     assert rows["lru"]["written_chunks"] > 0                          # spills from L1 were written to L2
     assert rows["belady (offline)"]["written_chunks"] < rows["lru"]["written_chunks"]   # one-offs never kept
     assert rows["belady (offline)"]["token_hit_ratio"] >= rows["lru"]["token_hit_ratio"]
@@ -148,7 +148,8 @@ def test_bench_trace_rows_may_name_an_admission_policy_and_a_wrong_one_is_one_li
     assert (rows["lru"]["written_chunks"], rows["lru"]["token_hit_ratio"]) == (5, pytest.approx(2 / 7, abs=1e-3))
     assert (rows["lru+second-sighting"]["written_chunks"], rows["lru+second-sighting"]["token_hit_ratio"]) == (
         3, pytest.approx(3 / 7, abs=1e-3))                                # the whole of 1 2 3, the second time
-    for policy, words in (("lru+nope", "unknown admission policy ['nope']"), ("nope+always", "unknown policy")):
+    for policy, words in (("lru+nope", "unknown admission policy ['nope']"), ("nope+always", "unknown policy"),
+                          ("lru/nope", "unknown policy"), ("lru/lfu-da", "--policy: L1/L2 names each tier")):
         proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
                                "--policy", policy, "--quiet"], capture_output=True, text=True)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -145,10 +145,12 @@ def _pressure_list(text: str) -> list[str]:
 
 
 def _policy_list(text: str) -> list[str]:
-    """Eviction policies, each optionally ``+ADMISSION`` (what the tier admits: ``lfu-da+second-sighting``)."""
+    """Eviction policies, each optionally ``+ADMISSION`` (what the tier admits: ``lfu-da+second-sighting``) and,
+    for a replay of L1 over L2, ``L1/L2`` (each tier's own: ``lfu-da/reuse-model``)."""
     from tiercache.policies import admission_policies, eviction_policies
     names = [n.strip() for n in text.split(",") if n.strip()]
-    _names(",".join(n.partition("+")[0] for n in names) or text, eviction_policies.names(), "policy")
+    evictions = [e for n in names for e in n.partition("+")[0].split("/")]
+    _names(",".join(evictions) or text, eviction_policies.names(), "policy")
     admitted = [n.partition("+")[2] for n in names if "+" in n]
     if admitted:
         _names(",".join(admitted), admission_policies.names(), "admission policy")
@@ -411,10 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --capacity-bytes: the KV geometry whose chunks fill the bytes")
     t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
                    help="comma-separated eviction policies, each optionally with an admission policy "
-                        "(lfu-da+second-sighting; with --l1-tokens it guards L2) (default: lru,lfu-da,s3-fifo)")
+                        "(lfu-da+second-sighting; with --l1-tokens it guards L2) and, with --l1-tokens, L1's and "
+                        "L2's apart (lfu-da/reuse-model) (default: lru,lfu-da,s3-fifo)")
     t.add_argument("--l1-tokens", type=_size_list("--l1-tokens", "1M"), default=None,
                    help="replay L1 of this many tokens over an L2 of each capacity through the real cache manager "
-                        "(promotions, write-back spills; the policy in both tiers) instead of one tier")
+                        "(promotions, write-back spills; the policy in both tiers unless given as L1/L2) instead "
+                        "of one tier")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError
-from tiercache.policies.eviction import DEFAULT_EVICTION
+from tiercache.policies.eviction import DEFAULT_EVICTION, eviction_policies
 
 if TYPE_CHECKING:
     from tiercache.contracts.plan import LinkLimits
@@ -99,7 +99,7 @@ MAX_TIMEOUT_S = 86400.0       # a day: beyond it a timeout is a typo, and socket
 class CpuTierConfig:
     enabled: bool = _opt(True, "keep an L1 tier in (pinned) host memory")
     capacity: int = _size(1 << 30, "bytes of host memory for L1 chunks")
-    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lfu-da | lru | s3-fifo | arc | fifo | prefix-lru")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: " + " | ".join(eviction_policies.names()))
     prefault: bool = _opt(True, "touch every page of the L1 buffer at start")
     pin_memory: str = _opt("auto", "auto (when CUDA is present) | on | off")
     shutdown_write_down: float = _opt(60.0, "seconds a clean shutdown may spend writing the chunks only L1 holds to "
@@ -120,7 +120,7 @@ class DiskTierConfig:
     enabled: bool = _opt(False, "keep an L2 tier of chunk files on a local disk")
     path: str = _opt("", "directory for chunk files (created if missing); required when enabled")
     capacity: int = _size(10 << 30, "bytes of chunk files, headers included")
-    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: lfu-da | lru | s3-fifo | arc | fifo | prefix-lru")
+    eviction: str = _opt(DEFAULT_EVICTION, "eviction policy: " + " | ".join(eviction_policies.names()))
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")

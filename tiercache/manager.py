@@ -178,7 +178,10 @@ class CacheManager:
         return self.finder.cut(lookup, self.l1.name)
 
     def record_request(self, keys: Sequence[BlockHash]) -> None:
-        """The engine admitted a request wanting chunks ``keys``: tell an admission policy that counts demand."""
+        """The engine admitted a request wanting chunks ``keys``: tell the eviction and admission policies that
+        learn from demand."""
+        for tier in self.tiers:
+            tier.record(keys)
         record = getattr(self.admission, "record", None)
         if record is not None:
             record(keys)

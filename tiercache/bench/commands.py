@@ -254,11 +254,13 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         unique_chunks,
     )
 
+    l1 = args.l1_tokens[0] if args.l1_tokens else None
+    if l1 is None and any("/" in p for p in args.policy):
+        raise ConfigError("--policy", ",".join(args.policy), "L1/L2 names each tier's policy: it needs --l1-tokens")
     trace = load_trace(args.trace)
     ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
     points = _trace_points(args)
     results = []
-    l1 = args.l1_tokens[0] if args.l1_tokens else None
     if l1 is None:
         runs = [(policy, lambda cap, policy=policy: replay(trace, cap, policy)) for policy in args.policy]
         runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always

@@ -117,6 +117,12 @@ def split_policy(name: str) -> tuple[str, str]:
     return eviction, admission or "always"
 
 
+def split_tiers(eviction: str) -> tuple[str, str]:
+    """``L1/L2``: each tier's eviction policy in a hierarchy replay; one name is both tiers'."""
+    l1, _, l2 = eviction.partition("/")
+    return l1, l2 or l1
+
+
 def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
     """One tier of ``capacity_tokens`` under ``policy`` (``EVICTION[+ADMISSION]``): each request's chunks after
     its hit are stored — as it finishes — from the head of its chain up to the first the admission refuses."""
@@ -128,6 +134,7 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
     result = ReplayResult()
     for request in trace:
         keys = request.keys
+        tier.record(keys)
         if record is not None:
             record(keys)
         hit = tier.contains(keys)
@@ -212,10 +219,12 @@ def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> No
 def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
                      min_hits: int = 1, write_mode: str = "write-back",
                      eviction: str = DEFAULT_EVICTION) -> HierarchyResult:
-    """L1 over L2 through the real cache manager; ``admission`` guards what L1 spills into L2; the manager
-    hears each request's state (`CacheManager.request_state`) as the connector tells it."""
-    l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=eviction)
-    l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=eviction, name="l2")
+    """L1 over L2 through the real cache manager; ``eviction``: both tiers' policy, or ``L1/L2``; ``admission``
+    guards what L1 spills into L2; the manager hears each request (`CacheManager.record_request`) and its state
+    (`CacheManager.request_state`) as the connector tells it."""
+    l1_eviction, l2_eviction = split_tiers(eviction)
+    l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=l1_eviction)
+    l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=l2_eviction, name="l2")
     guard = admission_for(admission, min_hits, l2.capacity_bytes)
     manager = CacheManager(l1, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
                            lower=[l2], write_mode=write_mode, admission=guard)

@@ -147,6 +147,10 @@ class TierIndex(ABC):
     def link(self, pairs: Sequence[tuple[BlockHash, BlockHash | None]]) -> None:
         """Each stored chunk's parent, for a chain-aware eviction policy; tiers without an index ignore it."""
 
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        """A request asks for chunks ``keys`` (head first), whichever tier serves them: for an eviction policy
+        that learns from demand; tiers whose eviction is not this engine's ignore it."""
+
     def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
         """The engine's word on the request that wanted ``keys`` (`RequestState`), for an eviction policy that
         takes hints; tiers whose eviction is not this engine's (a remote tier's is its server's) ignore it."""

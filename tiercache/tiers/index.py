@@ -218,6 +218,12 @@ class IndexedTier(TierIndex):
                 if link is not None and entry.ready:
                     link(child, parent)
 
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        """A request asks for chunks ``keys`` (head first): forwarded to a policy that learns from demand."""
+        record = getattr(self.policy, "record", None)
+        if record is not None:
+            record(keys)
+
     def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
         """The engine's word on the request that wanted ``keys`` (a chain, head first): forwarded to a policy
         that takes hints (``retain``), for the keys this tier holds; a key still being written takes it when it
