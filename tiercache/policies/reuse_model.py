@@ -54,7 +54,6 @@ class ReuseModel:
     """
 
     HALVE_EVERY = 1 << 16        # sightings between halvings of the counts
-    REFRESH_EVERY = 8            # requests that settled observations between refreshes of the ratio table
     MIN_RATIO, MAX_RATIO = 0.25, 4.0
 
     def __init__(self, horizon: int = 4096) -> None:
@@ -71,8 +70,8 @@ class ReuseModel:
         self._observed = [0.0] * CELLS
         self._all_positive = self._all_observed = 0.0
         self._since_halving = 0
-        self._ratio = [1.0] * CELLS                  # refreshed from the counts every REFRESH_EVERY requests
-        self._stale = 0
+        self._rate = [0.5] * CELLS                   # each cell's share of positives, kept as its counts change
+        self._per_average = 2.0                      # 1 / the share of positives over all cells
 
     def _grow(self, size: int) -> None:
         """A ring of ``size`` ticks, the unsettled observations moved into it."""
@@ -117,7 +116,7 @@ class ReuseModel:
         if upto <= self._settled_to:
             return
         latest, size, cells, ring_keys, reused = self._latest, self._size, self._cells, self._keys, self._reused
-        positive, observed = self._positive, self._observed
+        positive, observed, rate = self._positive, self._observed, self._rate
         came = 0
         for tick in range(self._settled_to + 1, upto + 1):
             at = tick % size
@@ -129,19 +128,11 @@ class ReuseModel:
             if reused[at]:
                 positive[cell] += 1.0
                 came += 1
+            rate[cell] = (positive[cell] + 0.5) / (observed[cell] + 1.0)
         self._all_observed += upto - self._settled_to
         self._all_positive += came
+        self._per_average = (self._all_observed + 2.0) / (self._all_positive + 1.0)
         self._settled_to = upto
-        self._stale += 1
-
-    def _refresh(self) -> None:
-        """Each cell's ratio to the average, from the counts settled so far (a table, so a lookup is cheap).
-        A cell with nothing settled starts at an even chance of coming back."""
-        self._stale = 0
-        average = (self._all_positive + 1.0) / (self._all_observed + 2.0)
-        low, high = self.MIN_RATIO, self.MAX_RATIO
-        self._ratio = [min(high, max(low, (p + 0.5) / (n + 1.0) / average))
-                       for p, n in zip(self._positive, self._observed)]
 
     def _halve(self) -> None:
         self._since_halving = 0
@@ -149,6 +140,8 @@ class ReuseModel:
         self._observed = [x * 0.5 for x in self._observed]
         self._all_positive *= 0.5
         self._all_observed *= 0.5
+        self._rate = [(p + 0.5) / (n + 1.0) for p, n in zip(self._positive, self._observed)]
+        self._per_average = (self._all_observed + 2.0) / (self._all_positive + 1.0)
 
     def weight(self, key: object, count: int) -> float:
         """How much likelier than the average chunk ``key`` (seen ``count`` times) is to come back within the
@@ -157,11 +150,10 @@ class ReuseModel:
         tick = self._latest.get(key)
         if tick is None:
             return 1.0
-        if self._stale >= self.REFRESH_EVERY:
-            self._refresh()
         at = tick % self._size
         self._cells[at] = cell = self._cells[at] % CONTEXTS + _COUNT_STEP[count]
-        return self._ratio[cell]
+        ratio = self._rate[cell] * self._per_average
+        return self.MIN_RATIO if ratio < self.MIN_RATIO else self.MAX_RATIO if ratio > self.MAX_RATIO else ratio
 
     def __len__(self) -> int:
         """Observations not yet settled (at most a horizon's sightings and one request's)."""
