@@ -94,3 +94,27 @@ def test_a_watched_tier_reports_what_left_it_in_order_and_only_what_was_there():
     tier.delete([k(2)])
     assert tier.take_removed() == [k(1), k(2)]
     assert tier.take_removed() == []
+
+
+def test_l1_admission_takes_free_room_then_stores_only_chains_two_requests_asked_for():
+    """``cpu.admission = second-sighting``: the engine's stores fill L1 while it has room; once it is full, a
+    chain asked for once is not stored (nothing of it: it would evict a chain that came back), and one asked for
+    twice is, evicting what only one request wanted."""
+    from tests.conftest import BLOCK, CHUNK, Stack
+    from tests.support.stack_ops import load, put
+    from tiercache.contracts.keys import chunk_keys
+
+    s = Stack(num_blocks=64, cpu_chunks=4, cpu={"admission": "second-sighting"})
+    try:
+        a, _ = put(s, "a", seed=1)
+        b, _ = put(s, "b", seed=2)                            # L1 full: four chunks, both chains
+        assert s.cpu.used_bytes == s.cpu.capacity_bytes
+        c, _ = put(s, "c", seed=3)                            # first sighting: refused, a and b stay
+        assert load(s, c) is None and load(s, a) is not None and load(s, b) is not None
+        c_keys = chunk_keys(c, CHUNK // BLOCK)
+        s.manager.record_request(c_keys)                      # two requests asked for c
+        s.manager.record_request(c_keys)
+        put(s, "c", seed=3)
+        assert load(s, c) is not None and s.cpu.counters.evicted == 2
+    finally:
+        s.close()

@@ -153,3 +153,23 @@ def test_bench_trace_rows_may_name_an_admission_policy_and_a_wrong_one_is_one_li
         proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace),
                                "--policy", policy, "--quiet"], capture_output=True, text=True)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_trace_guards_l1_with_an_admission_policy_and_refuses_one_that_cannot(tmp_path):
+    """--l1-admission: what the engine's stores put into L1 is guarded (`CacheManager.l1_admission`; what it
+    refuses is tested on a real stack in test_cpu_tier.py), and the report says by what; a policy that counts
+    L1's own hits is one line, before any work."""
+    trace = write_trace(tmp_path / "t.jsonl", [req([1]), req([1]), req([9]), req([1])])
+    out = tmp_path / "out.json"
+    base = [sys.executable, "-m", "tiercache.cli", "bench", "trace", "--trace", str(trace), "--capacity-tokens",
+            "512", "--l1-tokens", "512", "--policy", "lru", "--quiet"]
+    for admission in ("always", "second-sighting"):
+        proc = subprocess.run([*base, "--l1-admission", admission, "--json", str(out)], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr
+        report = json.loads(out.read_text())
+        assert report["l1_admission"] == admission
+        hits = {r["policy"]: r["token_hit_ratio"] for r in report["results"]}
+        assert hits["lru"] > 0
+    proc = subprocess.run([*base, "--l1-admission", "min-hits"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--l1-admission: counts L1's own hits" in proc.stderr, proc.stderr

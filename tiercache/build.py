@@ -34,7 +34,7 @@ from tiercache.encryption_keys import FIELD, KeysAudit, KeysFile
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
-from tiercache.policies import admission_for, admission_policies, eviction_policies
+from tiercache.policies import admission_for, admission_policies, eviction_policies, guards_entry
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
@@ -250,6 +250,10 @@ def check_config(config: TierCacheConfig) -> None:
     _named(eviction_policies, config.cpu.eviction, "cpu.eviction")
     _named(eviction_policies, config.disk.eviction, "disk.eviction")
     _named(admission_policies, config.disk.admission, "disk.admission")
+    _named(admission_policies, config.cpu.admission, "cpu.admission")
+    if not guards_entry(config.cpu.admission):
+        raise ConfigError("cpu.admission", config.cpu.admission, "counts L1's own hits, and a chunk being stored has "
+                                                                 "none: use always, frequency or second-sighting")
     chunk_format(config)
     if config.audit.log_file:
         _audit_trail(config).close()     # the file can be appended to (or made), before any side starts
@@ -388,10 +392,13 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
     guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), None)
     admission = admission_for(config.disk.admission, config.disk.min_hits,
                               guarded.capacity_bytes // l1_slot_bytes(config, block_bytes) if guarded else 1)
+    l1_admission = (admission_for(config.cpu.admission, config.cpu.min_hits, l1.slots.num_slots)
+                    if config.cpu.admission != "always" else None)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
                            store_partial_chunks=config.keys.store_partial_chunks,
                            write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
+                           l1_admission=l1_admission,
                            transfer_workers=config.transfer.workers, block_layout=layout, audit=audit,
                            chores=chores)
     log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,

@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay L1 of this many tokens over an L2 of each capacity through the real cache manager "
                         "(promotions, write-back spills; the policy in both tiers unless given as L1/L2) instead "
                         "of one tier")
+    t.add_argument("--l1-admission", default="always", metavar="POLICY",
+                   help="with --l1-tokens: which chunks the engine's stores put into L1 (always, frequency, "
+                        "second-sighting; cpu.admission) (default: always)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")

@@ -106,9 +106,14 @@ class CpuTierConfig:
                                             "the write-back tier, so a restart finds them (0: none)")
     retention: float = _opt(0.0, "seconds a chunk stays in L1 after it was stored: older ones are never served and "
                                  "are removed (0: no limit)")
+    admission: str = _opt("always", "which chunks the engine stores are taken into L1: always | frequency | "
+                                    "second-sighting (a chain up to its first refused chunk; anything while L1 "
+                                    "has room)")
+    min_hits: int = _opt(1, "frequency: requests beyond the first that must have wanted a chunk")
 
     def __post_init__(self) -> None:
         _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
+        _check(self.min_hits >= 0, "min_hits", self.min_hits, "must be >= 0")
         _check(0 <= self.shutdown_write_down <= MAX_TIMEOUT_S, "shutdown_write_down", self.shutdown_write_down,
                f"must be in [0, {MAX_TIMEOUT_S:g}] seconds")
         _check(self.pin_memory in ("auto", "on", "off"), "pin_memory", self.pin_memory, "expected auto, on or off")

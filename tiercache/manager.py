@@ -66,7 +66,7 @@ from tiercache.contracts.plan import (
 from tiercache.contracts.purge import PurgeOrder, PurgeReport, order_selectors
 from tiercache.hot_chunks import HotChunks
 from tiercache.lookup import PrefixFinder, PrefixLookup
-from tiercache.policies import AdmissionPolicy
+from tiercache.policies import AdmissionPolicy, admitted_prefix
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
 from tiercache.tiers.cpu import CpuIndex
@@ -106,6 +106,7 @@ class CacheManager:
         store_partial_chunks: bool = False,
         write_mode: str | Sequence[str] = "write-back",
         admission: AdmissionPolicy | None = None,
+        l1_admission: AdmissionPolicy | None = None,
         transfer_workers: int = 2,
         block_layout: ChunkLayout | None = None,
         audit: AuditTrail | None = None,
@@ -131,7 +132,8 @@ class CacheManager:
         self.write_modes = dict(zip(names[1:], modes))
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
         self._through = [t for t, m in zip(self.lower, modes) if m == "write-through"]
-        self.admission = admission
+        self.admission = admission             # what L1 writes down to its write-back tier
+        self.l1_admission = l1_admission       # what the engine stores into L1 (None: everything)
         self.audit = audit or AuditTrail()     # purges applied and expiries, per tenant (the engine's)
         self._chores = list(chores)            # run at each background step: the keys file's watch
         self.transfer_workers = transfer_workers   # each rank's transfer threads: a batch to a lower tier is split
@@ -182,18 +184,20 @@ class CacheManager:
         learn from demand."""
         for tier in self.tiers:
             tier.record(keys)
-        record = getattr(self.admission, "record", None)
-        if record is not None:
-            record(keys)
+        for admission in (self.admission, self.l1_admission):
+            record = getattr(admission, "record", None)
+            if record is not None:
+                record(keys)
 
     def request_state(self, keys: Sequence[BlockHash], state: RequestState) -> None:
         """The engine's word on the request that wanted chunks ``keys`` (head first): every tier's eviction
         policy and the admission policy that take hints keep or give up its chunks by it."""
         for tier in self.tiers:
             tier.retain(keys, state)
-        retain = getattr(self.admission, "retain", None)
-        if retain is not None:
-            retain(keys, state)
+        for admission in (self.admission, self.l1_admission):
+            retain = getattr(admission, "retain", None)
+            if retain is not None:
+                retain(keys, state)
 
     def promote(self, lookup: PrefixLookup) -> bool:
         """Start copying the lookup's lower-tier chunks up into L1; True while any of them is on its way.
@@ -309,17 +313,21 @@ class CacheManager:
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
                           first_chunk: int = 0, private: bool = False) -> TransferPlan | None:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks; ``private``
-        chunks (a swap copy) stay in L1."""
-        if first_chunk >= len(keys):
+        chunks (a swap copy) stay in L1. An L1 admission policy cuts the chain at its first refused chunk (a
+        swap copy is not asked: its request is coming back)."""
+        end = len(keys)
+        if self.l1_admission is not None and not private:
+            end = first_chunk + admitted_prefix(self.l1_admission, keys[first_chunk:], room=self.l1.slots.num_free)
+        if first_chunk >= end:
             return None
-        bounds = [self.finder.chunk_bounds(i, num_blocks) for i in range(first_chunk, len(keys))]
-        slots = self.l1.prepare_store(keys[first_chunk:], [(end - start) * self.block_bytes for start, end in bounds],
+        bounds = [self.finder.chunk_bounds(i, num_blocks) for i in range(first_chunk, end)]
+        slots = self.l1.prepare_store(keys[first_chunk:end], [(b - a) * self.block_bytes for a, b in bounds],
                                       private=private)
-        parents = [keys[i - 1] if i else None for i in range(first_chunk, len(keys))]
+        parents = [keys[i - 1] if i else None for i in range(first_chunk, end)]
         now = time.time()                     # what the chunks' headers below L1 will say they were stored at
         chunks = [
-            ChunkCopy(key, slot, tuple(block_ids[start:end]), end - start, parent=parent, stored_at=now)
-            for key, slot, (start, end), parent in zip(keys[first_chunk:], slots, bounds, parents)
+            ChunkCopy(key, slot, tuple(block_ids[start:stop]), stop - start, parent=parent, stored_at=now)
+            for key, slot, (start, stop), parent in zip(keys[first_chunk:end], slots, bounds, parents)
             if slot is not None
         ]
         self.l1.link([(c.key, c.parent) for c in chunks])     # a purge meanwhile finds them by their chain

@@ -1,7 +1,12 @@
 """Pluggable cache policies, each chosen by name from a registry."""
-from tiercache.policies.admission import AdmissionPolicy, admission_for, admission_policies, admitted_prefix
+from tiercache.policies.admission import (
+    AdmissionPolicy,
+    admission_for,
+    admission_policies,
+    admitted_prefix,
+    guards_entry,
+)
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
 __all__ = ["DEFAULT_EVICTION", "AdmissionPolicy", "EvictionPolicy", "admission_for", "admission_policies",
-           "admitted_prefix",
-           "eviction_policies"]
+           "admitted_prefix", "eviction_policies", "guards_entry"]

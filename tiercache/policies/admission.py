@@ -144,6 +144,13 @@ def admission_for(name: str, min_hits: int, tier_chunks: int) -> AdmissionPolicy
     return policy
 
 
+def guards_entry(name: str) -> bool:
+    """Whether admission policy ``name`` can guard the tier a request's chunks enter (L1): it takes everything or
+    counts requests (``record``) — a policy counting the guarded tier's own hits never admits a chunk being
+    stored, which has none. Raises `RegistryError` for an unknown name."""
+    return name == "always" or hasattr(admission_policies.get(name), "record")
+
+
 def admitted_prefix(policy: AdmissionPolicy | None, keys: Sequence[BlockHash], hits: int = 0, room: int = 0) -> int:
     """How many of a chain's ``keys``, from its head, ``policy`` admits: it stops at the first refused. For a
     policy that ``admits_into_room``, the first ``room`` go in unasked — the tier has room for them without
