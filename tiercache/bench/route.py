@@ -93,9 +93,12 @@ class Request:
     end_s: float
     prompt_tokens: int
     cached_tokens: int
+    replica: str = ""                 # where the router sent it, and what it expected there (its headers)
+    expected_ttft_ms: float = 0.0
+    predicted_cached_tokens: int = 0
 
 
-async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, dict]:
+async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, dict, dict]:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -103,6 +106,9 @@ async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tupl
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"bench route: the router answered {resp.status}: {(await resp.text())[:200]}")
+        routed = {"replica": resp.headers.get("X-Tiercache-Replica", ""),
+                  "expected_ttft_ms": float(resp.headers.get("X-Tiercache-Expected-TTFT-Ms", 0.0)),
+                  "predicted_cached_tokens": int(resp.headers.get("X-Tiercache-Predicted-Cached-Tokens", 0))}
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue
@@ -112,7 +118,7 @@ async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tupl
             for choice in event.get("choices") or ():
                 text.append(choice.get("delta", {}).get("content") or "")
             usage = event.get("usage") or usage
-    return (first or time.perf_counter()) - start, time.perf_counter() - start, "".join(text), usage
+    return (first or time.perf_counter()) - start, time.perf_counter() - start, "".join(text), usage, routed
 
 
 async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None = None) -> list[Request]:
@@ -127,10 +133,10 @@ async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None
         for turn, (question, pause) in enumerate(zip(conv.questions, conv.pauses)):
             history.append({"role": "user", "content": question})
             sent = time.perf_counter() - origin
-            ttft, total, answer, usage = await _ask(session, url, history, w.output_tokens)
+            ttft, total, answer, usage, routed = await _ask(session, url, history, w.output_tokens)
             details = usage.get("prompt_tokens_details") or {}
             records.append(Request(i, turn, sent, ttft, sent + total, usage.get("prompt_tokens", 0),
-                                   details.get("cached_tokens", 0)))
+                                   details.get("cached_tokens", 0), **routed))
             if progress is not None:
                 progress()
             history.append({"role": "assistant", "content": answer})
@@ -230,7 +236,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
                                   if statistics.mean(computed) > 0 else 0.0),
             "prediction_error": round(error / reported, 4) if reported else 0.0,
-            "per_replica": per_replica}
+            "per_replica": per_replica,
+            "records": [asdict(r) for r in sorted(records, key=lambda r: r.sent_s)]}
 
 
 def router_overhead(n_pairs: int = 30, prompt_tokens: int = 2048) -> dict:

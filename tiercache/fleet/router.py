@@ -185,7 +185,7 @@ class Router:
                 async with self.fleet.session.post(f"{replica.url}{path}", json=routed.body,
                                                    headers=_forwarded_headers(request)) as resp:
                     if routed.body.get("stream") is True and resp.status == 200:
-                        out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
+                        out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp, replica, ranked))
                         await out.prepare(request)
                         tail = b""
                         try:
@@ -209,7 +209,7 @@ class Router:
                     first = time.perf_counter()
                     self._record(replica, ranked, _usage_from_json(data) if resp.status == 200 else None,
                                  None, idle)
-                    return web.Response(body=data, status=resp.status, headers=_answer_headers(resp))
+                    return web.Response(body=data, status=resp.status, headers=_answer_headers(resp, replica, ranked))
             except (ClientConnectionError, ClientPayloadError) as err:     # refused, reset, cut before it answered
                 load.failures += 1
                 self.failovers += 1
@@ -251,8 +251,15 @@ def _forwarded_headers(request) -> dict[str, str]:
     return headers
 
 
-def _answer_headers(resp) -> dict[str, str]:
-    return {k: resp.headers[k] for k in RESPONSE_HEADERS if k in resp.headers}
+def _answer_headers(resp, replica: Replica, ranked: Ranked) -> dict[str, str]:
+    """The replica's content headers, and where the request went and what the router expected of it there (as
+    llm-d's and the inference gateway's pickers name the endpoint they chose): a client or a benchmark can
+    line up each answer's time to first token with its prediction."""
+    headers = {k: resp.headers[k] for k in RESPONSE_HEADERS if k in resp.headers}
+    headers["X-Tiercache-Replica"] = replica.name
+    headers["X-Tiercache-Expected-TTFT-Ms"] = f"{ranked.expected_ttft_s * 1e3:.1f}"
+    headers["X-Tiercache-Predicted-Cached-Tokens"] = str(ranked.cached_tokens)
+    return headers
 
 
 def _usage_from_json(data: bytes) -> dict | None:
