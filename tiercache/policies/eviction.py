@@ -475,11 +475,15 @@ class ReuseModelPolicy(LFUDAPolicy):
 
     Cost, on the scheduler's thread: a request's chunks are each an
     observation (`record`: a dict update and, a horizon later, a counter
-    added), and each insert or use looks its weight up in a table.
+    added), and each insert or use looks its weight up in a table. Memory:
+    the observations of one horizon (a ring and a key → tick table, about
+    three times the tier's own entry table), never more than
+    ``MAX_HORIZON`` whatever the tier's size.
     """
 
     HORIZON = 3          # in tier sizes: 2 and 3 did best on the Mooncake trace's cuts, 1 and 4 worse (RESULTS.md)
     MIN_HORIZON = 1024
+    MAX_HORIZON = 1 << 22     # sightings: a tier of over 1.4M chunks looks no further ahead (as second-sighting)
 
     def __init__(self) -> None:
         super().__init__()
@@ -487,7 +491,7 @@ class ReuseModelPolicy(LFUDAPolicy):
 
     def record(self, keys: Sequence[Key]) -> None:
         """A request asks for ``keys`` (head first), whichever tier serves them."""
-        self.model.horizon = max(self.MIN_HORIZON, self.HORIZON * len(self._entries))
+        self.model.horizon = min(self.MAX_HORIZON, max(self.MIN_HORIZON, self.HORIZON * len(self._entries)))
         self.model.observe(keys, self._entries)
 
     def _value(self, key: Key, count: int) -> float:
