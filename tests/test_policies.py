@@ -417,6 +417,13 @@ def test_reuse_model_memory_is_bounded_by_its_horizon():
         model.observe(_keys(7, b"s%d-" % i), ())
     assert 1000 <= len(model) <= 1000 + 7
 
+    policy = eviction_policies.get("reuse-model")()
+    policy.MIN_HORIZON, policy.MAX_HORIZON = 8, 64       # however large the tier, the horizon stops there
+    for k in _keys(100):
+        policy.insert(k)
+    policy.record(_keys(3, b"asked"))
+    assert policy.model.horizon == 64 and len(policy.model) <= 64 + 3
+
 
 def test_reuse_model_hears_every_request_through_the_cache_manager():
     from tiercache.manager import CacheManager
