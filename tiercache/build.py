@@ -34,7 +34,13 @@ from tiercache.encryption_keys import FIELD, KeysAudit, KeysFile
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
-from tiercache.policies import admission_for, admission_policies, eviction_policies, guards_entry
+from tiercache.policies import (
+    NOT_AN_ENTRY_GUARD,
+    admission_for,
+    admission_policies,
+    eviction_policies,
+    guards_entry,
+)
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
@@ -252,8 +258,7 @@ def check_config(config: TierCacheConfig) -> None:
     _named(admission_policies, config.disk.admission, "disk.admission")
     _named(admission_policies, config.cpu.admission, "cpu.admission")
     if not guards_entry(config.cpu.admission):
-        raise ConfigError("cpu.admission", config.cpu.admission, "counts L1's own hits, and a chunk being stored has "
-                                                                 "none: use always, frequency or second-sighting")
+        raise ConfigError("cpu.admission", config.cpu.admission, NOT_AN_ENTRY_GUARD)
     chunk_format(config)
     if config.audit.log_file:
         _audit_trail(config).close()     # the file can be appended to (or made), before any side starts

@@ -253,7 +253,7 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         split_policy,
         unique_chunks,
     )
-    from tiercache.policies import guards_entry
+    from tiercache.policies import NOT_AN_ENTRY_GUARD, guards_entry
     from tiercache.registry import RegistryError
 
     l1 = args.l1_tokens[0] if args.l1_tokens else None
@@ -267,8 +267,7 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         except RegistryError as err:
             raise ConfigError("--l1-admission", args.l1_admission, str(err)) from None
         if not entry:
-            raise ConfigError("--l1-admission", args.l1_admission, "counts L1's own hits, and a chunk being stored "
-                                                                 "has none: use always, frequency or second-sighting")
+            raise ConfigError("--l1-admission", args.l1_admission, NOT_AN_ENTRY_GUARD)
     trace = load_trace(args.trace)
     ceiling = replay(trace, unique_chunks(trace) * TRACE_BLOCK_TOKENS, "lru")
     points = _trace_points(args)

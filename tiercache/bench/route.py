@@ -250,7 +250,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
                                   if statistics.mean(computed) > 0 else 0.0),
             "prediction_error": round(error / reported, 4) if reported else 0.0,
             "per_replica": per_replica,
-            "records": [asdict(r) for r in sorted(records, key=lambda r: r.sent_s)]}
+            "records": [asdict(r) for r in by_time]}
 
 
 def router_overhead(n_pairs: int = 30, prompt_tokens: int = 2048) -> dict:

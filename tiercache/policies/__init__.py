@@ -1,5 +1,6 @@
 """Pluggable cache policies, each chosen by name from a registry."""
 from tiercache.policies.admission import (
+    NOT_AN_ENTRY_GUARD,
     AdmissionPolicy,
     admission_for,
     admission_policies,
@@ -8,5 +9,5 @@ from tiercache.policies.admission import (
 )
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
-__all__ = ["DEFAULT_EVICTION", "AdmissionPolicy", "EvictionPolicy", "admission_for", "admission_policies",
-           "admitted_prefix", "eviction_policies", "guards_entry"]
+__all__ = ["DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy", "admission_for",
+           "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]

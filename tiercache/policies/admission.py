@@ -144,6 +144,9 @@ def admission_for(name: str, min_hits: int, tier_chunks: int) -> AdmissionPolicy
     return policy
 
 
+NOT_AN_ENTRY_GUARD = "counts L1's own hits, and a chunk being stored has none: use always, frequency or second-sighting"
+
+
 def guards_entry(name: str) -> bool:
     """Whether admission policy ``name`` can guard the tier a request's chunks enter (L1): it takes everything or
     counts requests (``record``) — a policy counting the guarded tier's own hits never admits a chunk being

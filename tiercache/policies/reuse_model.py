@@ -31,17 +31,11 @@ _PAST_HELD = [1 + min(OFFSET_BUCKETS - 2, i.bit_length()) for i in range(8)]   #
 _COUNT_STEP = [(min(max(count, 1), COUNT_BUCKETS) - 1) * CONTEXTS for count in range(16)]
 
 
-def context_cell(request_chunks: int, past_held: int) -> int:
-    """The cell of a chunk seen once, in a request of ``request_chunks`` chunks, ``past_held`` chunks past the
-    leading run this tier holds (-1: inside that run). Add `count_step` for a chunk seen more often."""
-    length = min(LENGTH_BUCKETS - 1, request_chunks.bit_length() - 1)
-    offset = 0 if past_held < 0 else _PAST_HELD[past_held] if past_held < 8 else OFFSET_BUCKETS - 1
-    return length * OFFSET_BUCKETS + offset
-
-
-def count_step(count: int) -> int:
-    """What a chunk's count (1 up, at most 15: the counts' saturation) adds to its context cell."""
-    return _COUNT_STEP[count]
+def _length_base(request_chunks: int) -> int:
+    """The first cell of a request of ``request_chunks`` chunks, seen once: its offset bucket (0 inside the
+    leading run this tier holds, then `_PAST_HELD`, then the last) and its count's step (`_COUNT_STEP`) are
+    added to it."""
+    return min(LENGTH_BUCKETS - 1, request_chunks.bit_length() - 1) * OFFSET_BUCKETS
 
 
 class ReuseModel:
@@ -93,7 +87,7 @@ class ReuseModel:
         latest, horizon, size = self._latest, self.horizon, self._size
         cells, ring_keys, reused = self._cells, self._keys, self._reused
         tick = self._tick
-        base = context_cell(len(keys), -1)            # the request's cells: base + offset bucket
+        base = _length_base(len(keys))                # the request's cells: base + offset bucket
         for i, key in enumerate(keys):
             tick += 1
             before = latest.get(key)
