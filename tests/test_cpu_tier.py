@@ -118,3 +118,53 @@ def test_l1_admission_takes_free_room_then_stores_only_chains_two_requests_asked
         assert load(s, c) is not None and s.cpu.counters.evicted == 2
     finally:
         s.close()
+
+
+def _spilling_l1(slots: int) -> tuple:
+    """L1 of ``slots`` under a write-back L2 through the real cache manager: every L1 victim is spilled."""
+    from tiercache.manager import CacheManager
+    from tiercache.tiers.metadata import MetadataIndex
+    l1 = CpuIndex(slots, 1, eviction="lru")
+    l2 = MetadataIndex(1000, name="l2")
+    return CacheManager(l1, block_size=1, blocks_per_chunk=1, block_bytes=1, lower=[l2], write_mode="write-back"), l1
+
+
+def _run(manager, plans) -> None:
+    from tiercache.contracts.plan import JobOutcome
+    manager.apply([JobOutcome(p.job_id) for p in plans if p is not None])
+
+
+def test_a_full_l1_over_a_write_back_tier_keeps_room_for_the_next_steps_stores():
+    """A victim being spilled holds its slot until its copy is out: a store into a full L1 whose victims all go
+    down would find no slot and be refused. Once L1 has filled, each background step makes room ahead (1/16 of
+    L1, spilled), so the next step's stores all find slots — and nothing is lost: what made room is in L2."""
+    manager, l1 = _spilling_l1(64)
+    first = [k(i) for i in range(64)]
+    _run(manager, [manager.plan_store_chunks(first, range(64), 64)])
+    first.append(k(64))                                      # one more than fits: L1 has had to evict
+    _run(manager, [manager.plan_store_chunks(first[-1:], range(1), 1)])
+    _run(manager, manager.take_background())                 # the spills are copied out, their slots freed
+    assert l1.slots.num_free + len(l1._spilling) >= manager.spill_reserve == 4
+    _run(manager, manager.take_background())                 # and the room made ahead is kept
+    refused = l1.counters.store_rejected                     # the 65th chunk: its victims were all spilling
+    nxt = [k(100 + i) for i in range(4)]
+    plan = manager.plan_store_chunks(nxt, range(4), 4)
+    assert plan is not None and len(plan.chunks) == 4 and l1.counters.store_rejected == refused
+    _run(manager, [plan])
+    l2 = manager.lower[0]
+    assert all(l1.has(key) or l2.has(key) for key in first[:64] + nxt)
+
+
+def test_an_l1_that_never_filled_keeps_everything_and_a_tiny_one_keeps_no_room():
+    manager, l1 = _spilling_l1(64)
+    keys = [k(i) for i in range(64)]                         # exactly full, nothing evicted to get there
+    _run(manager, [manager.plan_store_chunks(keys, range(64), 64)])
+    _run(manager, manager.take_background())
+    assert l1.num_chunks == 64 and l1.counters.evicted == 0
+    manager, l1 = _spilling_l1(8)                            # under 16 slots: no room kept
+    _run(manager, [manager.plan_store_chunks([k(i) for i in range(8)], range(8), 8)])
+    _run(manager, [manager.plan_store_chunks([k(8)], range(1), 1)])
+    _run(manager, manager.take_background())
+    evicted = l1.counters.evicted
+    _run(manager, manager.take_background())
+    assert manager.spill_reserve == 0 and l1.counters.evicted == evicted

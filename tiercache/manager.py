@@ -75,6 +75,9 @@ from tiercache.tiers.index import IndexedTier
 log = logging.getLogger(__name__)
 
 
+SPILL_RESERVE_SHARE = 16     # 1/16 of L1 (RESULTS.md, "Room for the next step's stores")
+
+
 class JobKind(Enum):
     LOAD = auto()        # L1 → L0
     STORE = auto()       # L0 → L1
@@ -145,6 +148,9 @@ class CacheManager:
         self._left: list[int] = []          # L1 slots freed since the last `take_write_back`, in order
         self.hot = HotChunks()
         self.events: EventJournal | None = None   # kept once a connector turns them into KV events
+        # L1 slots kept free (or being spilled) for the next step's stores and promotions: a victim being
+        # spilled frees its slot only once its copy is out (none in an L1 of under SPILL_RESERVE_SHARE slots)
+        self.spill_reserve = l1.slots.num_slots // SPILL_RESERVE_SHARE
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
             l1.on_slot_freed = self._left.append
@@ -396,6 +402,8 @@ class CacheManager:
                 self.audit.record("expired", f"tier {tier.name}: {len(gone)} chunks past retention removed",
                                   chunks=len(gone), tier=tier.name)
         deletes = self._plan_deletes()
+        if self._spill_to is not None and self.spill_reserve:
+            self.l1.keep_free(self.spill_reserve)
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
             chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes, parent=s.parent, stored_at=s.stored_at)

@@ -59,6 +59,7 @@ class CpuIndex(IndexedTier):
         self.on_slot_freed: Callable[[int], None] | None = None             # set by the manager
         self._spilling: dict[BlockHash, Entry] = {}
         self._spill_queue: list[Spill] = []
+        self._filled = False                # a store has had to evict to make room
 
     # -- TierIndex -----------------------------------------------------------
     @property
@@ -85,6 +86,7 @@ class CpuIndex(IndexedTier):
                 if freed is None:
                     break
                 tries += 1
+                self._filled = True
                 if freed:
                     slot = self.slots.allocate()
             if slot is None:
@@ -122,6 +124,16 @@ class CpuIndex(IndexedTier):
         self.counters.loaded += len(keys)
 
     # -- spills --------------------------------------------------------------
+    def keep_free(self, slots: int) -> None:
+        """Evict ahead of need until ``slots`` slots are free or on their way to being free (spilling), once
+        a store has had to make room. A victim being spilled holds its slot until its copy is out, so a store
+        into a full L1 whose victims all go down would find no slot free and be refused, however many victims
+        it sent down; with room made a step ahead it finds one. An L1 that never filled keeps everything."""
+        if not self._filled:
+            return
+        while self.slots.num_free + len(self._spilling) < slots and self._evict_one() is not None:
+            pass
+
     def take_spills(self) -> list[Spill]:
         spills, self._spill_queue = self._spill_queue, []
         return spills
