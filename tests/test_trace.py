@@ -173,3 +173,17 @@ def test_bench_trace_guards_l1_with_an_admission_policy_and_refuses_one_that_can
         assert hits["lru"] > 0
     proc = subprocess.run([*base, "--l1-admission", "min-hits"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--l1-admission: counts L1's own hits" in proc.stderr, proc.stderr
+
+
+def test_the_hierarchy_replay_asks_again_while_promotions_wait_for_room(tmp_path):
+    """A prefix held only in L2 and longer than the room L1 can make in one go (its victims are being spilled)
+    is promoted over several rounds, as the connector does by asking again: the whole prefix is a hit."""
+    one = list(range(24))
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [
+        req(one),                                  # into L1 (32 slots)
+        req(list(range(100, 132))),                # two other chains push it down into L2
+        req(list(range(200, 232))),
+        req(one),                                  # in L2 only, and L1's victims all need spilling
+    ]))
+    r = replay_hierarchy(trace, 32 * 512, 200 * 512, eviction="lru")
+    assert r.hit_requests == 1 and r.hit_tokens == 24 * 512      # one round alone: 8 chunks

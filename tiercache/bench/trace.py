@@ -235,7 +235,7 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
         keys = request.keys
         manager.record_request(keys)
         lookup = manager.lookup_chunks(keys, len(keys))
-        if manager.promote(lookup):
+        while manager.promote(lookup):             # as the connector does: ask again while chunks are on their way
             result.l2_hit_chunks += sum(len(r.keys) for r in lookup.runs if r.tier == "l2")
             _complete(manager, manager.take_background())
             lookup = manager.lookup_chunks(keys, len(keys))
