@@ -5,7 +5,8 @@
 Cuts: the whole trace, its first 1500 requests, its first and second halves — `tiercache bench trace` replays
 one file; this replays the same code (`tiercache.bench.trace.replay`) over each cut, at 500K, 1M, 3M, 5M and
 10M tokens, and prints a Markdown table (each cell: the policy's ratio to LRU at that cut and capacity); then
-what `second-sighting` costs the scheduler's thread per chunk (its history of 160K keys: a tier of 20K chunks)
+what `second-sighting` and `adaptive-sighting` cost the scheduler's thread per chunk (a history of 160K keys: a
+tier of 20K chunks under an L1 of 5K)
 and what `lfu-da` and `lfu-da-state` cost per chunk for an eviction, an insert, a use, and a request's hints
 (running, then finished).
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from tiercache.bench.trace import load_trace, replay
 from tiercache.contracts.connector import RequestState
-from tiercache.policies import admission_policies, eviction_policies
+from tiercache.policies import GuardedTier, admission_policies, eviction_policies
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CAPACITIES = (500_000, 1_000_000, 3_000_000, 5_000_000, 10_000_000)
@@ -43,14 +44,16 @@ def main() -> None:
 
 
 def decision_cost(tier_chunks: int = 20_000, n: int = 200_000) -> None:
-    guard = admission_policies.get("second-sighting")(0)
-    guard.size_for(tier_chunks)
     keys = [hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(n)]
     requests = [keys[i:i + 20] for i in range(0, n, 20)]
-    record = min(timeit.repeat(lambda: [guard.record(r) for r in requests], number=1, repeat=3)) / n
-    admit = min(timeit.repeat(lambda: [guard.admit(k, 0) for k in keys], number=1, repeat=3)) / n
-    print(f"\nsecond-sighting per chunk: record {record * 1e6:.2f} us, admit {admit * 1e6:.2f} us "
-          f"(history {guard.ghost_keys} keys)")
+    print()
+    for name in ("second-sighting", "adaptive-sighting"):
+        guard = admission_policies.get(name)(0)
+        guard.size_for(GuardedTier(tier_chunks, tier_chunks // 4))
+        record = min(timeit.repeat(lambda: [guard.record(r) for r in requests], number=1, repeat=3)) / n
+        admit = min(timeit.repeat(lambda: [guard.admit(k, 0) for k in keys], number=1, repeat=3)) / n
+        print(f"{name} per chunk: record {record * 1e6:.2f} us, admit {admit * 1e6:.2f} us "
+              f"(history {guard.ghost_keys} keys)")
 
     def timed(name: str) -> tuple[float, float, float, float, float]:
         """Per chunk, a full tier: an eviction, an insert, a use, a request's hints (running, then finished), and

@@ -1,7 +1,7 @@
 """Eviction policies on their own: the order in which each gives keys up."""
 import pytest
 
-from tiercache.policies import admission_policies, eviction_policies
+from tiercache.policies import GuardedTier, admission_policies, eviction_policies
 
 
 def drain(policy):
@@ -259,7 +259,7 @@ def test_second_sighting_admits_on_the_second_request_within_a_bounded_ghost_his
     import hashlib
 
     a = admission_policies.get("second-sighting")(0)
-    a.size_for(5)                                           # a tier of 5 chunks: 40 keys remembered
+    a.size_for(GuardedTier(5))                                           # a tier of 5 chunks: 40 keys remembered
     assert a.ghost_keys == 40
     keys = [hashlib.sha256(bytes([i])).digest() for i in range(100)]
     a.record(keys[:3])
@@ -345,7 +345,7 @@ def test_second_sighting_takes_a_continuing_conversation_at_its_first_sighting()
     from tiercache.contracts.connector import RequestState
 
     a = admission_policies.get("second-sighting")(0)
-    a.size_for(2)                                            # 16 keys remembered
+    a.size_for(GuardedTier(2))                                            # 16 keys remembered
     turn = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
     a.record(turn)
     assert not any(a.admit(k, 0) for k in turn)
@@ -442,3 +442,60 @@ def test_reuse_model_beats_lru_on_the_shared_trace(shared_trace):
     for capacity in (1_000_000, 3_000_000):
         lru, learned = replay(shared_trace, capacity, "lru"), replay(shared_trace, capacity, "reuse-model")
         assert learned.token_hit_ratio > 1.01 * lru.token_hit_ratio, capacity
+
+
+def _digests(n: int, tag: bytes) -> list[bytes]:
+    import hashlib
+    return [hashlib.sha256(tag + i.to_bytes(4, "big")).digest() for i in range(n)]
+
+
+def _one_offs_past_a_hot_set(guard, rounds: int) -> None:
+    """Each round asks for a hot set of 256 chunks and then for 1024 chunks nobody asks for again: in a tier of
+    512 under LRU, admitting the one-offs evicts the hot set before it comes back."""
+    hot = _digests(256, b"hot")
+    for r in range(rounds):
+        for i in range(0, 256, 8):
+            guard.record(hot[i:i + 8])
+        fresh = _digests(1024, b"once" + r.to_bytes(4, "big"))
+        for i in range(0, 1024, 8):
+            guard.record(fresh[i:i + 8])
+
+
+def _each_chunk_back_once_soon(guard, requests: int, tag: bytes) -> None:
+    """Every request asks for the 8 chunks of the request before last, then for 8 new ones: whatever is refused
+    at its first sighting is a miss at its second, and nothing comes back a third time."""
+    keys = [_digests(8, tag + i.to_bytes(4, "big")) for i in range(requests)]
+    for i, new in enumerate(keys):
+        guard.record((keys[i - 2] if i >= 2 else []) + new)
+
+
+def test_adaptive_sighting_follows_whichever_rule_its_shadow_tiers_say_misses_less():
+    from tiercache.policies.admission import DUEL_BOUND, MAX_SHADOW_SLOTS, SHADOW_SLOTS
+
+    guard = admission_policies.get("adaptive-sighting")(0)
+    guard.size_for(GuardedTier(512))
+    stranger = _digests(1, b"stranger")[0]
+    assert guard.admits_all and guard.admit(stranger, 0)           # no evidence yet: the tier's own policy
+    _one_offs_past_a_hot_set(guard, rounds=4)
+    assert not guard.admits_all and guard.duel == -DUEL_BOUND      # refusing one-offs keeps the hot set
+    assert not guard.admit(stranger, 0) and guard.admit(_digests(256, b"hot")[0], 0)
+    _each_chunk_back_once_soon(guard, 600, b"soon")
+    assert guard.admits_all and guard.admit(stranger, 0)           # refusing first sightings now loses hits
+    _one_offs_past_a_hot_set(guard, rounds=4)
+    assert not guard.admits_all                                    # and back
+    assert guard._always.slots == guard._picky.slots == SHADOW_SLOTS
+    huge = admission_policies.get("adaptive-sighting")(0)
+    huge.size_for(GuardedTier(1 << 30, 1 << 28))                   # memory bounded whatever the tiers' size
+    assert huge._always.slots == MAX_SHADOW_SLOTS and huge._l1.slots == MAX_SHADOW_SLOTS // 4
+    assert huge.ghost_keys <= 1 << 22
+    from tiercache.policies import guards_entry
+    assert guards_entry("adaptive-sighting")
+
+
+def test_adaptive_sighting_takes_most_of_second_sightings_gain_where_admitting_everything_loses(shared_trace):
+    from tiercache.bench.trace import replay
+    trace = shared_trace[:1500]                # at 500K, LFU-DA admitting everything is below LRU (RESULTS.md)
+    lru, lfu = (replay(trace, 500_000, p).token_hit_ratio for p in ("lru", "lfu-da"))
+    picky = replay(trace, 500_000, "lfu-da+second-sighting").token_hit_ratio
+    adaptive = replay(trace, 500_000, "lfu-da+adaptive-sighting").token_hit_ratio
+    assert lfu < lru < adaptive <= picky and adaptive - lfu > 0.6 * (picky - lfu)

@@ -36,6 +36,7 @@ from tiercache.machine import physical_memory
 from tiercache.manager import CacheManager
 from tiercache.policies import (
     NOT_AN_ENTRY_GUARD,
+    GuardedTier,
     admission_for,
     admission_policies,
     eviction_policies,
@@ -395,9 +396,10 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
         raise
     # it guards the first tier written back to (what L1 spills into)
     guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), None)
-    admission = admission_for(config.disk.admission, config.disk.min_hits,
-                              guarded.capacity_bytes // l1_slot_bytes(config, block_bytes) if guarded else 1)
-    l1_admission = (admission_for(config.cpu.admission, config.cpu.min_hits, l1.slots.num_slots)
+    shape = (GuardedTier(guarded.capacity_bytes // l1_slot_bytes(config, block_bytes), l1.slots.num_slots)
+             if guarded else GuardedTier(1))
+    admission = admission_for(config.disk.admission, config.disk.min_hits, shape)
+    l1_admission = (admission_for(config.cpu.admission, config.cpu.min_hits, GuardedTier(l1.slots.num_slots))
                     if config.cpu.admission != "always" else None)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,

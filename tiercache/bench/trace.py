@@ -37,7 +37,7 @@ from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.manager import CacheManager
-from tiercache.policies import DEFAULT_EVICTION, admission_for, admitted_prefix
+from tiercache.policies import DEFAULT_EVICTION, GuardedTier, admission_for, admitted_prefix
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.metadata import MetadataIndex
 
@@ -128,7 +128,7 @@ def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "l
     its hit are stored — as it finishes — from the head of its chain up to the first the admission refuses."""
     eviction, admission = split_policy(policy)
     tier = MetadataIndex(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=eviction)
-    guard = admission_for(admission, 0, tier.capacity_bytes) if admission != "always" else None
+    guard = admission_for(admission, 0, GuardedTier(tier.capacity_bytes)) if admission != "always" else None
     record = getattr(guard, "record", None)
     vouch = getattr(guard, "retain", None)
     result = ReplayResult()
@@ -226,8 +226,9 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
     l1_eviction, l2_eviction = split_tiers(eviction)
     l1 = CpuIndex(max(1, l1_tokens // TRACE_BLOCK_TOKENS), 1, eviction=l1_eviction)
     l2 = MetadataIndex(max(1, l2_tokens // TRACE_BLOCK_TOKENS), eviction=l2_eviction, name="l2")
-    guard = admission_for(admission, min_hits, l2.capacity_bytes)
-    entry_guard = admission_for(l1_admission, min_hits, l1.capacity_bytes) if l1_admission != "always" else None
+    guard = admission_for(admission, min_hits, GuardedTier(l2.capacity_bytes, l1.capacity_bytes))
+    entry_guard = (admission_for(l1_admission, min_hits, GuardedTier(l1.capacity_bytes))
+                   if l1_admission != "always" else None)
     manager = CacheManager(l1, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
                            lower=[l2], write_mode=write_mode, admission=guard, l1_admission=entry_guard)
     result = HierarchyResult()

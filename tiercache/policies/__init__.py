@@ -2,6 +2,7 @@
 from tiercache.policies.admission import (
     NOT_AN_ENTRY_GUARD,
     AdmissionPolicy,
+    GuardedTier,
     admission_for,
     admission_policies,
     admitted_prefix,
@@ -9,5 +10,6 @@ from tiercache.policies.admission import (
 )
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
-__all__ = ["DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy", "admission_for",
+__all__ = ["DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy", "GuardedTier",
+           "admission_for",
            "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]

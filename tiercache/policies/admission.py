@@ -4,10 +4,10 @@ Scheduler side, metadata only. A policy sees a chunk's key and how many times
 L1 served it to L0, and answers whether to demote it. A policy with a
 ``record(keys)`` method is also told the chunk keys of every request the
 engine admits (once per admission, hit or miss, whichever tier would serve
-it); one with ``size_for(tier_chunks)`` is told the size of the tier it
-guards, once, before any request; one with ``retain(keys, state)`` takes the
-engine's hints about a request's state (`RequestState`), as eviction
-policies do.
+it); one with ``size_for(tier)`` is told the shape of the tier it guards
+(`GuardedTier`: its size, and L1's above it), once,
+before any request; one with ``retain(keys, state)`` takes the engine's
+hints about a request's state (`RequestState`), as eviction policies do.
 
 Chunks are chains (a chunk's KV is usable only after its predecessors'), so
 a caller that asks about a request's chunks in order stops at the first one
@@ -18,12 +18,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+import xxhash
 
 from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.policies.sketch import CountMinSketch
 from tiercache.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedTier:
+    """What an admission policy guards: a tier of ``chunks`` chunks below an L1 of ``l1_chunks`` (0: nothing above
+    it — a request's missing chunks go straight in)."""
+
+    chunks: int
+    l1_chunks: int = 0
 
 
 class AdmissionPolicy(Protocol):
@@ -103,8 +115,8 @@ class SecondSightingAdmit:
         self.ghost_keys = ghost_keys
         self._seen: OrderedDict[int, int] = OrderedDict()   # hash(key) → requests that asked, last-asked last
 
-    def size_for(self, tier_chunks: int) -> None:
-        self.ghost_keys = max(1, min(MAX_GHOST_KEYS, GHOST_FACTOR * tier_chunks))
+    def size_for(self, tier: GuardedTier) -> None:
+        self.ghost_keys = max(1, min(MAX_GHOST_KEYS, GHOST_FACTOR * tier.chunks))
         while len(self._seen) > self.ghost_keys:
             self._seen.popitem(last=False)
 
@@ -135,12 +147,111 @@ class SecondSightingAdmit:
         return (self.min_hits > 0 and hits >= self.min_hits) or self.sightings(key) >= 2
 
 
-def admission_for(name: str, min_hits: int, tier_chunks: int) -> AdmissionPolicy:
-    """Admission policy ``name`` guarding a tier of ``tier_chunks`` chunks (told its size if it asks)."""
+SHADOW_SLOTS = 512             # a shadow tier's chunks at least (or the whole tier, when it is smaller) ...
+SHADOW_SHARE = 4               # ... and at least this share of the tier's chunks (1/16: too slow to tell at 10M)
+MAX_SHADOW_SLOTS = 1 << 16     # ... and at most this many, whatever the tier's size
+DUEL_BOUND = 256               # the miss difference the duel saturates at (128: too quick to leave second-sighting)
+DUEL_SWITCH = 64               # ... and the one that switches the real tier's rule (near zero: noise switches it)
+
+
+class _ShadowTier:
+    """A tier of ``slots`` chunk keys under LRU: a scaled-down copy of a real tier in `AdaptiveSightingAdmit`'s
+    duel. LRU whatever the real tier's policy: a shadow under LFU-DA ranked the two rules slightly better on
+    the repository's trace but cost twice as much per chunk (RESULTS.md, "Admission that picks its rule")."""
+
+    __slots__ = ("slots", "_held")
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._held: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._held
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._held) < self.slots
+
+    def hit(self, key: bytes) -> bool:
+        """A request asks for ``key``: whether the tier holds it (a use if it does)."""
+        held = self._held
+        if key in held:
+            held.move_to_end(key)
+            return True
+        return False
+
+    def store(self, key: bytes) -> bytes | None:
+        """Put ``key`` in; the key that leaves to make room, if any (``key`` itself for a tier of no slots)."""
+        if not self.slots:
+            return key
+        held = self._held
+        held[key] = None
+        return held.popitem(last=False)[0] if len(held) > self.slots else None
+
+
+@admission_policies.register("adaptive-sighting")
+class AdaptiveSightingAdmit(SecondSightingAdmit):
+    """`second-sighting` while it pays, `always` while it does not, chosen by what two sampled shadow tiers miss.
+
+    A second-sighting guard wins on a tier small against its working set (a one-off admitted evicts what comes
+    back) and loses near the working set's size (a chunk refused at its first sighting is a hit lost where the
+    tier could have kept it; RESULTS.md, "Admission on the second sighting"). Which regime a tier is in depends
+    on the workload of the moment, so this guard measures it: the chunks whose key falls in a fixed sample of
+    the key space (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015) also go through a copy of the
+    hierarchy scaled down by the same share — L1 above the guarded tier —
+    where two copies of the guarded tier take what L1 spills, one everything, one on a second sighting; a
+    saturating counter of the difference of their misses (set dueling, Qureshi et al., ISCA 2007) chooses the
+    rule the real tier follows. It starts as `always`: without evidence it is the tier's own policy, and it
+    switches only on a lead of ``DUEL_SWITCH`` misses. Memory: three shadows of a quarter of their tiers'
+    chunks (at most ``MAX_SHADOW_SLOTS`` each), beside the history."""
+
+    def __init__(self, min_hits: int = 1, ghost_keys: int = 1 << 16) -> None:
+        super().__init__(min_hits, ghost_keys)
+        self._shadow(GuardedTier(SHADOW_SLOTS))
+        self.duel = 0                            # the picky shadow's misses less the other's, lately
+        self.admits_all = True
+
+    def size_for(self, tier: GuardedTier) -> None:
+        super().size_for(tier)
+        self._shadow(tier)
+
+    def _shadow(self, tier: GuardedTier) -> None:
+        """Scaled-down copies of L1 and of ``tier`` under it, and the share of keys they see."""
+        slots = min(tier.chunks, MAX_SHADOW_SLOTS, max(SHADOW_SLOTS, tier.chunks // SHADOW_SHARE))
+        self._sample_below = (1 << 64) * slots // tier.chunks    # keys hashing (64 bits) below this are sampled
+        self._l1 = _ShadowTier(min(MAX_SHADOW_SLOTS, tier.l1_chunks * slots // tier.chunks))
+        self._always, self._picky = _ShadowTier(slots), _ShadowTier(slots)
+
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        super().record(keys)
+        below, seen, l1, always, picky = self._sample_below, self._seen, self._l1, self._always, self._picky
+        run_always = run_picky = True         # a hit is a leading run: a chunk held after a miss is no hit
+        for key in dict.fromkeys(keys):
+            if xxhash.xxh3_64_intdigest(key) >= below or l1.hit(key):
+                continue
+            run_always = always.hit(key) and run_always
+            run_picky = picky.hit(key) and run_picky
+            duel = self.duel + run_always - run_picky
+            self.duel = duel = max(-DUEL_BOUND, min(DUEL_BOUND, duel))
+            if abs(duel) >= DUEL_SWITCH:
+                self.admits_all = duel > 0
+            spilled = l1.store(key)             # computed or promoted, it enters L1; what L1 gives up goes down
+            if spilled is not None:
+                if spilled not in always:
+                    always.store(spilled)
+                if spilled not in picky and (picky.has_room or seen.get(hash(spilled), 0) >= 2):
+                    picky.store(spilled)
+
+    def admit(self, key: BlockHash, hits: int) -> bool:
+        return self.admits_all or super().admit(key, hits)
+
+
+def admission_for(name: str, min_hits: int, tier: GuardedTier) -> AdmissionPolicy:
+    """Admission policy ``name`` guarding ``tier`` (told its shape if it asks)."""
     policy = admission_policies.get(name)(min_hits)
     size_for = getattr(policy, "size_for", None)
     if size_for is not None:
-        size_for(max(1, tier_chunks))
+        size_for(replace(tier, chunks=max(1, tier.chunks)))
     return policy
 
 
