@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError
+from tiercache.policies.admission import admission_policies, guards_entry
 from tiercache.policies.eviction import DEFAULT_EVICTION, eviction_policies
 
 if TYPE_CHECKING:
@@ -106,9 +107,10 @@ class CpuTierConfig:
                                             "the write-back tier, so a restart finds them (0: none)")
     retention: float = _opt(0.0, "seconds a chunk stays in L1 after it was stored: older ones are never served and "
                                  "are removed (0: no limit)")
-    admission: str = _opt("always", "which chunks the engine stores are taken into L1: always | frequency | "
-                                    "second-sighting (a chain up to its first refused chunk; anything while L1 "
-                                    "has room)")
+    admission: str = _opt("always", "which chunks the engine stores are taken into L1: "
+                          + " | ".join(n for n in admission_policies.names() if guards_entry(n))
+                          + " (a chain up to its first refused chunk; the sighting rules take anything while L1 "
+                            "has room)")
     min_hits: int = _opt(1, "frequency: requests beyond the first that must have wanted a chunk")
 
     def __post_init__(self) -> None:
@@ -129,8 +131,8 @@ class DiskTierConfig:
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
-    admission: str = _opt("always", "which chunks leaving L1 are written down: always | min-hits | frequency | "
-                                  "second-sighting")
+    admission: str = _opt("always", "which chunks leaving L1 are written down: "
+                          + " | ".join(admission_policies.names()))
     retention: float = _opt(0.0, "seconds a chunk file is kept after it was written (its file's time, so across "
                                  "restarts): older ones are never served and are deleted (0: no limit)")
     min_hits: int = _opt(1, "min-hits: L1 hits a chunk needs; frequency: requests beyond the first that wanted it")
