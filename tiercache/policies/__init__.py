@@ -11,5 +11,4 @@ from tiercache.policies.admission import (
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
 __all__ = ["DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy", "GuardedTier",
-           "admission_for",
-           "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]
+           "admission_for", "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]

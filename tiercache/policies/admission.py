@@ -5,9 +5,9 @@ L1 served it to L0, and answers whether to demote it. A policy with a
 ``record(keys)`` method is also told the chunk keys of every request the
 engine admits (once per admission, hit or miss, whichever tier would serve
 it); one with ``size_for(tier)`` is told the shape of the tier it guards
-(`GuardedTier`: its size, and L1's above it), once,
-before any request; one with ``retain(keys, state)`` takes the engine's
-hints about a request's state (`RequestState`), as eviction policies do.
+(`GuardedTier`: its size, and L1's above it), once, before any request; one
+with ``retain(keys, state)`` takes the engine's hints about a request's
+state (`RequestState`), as eviction policies do.
 
 Chunks are chains (a chunk's KV is usable only after its predecessors'), so
 a caller that asks about a request's chunks in order stops at the first one
@@ -198,12 +198,12 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
     tier could have kept it; RESULTS.md, "Admission on the second sighting"). Which regime a tier is in depends
     on the workload of the moment, so this guard measures it: the chunks whose key falls in a fixed sample of
     the key space (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015) also go through a copy of the
-    hierarchy scaled down by the same share — L1 above the guarded tier —
-    where two copies of the guarded tier take what L1 spills, one everything, one on a second sighting; a
-    saturating counter of the difference of their misses (set dueling, Qureshi et al., ISCA 2007) chooses the
-    rule the real tier follows. It starts as `always`: without evidence it is the tier's own policy, and it
-    switches only on a lead of ``DUEL_SWITCH`` misses. Memory: three shadows of a quarter of their tiers'
-    chunks (at most ``MAX_SHADOW_SLOTS`` each), beside the history."""
+    hierarchy scaled down by the same share, where two copies of the guarded tier take what a copy of L1
+    spills, one everything, one on a second sighting; a saturating counter of the difference of their misses
+    (set dueling, Qureshi et al., ISCA 2007) chooses the rule the real tier follows. It starts as `always`:
+    without evidence it is the tier's own policy, and it switches only on a lead of ``DUEL_SWITCH`` misses.
+    Memory: three shadows of a quarter of their tiers' chunks (at most ``MAX_SHADOW_SLOTS`` each), beside the
+    history."""
 
     def __init__(self, min_hits: int = 1, ghost_keys: int = 1 << 16) -> None:
         super().__init__(min_hits, ghost_keys)
