@@ -7,7 +7,8 @@ outputs, its Prometheus metrics (where the connector's counters appear) and its 
 
 The runs of one TP size share one disk path, one Redis and one `tiercache serve` with the other size's
 runs: everything (L1 hits, vLLM's prefix cache on, a batch) at TP=1, then at TP=2, and after each, fresh
-processes that hit the disk, and Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks;
+processes that hit the disk, and Redis and the server. A launch may carry another test's phases after its own
+(the TP=1 every-tier run carries the cache-salt requests); each test reads its own phases (`Env.result`). A TP=2 run finds nothing of the TP=1 runs' chunks;
 each size hits its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token
 suffixes. Every run the selected tests name (`vllm_runs`) is launched from the start, two at a time, each
 once the runs it follows have ended (`RUNS`): a vLLM's start-up, most of a run's time, is about one core's
@@ -121,11 +122,21 @@ class Env:
         """``name``'s finished launch (waited for): the process and the path of what it wrote."""
         return self._runs[name].result()
 
-    def result(self, name: str) -> dict:
-        """What ``name``'s vLLM wrote, once it has exited cleanly."""
+    def result(self, name: str, phases: slice | None = None) -> dict:
+        """What ``name``'s vLLM wrote, once it has exited cleanly; with ``phases``, what those phases of it did
+        (a run may carry another test's phases after its own): their prompts' outputs, and the connector's
+        counters as they stood after the last of them."""
         proc, out = self.launched(name)
         assert proc.returncode == 0, proc.stderr[-6000:]
-        return json.loads(out.read_text())
+        got = json.loads(out.read_text())
+        if phases is None:
+            return got
+        ends = [0, *got["phase_ends"]]
+        picked = range(len(got["phase_ends"]))[phases]
+        first, last = picked[0], picked[-1]
+        part = slice(ends[first], ends[last + 1])
+        return {**got, "outputs": got["outputs"][part], "logprobs": got["logprobs"][part],
+                "num_cached_tokens": got["num_cached_tokens"][part], "metrics": got["phase_metrics"][last]}
 
     def tiers(self, *names: str) -> dict:
         sections = {"disk": {"enabled": True, "path": str(self.disk), "write_mode": "write-through"},
@@ -205,10 +216,19 @@ def same_outputs(env: Env, got: dict, names: list[str]) -> None:
 # computed and stored; L0 is dropped; four requests sharing them come as one batch and load from L1. The disk
 # directories a run creates are its TP size's, one per rank (`notes["rank dirs", tp]`).
 
+EVERYTHING_PHASES = slice(0, 2)
+
+
 def everything_spec(env: Env) -> dict:
     return {"prefix_caching": True,
             "phases": [phase(env, "p0", "q0"), phase(env, "p1", "p2", "p3", "q1", together=True, reset=True)],
             "kv_transfer_config": connector(**env.tiers("disk", "redis", "grpc"))}
+
+
+def everything_then_salted(env: Env) -> dict:
+    """At TP=1 the salted requests ride on the same launch, after its own phases (one vLLM start-up fewer)."""
+    spec = everything_spec(env)
+    return {**spec, "phases": spec["phases"] + salted_phases(env)}
 
 
 def everything(tp: int, **kwargs) -> Run:
@@ -219,7 +239,8 @@ def everything(tp: int, **kwargs) -> Run:
 
     def then(env: Env) -> None:
         env.notes["rank dirs", tp] = sorted(set(env.disk.iterdir()) - env.notes["disk dirs before", tp])
-    return Run(everything_spec, tp, events=True, before=before, then=then, **kwargs)
+    return Run(everything_then_salted if tp == 1 else everything_spec, tp, events=True, before=before, then=then,
+               **kwargs)
 
 
 def chunk_keys(env: Env, tp: int) -> dict[str, list[str]]:
@@ -269,12 +290,14 @@ def remote_spec(tp: int) -> Callable[[Env], dict]:
     return spec
 
 
-def salted_spec(env: Env) -> dict:
+SALTED_PHASES = slice(2, None)
+
+
+def salted_phases(env: Env) -> list[dict]:
     p = env.prompts["p0"]
-    return {"prefix_caching": True, "kv_transfer_config": connector(), "phases": [
-        {"prompts": [{"ids": p, "cache_salt": "a"}]},
-        {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
-        {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]}
+    return [{"prompts": [{"ids": p, "cache_salt": "a"}]},
+            {"prompts": [{"ids": p, "cache_salt": "b"}], "reset_prefix_cache": True},
+            {"prompts": [{"ids": p, "cache_salt": "a"}], "reset_prefix_cache": True}]
 
 
 def layerwise_spec(env: Env) -> dict:
@@ -303,7 +326,6 @@ RUNS: dict[str, Run] = {
     "baseline": Run(lambda env: {"phases": [phase(env, *env.prompts)]}),
     "everything tp2": everything(2, after=("everything tp1",)),
     "write-back tp2": Run(write_back_spec("p0", "q0"), 2, then=count_written_back),
-    "salted": Run(salted_spec),
     "disk tp1": Run(disk_spec, 1, after=("everything tp1",), events=True),
     "disk tp2": Run(disk_spec, 2, after=("everything tp2",), events=True, before=damage_one_ranks_copy_of_q),
     "remote tp1": Run(remote_spec(1), 1, after=("everything tp1",), before=take_q_out_of_redis(1)),
@@ -320,7 +342,7 @@ EVERYTHING = ["p0", "q0", "p1", "p2", "p3", "q1"]
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.vllm_runs("everything tp{tp}", "baseline")
 def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp):
-    got = env.result(f"everything tp{tp}")                   # at TP=2, after the TP=1 run's chunks are there
+    got = env.result(f"everything tp{tp}", EVERYTHING_PHASES)  # at TP=2, after the TP=1 run's chunks are there
     same_outputs(env, got, EVERYTHING)
     assert got["num_cached_tokens"][:2] == [0, 0]           # at TP=2, nothing of the TP=1 run's chunks is found
     assert all(n >= PREFIX_HIT for n in got["num_cached_tokens"][2:])   # from L1, or from L0 once batch-mates
@@ -333,11 +355,12 @@ def test_every_tier_at_once_with_vllms_prefix_cache_and_a_batch_hits_l1(env, tp)
 
 
 @pytest.mark.slow      # launches vLLM
-@pytest.mark.vllm_runs("salted")
+@pytest.mark.vllm_runs("everything tp1")
 def test_requests_with_other_cache_salts_never_load_each_others_chunks(env):
     """vLLM keeps two salts apart in its own pool; the connector keeps them apart in every tier: P under salt
-    "b" after P under salt "a" (vLLM's pool emptied between) finds nothing, P under "a" again loads from L1."""
-    got = env.result("salted")
+    "a" after unsalted P finds nothing, P under salt "b" after it (vLLM's pool emptied between) finds nothing,
+    P under "a" again loads from L1. Phases of the TP=1 every-tier run, after its own."""
+    got = env.result("everything tp1", SALTED_PHASES)
     assert got["num_cached_tokens"][:2] == [0, 0]
     assert got["num_cached_tokens"][2] >= PREFIX_HIT
     assert got["outputs"][0] == got["outputs"][1] == got["outputs"][2]

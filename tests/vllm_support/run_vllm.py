@@ -16,6 +16,7 @@ prompts as one batch; ``reset_prefix_cache`` drops vLLM's own L0 prefix cache be
 waits that long before it (vLLM steps only while it has requests).
 OUT: {"outputs": [[ids...]], "logprobs": [[chosen token's logprob...]], "num_cached_tokens": [n...] (flat, in
 prompt order), "metrics": {"hit_tokens": n, "tier/disk/loaded": n, ...} or null, "kv_cache_usage": float,
+"phase_ends": [outputs after each phase...], "phase_metrics": [metrics after each phase...],
 "stored_events" / "removed_events": [[medium, chunks]...], "event_order": [["stored" | "removed", medium,
 chunk key hex...]...]}.
 A script, so that vLLM (which starts processes) runs under a __main__ guard.
@@ -91,6 +92,7 @@ def main(spec_path: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=0)
     phases = spec.get("phases") or [{"prompts": spec["prompts"]}]
     outputs, logprobs, cached = [], [], []
+    phase_ends, phase_metrics = [], []     # after each phase: outputs so far, the connector's counters so far
     for phase in phases:
         time.sleep(phase.get("pause_s", 0))
         if phase.get("reset_prefix_cache"):
@@ -104,6 +106,8 @@ def main(spec_path: str, out_path: str) -> None:
                 outputs.append(list(completion.token_ids))
                 logprobs.append([step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs)])
                 cached.append(out.num_cached_tokens or 0)
+        phase_ends.append(len(outputs))
+        phase_metrics.append(tiercache_metrics(llm) if connected else None)
     usage = next((m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"), None)
     metrics = tiercache_metrics(llm) if connected else None
     if subscriber is not None:
@@ -117,7 +121,7 @@ def main(spec_path: str, out_path: str) -> None:
     ours = [e for e in events if isinstance(e, (BlockStored, BlockRemoved)) and e.medium in ("CPU", "DISK", "REMOTE")]
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "logprobs": logprobs, "num_cached_tokens": cached, "metrics": metrics,
-                   "kv_cache_usage": usage,
+                   "kv_cache_usage": usage, "phase_ends": phase_ends, "phase_metrics": phase_metrics,
                    "stored_events": [[e.medium, len(e.block_hashes)] for e in ours if isinstance(e, BlockStored)],
                    "removed_events": [[e.medium, len(e.block_hashes)] for e in ours if isinstance(e, BlockRemoved)],
                    "event_order": [["stored" if isinstance(e, BlockStored) else "removed", e.medium,
