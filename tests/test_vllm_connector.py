@@ -7,12 +7,13 @@ outputs, its Prometheus metrics (where the connector's counters appear) and its 
 
 The runs of one TP size share one disk path, one Redis and one `tiercache serve` with the other size's
 runs: everything (L1 hits, vLLM's prefix cache on, a batch) at TP=1, then at TP=2, and after each, fresh
-processes that hit the disk, and Redis and the server. A launch may carry another test's phases after its own
-(the TP=1 every-tier run carries the cache-salt requests); each test reads its own phases (`Env.result`). A TP=2 run finds nothing of the TP=1 runs' chunks;
-each size hits its own. Prompts: two 700-token prefixes P and Q (two 256-token chunks each) with 40-token
-suffixes. Every run the selected tests name (`vllm_runs`) is launched from the start, two at a time, each
-once the runs it follows have ended (`RUNS`): a vLLM's start-up, most of a run's time, is about one core's
-work, and the tests then read what each run wrote.
+processes that hit the disk, and Redis and the server. A TP=2 run finds nothing of the TP=1 runs' chunks;
+each size hits its own. A launch may carry another test's phases after its own (the TP=1 every-tier run
+carries the cache-salt requests); each test reads its own phases (`Env.result`). Prompts: two 700-token
+prefixes P and Q (two 256-token chunks each) with 40-token suffixes. Every run the selected tests name
+(`vllm_runs`) is launched from the start, two at a time, each once the runs it follows have ended (`RUNS`):
+a vLLM's start-up, most of a run's time, is about one core's work, and the tests then read what each run
+wrote.
 """
 import concurrent.futures
 import itertools
