@@ -36,6 +36,7 @@ CONFIG_CASES = [
     ("disk.capacity", "-1", "-1"),
     ("disk.eviction", "bogus", "bogus"),
     ("disk.write_mode", "sideways", "sideways"),
+    ("disk.promotion", "teleport", "teleport"),
     ("disk.admission", "sometimes", "sometimes"),
     ("disk.min_hits", "-2", "-2"),
     ("redis.url", "http://x", "http://x"),

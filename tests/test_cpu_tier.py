@@ -120,13 +120,14 @@ def test_l1_admission_takes_free_room_then_stores_only_chains_two_requests_asked
         s.close()
 
 
-def _spilling_l1(slots: int) -> tuple:
+def _spilling_l1(slots: int, promotion: str = "copy") -> tuple:
     """L1 of ``slots`` under a write-back L2 through the real cache manager: every L1 victim is spilled."""
     from tiercache.manager import CacheManager
     from tiercache.tiers.metadata import MetadataIndex
     l1 = CpuIndex(slots, 1, eviction="lru")
     l2 = MetadataIndex(1000, name="l2")
-    return CacheManager(l1, block_size=1, blocks_per_chunk=1, block_bytes=1, lower=[l2], write_mode="write-back"), l1
+    return CacheManager(l1, block_size=1, blocks_per_chunk=1, block_bytes=1, lower=[l2], write_mode="write-back",
+                        promotion=promotion), l1
 
 
 def _run(manager, plans) -> None:
@@ -168,3 +169,37 @@ def test_an_l1_that_never_filled_keeps_everything_and_a_tiny_one_keeps_no_room()
     evicted = l1.counters.evicted
     _run(manager, manager.take_background())
     assert manager.spill_reserve == 0 and l1.counters.evicted == evicted
+
+
+@pytest.mark.parametrize("promotion", ["copy", "move"])
+def test_a_chunk_promoted_from_the_write_back_tier_stays_there_or_moves_up(promotion):
+    """``disk.promotion``: with ``copy`` the chunk stays in L2 as well; with ``move`` it leaves L2 (its bytes
+    deleted in the next background step), L1 counts it among what only it holds (written down at shutdown),
+    and when L1 evicts it again it is spilled again."""
+    manager, l1 = _spilling_l1(4, promotion)
+    l2 = manager.lower[0]
+    first = [k(1), k(2)]
+    _run(manager, [manager.plan_store_chunks(first, range(2), 2)])
+    for i in range(3, 7):                                   # four other chunks push the first two down
+        _run(manager, [manager.plan_store_chunks([k(i)], range(1), 1)])
+        _run(manager, manager.take_background())
+    assert not l1.has(k(1)) and l2.has(k(1)) and l2.has(k(2))
+    manager.take_write_back()
+    lookup = manager.lookup_chunks(first, 2)
+    while manager.promote(lookup):
+        _run(manager, manager.take_background())
+        lookup = manager.lookup_chunks(first, 2)
+    assert l1.has(k(1)) and l1.has(k(2))
+    order = manager.take_write_back()
+    if promotion == "copy":
+        assert l2.has(k(1)) and l2.has(k(2)) and l2.counters.deleted == 0
+        assert order is None or not {k(1), k(2)} & order.keep
+    else:
+        assert not l2.has(k(1)) and not l2.has(k(2)) and l2.counters.deleted == 2
+        assert {k(1), k(2)} <= order.keep
+    written = l2.counters.stored
+    for i in range(7, 11):                                  # pushed down again
+        _run(manager, [manager.plan_store_chunks([k(i)], range(1), 1)])
+        _run(manager, manager.take_background())
+    assert l2.has(k(1)) and l2.has(k(2))                    # moved: spilled again, written a second time
+    assert l2.counters.stored - written >= (2 if promotion == "move" else 0)

@@ -208,3 +208,26 @@ def test_promoting_a_chains_tail_from_l2_never_evicts_its_head_from_l1():
     assert lookup.num_hit_blocks == 3
     complete(manager.plan_load(lookup, range(3)))
     assert manager.num_in_flight == 0
+
+
+def test_a_moved_promotion_leaves_the_disk_and_is_written_again_when_l1_evicts_it(tmp_path):
+    """``disk.promotion = move``: a's chunks, promoted back into L1, leave the disk (their files deleted); when
+    another store pushes them out of L1 again they are spilled again, and still load bit-exact from the disk."""
+    s = make(tmp_path, promotion="move")
+    try:
+        a, a_kv = put(s, "a", seed=1)
+        put(s, "b", seed=2)                                # L1 holds two chunks: a's are spilled
+        s.offload.drain()
+        disk = s.lower("disk")
+        keys = chunk_keys(a, BPC)
+        assert disk.contains(keys) == 2
+        assert torch.equal(load(s, a), a_kv)               # promoted (moved) into L1, then loaded
+        s.offload.drain()
+        assert disk.contains(keys) == 0 and disk.counters.deleted == 2
+        assert not list(tmp_path.rglob(f"{keys[0].hex()}.chunk"))     # the file went with it
+        put(s, "c", seed=3)                                # pushes a's chunks out of L1 again
+        s.offload.drain()
+        assert disk.contains(keys) == 2 and disk.counters.stored == 4
+        assert torch.equal(load(s, a), a_kv)
+    finally:
+        s.close()

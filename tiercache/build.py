@@ -406,6 +406,8 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
                            store_partial_chunks=config.keys.store_partial_chunks,
                            write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
                            l1_admission=l1_admission,
+                           promotion=getattr(getattr(config, guarded.name), "promotion", "copy") if guarded
+                           else "copy",
                            transfer_workers=config.transfer.workers, block_layout=layout, audit=audit,
                            chores=chores)
     log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,

@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--l1-admission", default="always", metavar="POLICY",
                    help="with --l1-tokens: which chunks the engine's stores put into L1 (always, frequency, "
                         "second-sighting; cpu.admission) (default: always)")
+    t.add_argument("--promotion", default="copy", choices=("copy", "move"),
+                   help="with --l1-tokens: a chunk promoted from L2 stays there (copy) or leaves it (move; "
+                        "disk.promotion) (default: copy)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")
     t.add_argument("--json", metavar="PATH")
     t.add_argument("--quiet", action="store_true")

@@ -133,6 +133,9 @@ class DiskTierConfig:
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
     admission: str = _opt("always", "which chunks leaving L1 are written down: "
                           + " | ".join(admission_policies.names()))
+    promotion: str = _opt("copy", "under write-back, a chunk promoted from here into L1: copy (it stays here too) | "
+                                  "move (it leaves; written again when L1 evicts it: more hits from the same disk, "
+                                  "more writes)")
     retention: float = _opt(0.0, "seconds a chunk file is kept after it was written (its file's time, so across "
                                  "restarts): older ones are never served and are deleted (0: no limit)")
     min_hits: int = _opt(1, "min-hits: L1 hits a chunk needs; frequency: requests beyond the first that wanted it")
@@ -142,6 +145,7 @@ class DiskTierConfig:
         _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
         _check(self.write_mode in ("write-back", "write-through"), "write_mode", self.write_mode,
                "expected write-back or write-through")
+        _check(self.promotion in ("copy", "move"), "promotion", self.promotion, "expected copy or move")
         _check(self.min_hits >= 0, "min_hits", self.min_hits, "must be >= 0")
         _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 

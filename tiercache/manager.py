@@ -14,7 +14,9 @@ over lower tiers (`LowerIndex`: disk, remote):
   ``write-through`` tiers get a copy of every stored chunk at once (the
   default for shared remote tiers, so peers see it), and the first
   ``write-back`` tier gets a chunk only when L1 evicts it (a *spill*) and
-  the admission policy accepts it.
+  the admission policy accepts it; a chunk promoted from it stays there
+  (``promotion="copy"``) or leaves it (``"move"``: spilled again when L1
+  evicts it).
 
 Plans other than the ones a caller asked for (promotions, spills, copies
 down, deletes of bytes that left a lower tier) collect in a background list
@@ -76,6 +78,7 @@ log = logging.getLogger(__name__)
 
 
 SPILL_RESERVE_SHARE = 16     # 1/16 of L1 (RESULTS.md, "Room for the next step's stores")
+PROMOTIONS = ("copy", "move")
 
 
 class JobKind(Enum):
@@ -114,10 +117,13 @@ class CacheManager:
         block_layout: ChunkLayout | None = None,
         audit: AuditTrail | None = None,
         chores: Sequence[Callable[[], None]] = (),
+        promotion: str = "copy",
     ) -> None:
         modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
         if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
             raise ValueError(f"one write mode (write-back or write-through) per lower tier, got {write_mode!r}")
+        if promotion not in PROMOTIONS:
+            raise ValueError(f"promotion must be one of {', '.join(PROMOTIONS)}, got {promotion!r}")
         self.l1 = l1
         self.lower = list(lower)
         self.tiers: list[TierIndex] = [l1, *self.lower]
@@ -151,6 +157,9 @@ class CacheManager:
         # L1 slots kept free (or being spilled) for the next step's stores and promotions: a victim being
         # spilled frees its slot only once its copy is out (none in an L1 of under SPILL_RESERVE_SHARE slots)
         self.spill_reserve = l1.slots.num_slots // SPILL_RESERVE_SHARE
+        # a chunk promoted from the write-back tier leaves it ("move": L1 and it hold more between them, and
+        # what L1 evicts is written again) or stays there too ("copy")
+        self.moves_up = promotion == "move"
         if self._spill_to is not None:
             l1.spill_filter = self._worth_spilling
             l1.on_slot_freed = self._left.append
@@ -467,6 +476,10 @@ class CacheManager:
                 job.lower.complete_load(keys, failed)
                 for key in keys:
                     self._promoting.pop(key, None)
+                if self.moves_up and job.lower is self._spill_to:
+                    moved = [k for k in keys if k not in failed and self.l1.has(k)]
+                    self._keep += moved              # only L1 holds them now: written down at shutdown
+                    job.lower.delete(moved)          # their bytes go with the next background step
             elif job.kind is JobKind.SPILL:
                 job.lower.complete_store(keys, failed, self.l1.spilling_times(keys))
                 job.lower.link([(c.key, c.parent) for c in job.plan.chunks])

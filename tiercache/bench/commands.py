@@ -259,6 +259,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     l1 = args.l1_tokens[0] if args.l1_tokens else None
     if l1 is None and any("/" in p for p in args.policy):
         raise ConfigError("--policy", ",".join(args.policy), "L1/L2 names each tier's policy: it needs --l1-tokens")
+    if args.promotion != "copy" and l1 is None:
+        raise ConfigError("--promotion", args.promotion, "moves chunks from L2 up into L1: it needs --l1-tokens")
     if args.l1_admission != "always":
         if l1 is None:
             raise ConfigError("--l1-admission", args.l1_admission, "guards L1 of a hierarchy: it needs --l1-tokens")
@@ -277,7 +279,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
         runs.append((BELADY_ROW, lambda cap: replay_belady(trace, cap)))      # the offline reference, always
     else:       # L1 over an L2 of each capacity; the reference holds L1's and L2's room as one
         runs = [(policy, lambda cap, parts=split_policy(policy): replay_hierarchy(
-                    trace, l1, cap, eviction=parts[0], admission=parts[1], l1_admission=args.l1_admission))
+                    trace, l1, cap, eviction=parts[0], admission=parts[1], l1_admission=args.l1_admission,
+                    promotion=args.promotion))
                 for policy in args.policy]
         runs.append((BELADY_ROW, lambda cap: replay_belady(trace, l1 + cap)))
     with tqdm(total=len(points) * len(runs), desc="bench trace", file=sys.stderr, disable=args.quiet) as bar:
@@ -292,7 +295,8 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
     report = {"trace": str(args.trace), "requests": len(trace), "unique_chunks": unique_chunks(trace),
               "block_tokens": TRACE_BLOCK_TOKENS, "ceiling_token_hit_ratio": round(ceiling.token_hit_ratio, 4),
               "ceiling_request_hit_ratio": round(ceiling.request_hit_ratio, 4), "l1_tokens": l1,
-              "l1_admission": args.l1_admission if l1 else None, "results": results,
+              "l1_admission": args.l1_admission if l1 else None, "promotion": args.promotion if l1 else None,
+              "results": results,
               "command": "tiercache " + " ".join(sys.argv[1:])}
     by_bytes = args.capacity_bytes is not None
     lead = ("codec", "capacity (bytes)") if by_bytes else ()

@@ -218,9 +218,11 @@ def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> No
 
 def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
                      min_hits: int = 1, write_mode: str = "write-back",
-                     eviction: str = DEFAULT_EVICTION, l1_admission: str = "always") -> HierarchyResult:
+                     eviction: str = DEFAULT_EVICTION, l1_admission: str = "always",
+                     promotion: str = "copy") -> HierarchyResult:
     """L1 over L2 through the real cache manager; ``eviction``: both tiers' policy, or ``L1/L2``; ``admission``
-    guards what L1 spills into L2, ``l1_admission`` what the engine's stores put into L1; the manager hears each
+    guards what L1 spills into L2, ``l1_admission`` what the engine's stores put into L1, ``promotion`` whether a
+    chunk promoted from L2 stays there (``copy``) or leaves (``move``); the manager hears each
     request (`CacheManager.record_request`) and its state (`CacheManager.request_state`) as the connector tells
     it."""
     l1_eviction, l2_eviction = split_tiers(eviction)
@@ -230,7 +232,8 @@ def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: i
     entry_guard = (admission_for(l1_admission, min_hits, GuardedTier(l1.capacity_bytes))
                    if l1_admission != "always" else None)
     manager = CacheManager(l1, block_size=TRACE_BLOCK_TOKENS, blocks_per_chunk=1, block_bytes=1,
-                           lower=[l2], write_mode=write_mode, admission=guard, l1_admission=entry_guard)
+                           lower=[l2], write_mode=write_mode, admission=guard, l1_admission=entry_guard,
+                           promotion=promotion)
     result = HierarchyResult()
     for request in trace:
         keys = request.keys
