@@ -173,6 +173,11 @@ def test_bench_trace_guards_l1_with_an_admission_policy_and_refuses_one_that_can
         assert hits["lru"] > 0
     proc = subprocess.run([*base, "--l1-admission", "min-hits"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--l1-admission: counts L1's own hits" in proc.stderr, proc.stderr
+    one_tier = base[:base.index("--l1-tokens")] + base[base.index("--l1-tokens") + 2:]
+    proc = subprocess.run([*one_tier, "--promotion", "move"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--promotion: moves chunks from L2 up into L1" in proc.stderr, proc.stderr
+    proc = subprocess.run([*base, "--promotion", "move", "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0 and json.loads(out.read_text())["promotion"] == "move", proc.stderr
 
 
 def test_the_hierarchy_replay_asks_again_while_promotions_wait_for_room(tmp_path):
