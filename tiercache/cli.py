@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tiercache import __version__
 from tiercache.bench import commands
-from tiercache.config import load_config, parse_size
+from tiercache.config import PROMOTIONS, load_config, parse_size
 from tiercache.errors import ConfigError, TierCacheError
 
 
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--l1-admission", default="always", metavar="POLICY",
                    help="with --l1-tokens: which chunks the engine's stores put into L1 (always, frequency, "
                         "second-sighting; cpu.admission) (default: always)")
-    t.add_argument("--promotion", default="copy", choices=("copy", "move"),
+    t.add_argument("--promotion", default="copy", choices=PROMOTIONS,
                    help="with --l1-tokens: a chunk promoted from L2 stays there (copy) or leaves it (move; "
                         "disk.promotion) (default: copy)")
     t.add_argument("--out", metavar="DIR", help="write trace.json, trace.md and trace.png here")

@@ -122,6 +122,9 @@ class CpuTierConfig:
         _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 
 
+PROMOTIONS = ("copy", "move")      # what a promotion does to the write-back tier's copy (`disk.promotion`)
+
+
 @dataclass(frozen=True, slots=True)
 class DiskTierConfig:
     enabled: bool = _opt(False, "keep an L2 tier of chunk files on a local disk")
@@ -145,7 +148,7 @@ class DiskTierConfig:
         _check(self.capacity > 0, "capacity", self.capacity, "must be positive")
         _check(self.write_mode in ("write-back", "write-through"), "write_mode", self.write_mode,
                "expected write-back or write-through")
-        _check(self.promotion in ("copy", "move"), "promotion", self.promotion, "expected copy or move")
+        _check(self.promotion in PROMOTIONS, "promotion", self.promotion, "expected " + " or ".join(PROMOTIONS))
         _check(self.min_hits >= 0, "min_hits", self.min_hits, "must be >= 0")
         _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 

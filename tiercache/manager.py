@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from enum import Enum, auto
 
 from tiercache.audit import AuditTrail
+from tiercache.config import PROMOTIONS
 from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
@@ -78,7 +79,6 @@ log = logging.getLogger(__name__)
 
 
 SPILL_RESERVE_SHARE = 16     # 1/16 of L1 (RESULTS.md, "Room for the next step's stores")
-PROMOTIONS = ("copy", "move")
 
 
 class JobKind(Enum):
