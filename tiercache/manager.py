@@ -477,9 +477,10 @@ class CacheManager:
                 for key in keys:
                     self._promoting.pop(key, None)
                 if self.moves_up and job.lower is self._spill_to:
-                    moved = [k for k in keys if k not in failed and self.l1.has(k)]
-                    self._keep += moved              # only L1 holds them now: written down at shutdown
-                    job.lower.delete(moved)          # their bytes go with the next background step
+                    # moved up: it leaves the write-back tier (its bytes deleted with the next background step)
+                    # and joins what only L1 holds, written down at shutdown (one another load pins there stays)
+                    job.lower.delete([k for k in keys if k not in failed and self.l1.has(k)])
+                    self._keep += [k for k in keys if self.l1.has(k) and not job.lower.has(k)]
             elif job.kind is JobKind.SPILL:
                 job.lower.complete_store(keys, failed, self.l1.spilling_times(keys))
                 job.lower.link([(c.key, c.parent) for c in job.plan.chunks])

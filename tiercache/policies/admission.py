@@ -17,7 +17,7 @@ refused: a tail admitted without its head could never be hit
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -121,8 +121,11 @@ class SecondSightingAdmit:
             self._seen.popitem(last=False)
 
     def record(self, keys: Sequence[BlockHash]) -> None:
+        self._sight(dict.fromkeys(keys))         # a request counts once per chunk
+
+    def _sight(self, unique: Iterable[BlockHash]) -> None:
         seen = self._seen
-        for key in dict.fromkeys(keys):          # a request counts once per chunk
+        for key in unique:
             h = hash(key)
             seen[h] = seen.pop(h, 0) + 1
         while len(seen) > self.ghost_keys:
@@ -200,8 +203,9 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
     the key space (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015) also go through a copy of the
     hierarchy scaled down by the same share, where two copies of the guarded tier take what a copy of L1
     spills, one everything, one on a second sighting; a saturating counter of the difference of their misses
-    (set dueling, Qureshi et al., ISCA 2007) chooses the rule the real tier follows. It starts as `always`:
-    without evidence it is the tier's own policy, and it switches only on a lead of ``DUEL_SWITCH`` misses.
+    (set dueling, Qureshi et al., ISCA 2007) chooses the rule the real tier follows (the picky copy admits on
+    sightings alone: ``min_hits``, L1's own hits, is left out of the model). It starts as `always`: without
+    evidence it is the tier's own policy, and it switches only on a lead of ``DUEL_SWITCH`` misses.
     Memory: three shadows of a quarter of their tiers' chunks (at most ``MAX_SHADOW_SLOTS`` each), beside the
     history."""
 
@@ -223,10 +227,11 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
         self._always, self._picky = _ShadowTier(slots), _ShadowTier(slots)
 
     def record(self, keys: Sequence[BlockHash]) -> None:
-        super().record(keys)
+        unique = dict.fromkeys(keys)
+        self._sight(unique)
         below, seen, l1, always, picky = self._sample_below, self._seen, self._l1, self._always, self._picky
         run_always = run_picky = True         # a hit is a leading run: a chunk held after a miss is no hit
-        for key in dict.fromkeys(keys):
+        for key in unique:
             if xxhash.xxh3_64_intdigest(key) >= below or l1.hit(key):
                 continue
             run_always = always.hit(key) and run_always

@@ -131,8 +131,9 @@ class CpuIndex(IndexedTier):
         it sent down; with room made a step ahead it finds one. An L1 that never filled keeps everything."""
         if not self._filled:
             return
-        while self.slots.num_free + len(self._spilling) < slots and self._evict_one() is not None:
-            pass
+        while self.slots.num_free + len(self._spilling) < slots:
+            if self._evict_one() is None:
+                break
 
     def take_spills(self) -> list[Spill]:
         spills, self._spill_queue = self._spill_queue, []
