@@ -201,5 +201,6 @@ def test_a_chunk_promoted_from_the_write_back_tier_stays_there_or_moves_up(promo
     for i in range(7, 11):                                  # pushed down again
         _run(manager, [manager.plan_store_chunks([k(i)], range(1), 1)])
         _run(manager, manager.take_background())
-    assert l2.has(k(1)) and l2.has(k(2))                    # moved: spilled again, written a second time
-    assert l2.counters.stored - written >= (2 if promotion == "move" else 0)
+    assert l2.has(k(1)) and l2.has(k(2))
+    if promotion == "move":                                 # spilled again: written a second time
+        assert l2.counters.stored - written >= 2
