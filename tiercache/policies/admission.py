@@ -25,6 +25,7 @@ import xxhash
 
 from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
+from tiercache.policies.eviction import LRUPolicy
 from tiercache.policies.sketch import CountMinSketch
 from tiercache.registry import Registry
 
@@ -157,29 +158,27 @@ DUEL_BOUND = 256               # the miss difference the duel saturates at (128:
 DUEL_SWITCH = 64               # ... and the one that switches the real tier's rule (near zero: noise switches it)
 
 
-class _ShadowTier:
-    """A tier of ``slots`` chunk keys under LRU: a scaled-down copy of a real tier in `AdaptiveSightingAdmit`'s
-    duel. LRU whatever the real tier's policy: a shadow under LFU-DA ranked the two rules slightly better on
-    the repository's trace but cost twice as much per chunk (RESULTS.md, "Admission that picks its rule")."""
-
-    __slots__ = ("slots", "_held")
+class _ShadowTier(LRUPolicy):
+    """An LRU tier (`LRUPolicy`) of at most ``slots`` chunk keys: a scaled-down copy of a real tier in
+    `AdaptiveSightingAdmit`'s duel. LRU whatever the real tier's policy: a shadow under LFU-DA ranked the two
+    rules slightly better on the repository's trace but cost twice as much per chunk (RESULTS.md, "Admission that
+    picks its rule")."""
 
     def __init__(self, slots: int) -> None:
+        super().__init__()
         self.slots = slots
-        self._held: OrderedDict[bytes, None] = OrderedDict()
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._held
+        return key in self._order
 
     @property
     def has_room(self) -> bool:
-        return len(self._held) < self.slots
+        return len(self._order) < self.slots
 
     def hit(self, key: bytes) -> bool:
         """A request asks for ``key``: whether the tier holds it (a use if it does)."""
-        held = self._held
-        if key in held:
-            held.move_to_end(key)
+        if key in self._order:
+            self._order.move_to_end(key)
             return True
         return False
 
@@ -187,9 +186,8 @@ class _ShadowTier:
         """Put ``key`` in; the key that leaves to make room, if any (``key`` itself for a tier of no slots)."""
         if not self.slots:
             return key
-        held = self._held
-        held[key] = None
-        return held.popitem(last=False)[0] if len(held) > self.slots else None
+        self.insert(key)
+        return self.pop_victim() if len(self._order) > self.slots else None
 
 
 @admission_policies.register("adaptive-sighting")
@@ -229,7 +227,7 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
     def record(self, keys: Sequence[BlockHash]) -> None:
         unique = dict.fromkeys(keys)
         self._sight(unique)
-        below, seen, l1, always, picky = self._sample_below, self._seen, self._l1, self._always, self._picky
+        below, l1, always, picky = self._sample_below, self._l1, self._always, self._picky
         run_always = run_picky = True         # a hit is a leading run: a chunk held after a miss is no hit
         for key in unique:
             if xxhash.xxh3_64_intdigest(key) >= below or l1.hit(key):
@@ -244,7 +242,7 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
             if spilled is not None:
                 if spilled not in always:
                     always.store(spilled)
-                if spilled not in picky and (picky.has_room or seen.get(hash(spilled), 0) >= 2):
+                if spilled not in picky and (picky.has_room or self.sightings(spilled) >= 2):
                     picky.store(spilled)
 
     def admit(self, key: BlockHash, hits: int) -> bool:
