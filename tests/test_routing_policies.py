@@ -67,6 +67,38 @@ def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_his
     assert [r.name for r in routing_policies.get("expected-ttft")(share_slack=1e9).rank(fleet)][0] == "a"
 
 
+def test_expected_ttft_names_the_rule_that_put_its_first_replica_first():
+    """Each answer's X-Tiercache-Route-Reason: the fastest estimate, a near tie, the hotspot guard, the share
+    guard (the cases of the tests above)."""
+    def first(*candidates: Candidate) -> tuple[str, str]:
+        top = routing_policies.get("expected-ttft")().rank(list(candidates))[0]
+        return top.name, top.reason
+
+    def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+    assert first(replica("a", 900, 500), replica("b", 0, 0)) == ("a", "fastest")
+    assert first(replica("a", 1000, 800), replica("b", 0, 0)) == ("b", "hotspot")
+    assert first(sent("a", 1000, 600, 9000), sent("b", 1000, 590, 100)) == ("b", "tie")
+    assert first(sent("a", 1500, 1200, 40000), sent("b", 1500, 0, 15000), sent("c", 1500, 0, 5000)) \
+        == ("c", "share")
+    assert all(r.reason == "" for r in routing_policies.get("least-loaded")().rank([replica("a", 0, 0)]))
+
+
+def test_a_replicas_first_measured_prefill_rate_replaces_the_configured_guess():
+    """The router starts from a configured rate (20K tokens/s); a replica's first idle first token measured at
+    2K tokens/s is its rate from then on, not a tenth of the way there (a fresh fleet's estimates would be
+    several times too low for its first dozen requests); later measurements are averaged in."""
+    from tiercache.fleet.replicas import EWMA_WEIGHT, Replica
+
+    r = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0}))
+    r.learn_prefill(200, 0.1)
+    assert r.rates.prefill == 2_000.0 and r.rates.load == {"CPU": 400_000.0}
+    r.learn_prefill(400, 0.1)
+    assert r.rates.prefill == 2_000.0 * (1 - EWMA_WEIGHT) + 4_000.0 * EWMA_WEIGHT
+    r.learn_prefill(0, 0.1)                                   # a full hit computes nothing: it teaches nothing
+    assert r.rates.prefill == 2_000.0 * (1 - EWMA_WEIGHT) + 4_000.0 * EWMA_WEIGHT
+
+
 def test_the_router_passes_a_requests_session_on_to_the_replica():
     """vLLM's X-Session-ID tells a replica's tiers the request belongs to a conversation; the router keeps it."""
     from aiohttp.test_utils import make_mocked_request
@@ -83,6 +115,7 @@ def test_a_session_goes_back_to_its_replica_unless_it_is_gone_or_has_fallen_far_
     a, b, c = (replica(n, 0, waiting) for n, waiting in (("a", 0), ("b", 500), ("c", 5000)))
     ranking = routing_policies.get("least-loaded")().rank([a, b, c])          # a 1.0 s, b 1.5 s, c 6.0 s
     assert [r.name for r in stick(ranking, "b")] == ["b", "a", "c"]           # within twice the best: its own
+    assert stick(ranking, "b")[0].reason == "sticky"
     assert [r.name for r in stick(ranking, "c")] == ["a", "b", "c"]           # six times the best: it moves on
     assert [r.name for r in stick(ranking, "a")] == ["a", "b", "c"]
     assert [r.name for r in stick(ranking, "gone")] == ["a", "b", "c"]        # down, or another model's

@@ -105,6 +105,7 @@ class Request:
     replica: str = ""                 # where the router sent it, and what it expected there (its headers)
     expected_ttft_ms: float = 0.0
     predicted_cached_tokens: int = 0
+    reason: str = ""                  # the rule that chose it (X-Tiercache-Route-Reason), where the policy names one
 
 
 async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, dict, dict]:
@@ -117,7 +118,8 @@ async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tupl
             raise RuntimeError(f"bench route: the router answered {resp.status}: {(await resp.text())[:200]}")
         routed = {"replica": resp.headers.get("X-Tiercache-Replica", ""),
                   "expected_ttft_ms": float(resp.headers.get("X-Tiercache-Expected-TTFT-Ms", 0.0)),
-                  "predicted_cached_tokens": int(resp.headers.get("X-Tiercache-Predicted-Cached-Tokens", 0))}
+                  "predicted_cached_tokens": int(resp.headers.get("X-Tiercache-Predicted-Cached-Tokens", 0)),
+                  "reason": resp.headers.get("X-Tiercache-Route-Reason", "")}
         async for line in resp.content:
             if not line.startswith(b"data: {"):
                 continue

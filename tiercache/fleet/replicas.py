@@ -105,6 +105,7 @@ class Replica:
     since: float = field(default_factory=time.monotonic)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     encoder: PromptEncoder | None = None     # tokenizes and templates as this replica does
+    prefill_measured: int = 0                # idle first tokens its prefill rate has been learned from
 
     def shares_with(self, other: Replica) -> bool:
         """Whether ``other``'s stores to a shared tier are loads for this replica: the same chains, a shared
@@ -129,11 +130,16 @@ class Replica:
             self.rates = Rates(self.rates.prefill, {**self.rates.load, **measured}, self.rates.per_request_s)
 
     def learn_prefill(self, tokens: int, seconds: float) -> None:
-        """A first token measured on an otherwise idle replica: ``tokens`` computed in ``seconds``."""
+        """A first token measured on an otherwise idle replica: ``tokens`` computed in ``seconds``. The first
+        measurement replaces the configured rate outright (a guess several times off would otherwise weigh on
+        the next ten estimates: on a fresh fleet, exactly the opening seconds when moving a conversation away
+        from its history looks cheap); later ones are averaged in."""
         if tokens > 0 and seconds > 0:
             rate = tokens / seconds
-            self.rates = Rates(self.rates.prefill * (1 - EWMA_WEIGHT) + rate * EWMA_WEIGHT, self.rates.load,
-                               self.rates.per_request_s)
+            if self.prefill_measured:
+                rate = self.rates.prefill * (1 - EWMA_WEIGHT) + rate * EWMA_WEIGHT
+            self.prefill_measured += 1
+            self.rates = Rates(rate, self.rates.load, self.rates.per_request_s)
 
 
 @dataclass(frozen=True, slots=True)

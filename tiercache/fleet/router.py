@@ -258,6 +258,8 @@ def _answer_headers(resp, replica: Replica, ranked: Ranked) -> dict[str, str]:
     headers = {k: resp.headers[k] for k in RESPONSE_HEADERS if k in resp.headers}
     headers["X-Tiercache-Replica"] = replica.name
     headers["X-Tiercache-Expected-TTFT-Ms"] = f"{ranked.expected_ttft_s * 1e3:.1f}"
+    if ranked.reason:
+        headers["X-Tiercache-Route-Reason"] = ranked.reason
     headers["X-Tiercache-Predicted-Cached-Tokens"] = str(ranked.cached_tokens)
     return headers
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiercache.fleet.prefix_index import CachedTokens
 from tiercache.registry import Registry
@@ -66,9 +66,11 @@ class Ranked:
     cached_tokens: int
     engine_tokens: int
     tier_tokens: dict[str, int]
+    reason: str = ""           # why it is first, where a policy says: expected-ttft's rule that put it there
 
     def as_dict(self) -> dict:
-        return {"replica": self.name, "expected_ttft_ms": round(self.expected_ttft_s * 1e3, 3),
+        return {"replica": self.name, "reason": self.reason,
+                "expected_ttft_ms": round(self.expected_ttft_s * 1e3, 3),
                 "queue_ms": round(self.queue_s * 1e3, 3), "prefill_ms": round(self.prefill_s * 1e3, 3),
                 "load_ms": round(self.load_s * 1e3, 3), "cached_tokens": self.cached_tokens,
                 "engine_cached_tokens": self.engine_tokens, "tier_cached_tokens": dict(self.tier_tokens)}
@@ -163,6 +165,7 @@ class ExpectedTTFT(Policy):
 
         def hot(r: Ranked) -> bool:
             return r.queue_s > self.hotspot_factor * (total_queue - r.queue_s) / (n - 1) + slack
+        fastest = min(ranked, key=lambda r: (r.expected_ttft_s, r.name))
         ranked.sort(key=lambda r: (hot(r), r.expected_ttft_s, r.name))
         best = ranked[0]
         tied = [r for r in ranked if hot(r) == hot(best)
@@ -170,7 +173,11 @@ class ExpectedTTFT(Policy):
         routed = {c.name: c.routed_tokens for c in candidates}
         tied.sort(key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
         ranked = tied + ranked[len(tied):]
-        return self._share(ranked, routed, {c.name: c.rates.prefill for c in candidates}, hot)
+        shared = self._share(ranked, routed, {c.name: c.rates.prefill for c in candidates}, hot)
+        first = shared[0]
+        reason = ("fastest" if first is fastest else "share" if first is not ranked[0]
+                  else "tie" if first is not best else "hotspot")
+        return [replace(first, reason=reason), *shared[1:]]
 
     def _share(self, ranked: list[Ranked], routed: dict[str, int], prefill_rate: dict[str, float],
                hot: Callable[[Ranked], bool]) -> list[Ranked]:
@@ -197,6 +204,6 @@ def stick(ranking: list[Ranked], replica: str | None, slack: float = STICKY_SLAC
     for i, r in enumerate(ranking):
         if r.name == replica:
             if i and r.expected_ttft_s <= slack * ranking[0].expected_ttft_s:
-                return [r, *ranking[:i], *ranking[i + 1:]]
+                return [replace(r, reason="sticky"), *ranking[:i], *ranking[i + 1:]]
             break
     return ranking
