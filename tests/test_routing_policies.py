@@ -99,6 +99,28 @@ def test_a_replicas_first_measured_prefill_rate_replaces_the_configured_guess():
     assert r.rates.prefill == 2_000.0 * (1 - EWMA_WEIGHT) + 4_000.0 * EWMA_WEIGHT
 
 
+def test_a_replicas_share_is_its_recent_traffic_each_token_fading_with_age():
+    """What the tie rule and the share guard compare: tokens sent, each counting exp(-age / window) — an excess
+    of the same proportion stays the same size however long the router has run."""
+    import math
+
+    from tiercache.fleet.replicas import DecayingSum
+
+    recent = DecayingSum(window_s=10.0)
+    assert recent.read(5.0) == 0.0
+    recent.add(1000, now=100.0)
+    assert recent.read(100.0) == 1000
+    assert math.isclose(recent.read(110.0), 1000 / math.e)
+    recent.add(500, now=110.0)
+    assert math.isclose(recent.read(120.0), (1000 / math.e + 500) / math.e)
+    assert recent.read(90.0) == recent.value                  # a clock read before the last add: no growth
+    # sending 1000 tokens every second converges to 1000 / (1 - exp(-1 / window)), not to an ever larger count
+    steady = DecayingSum(window_s=10.0)
+    for t in range(600):
+        steady.add(1000, now=float(t))
+    assert math.isclose(steady.read(599.0), 1000 / (1 - math.exp(-0.1)), rel_tol=1e-9)
+
+
 def test_the_router_passes_a_requests_session_on_to_the_replica():
     """vLLM's X-Session-ID tells a replica's tiers the request belongs to a conversation; the router keeps it."""
     from aiohttp.test_utils import make_mocked_request

@@ -492,13 +492,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated routing policies")
     rb.add_argument("--shared", choices=["no", "yes", "both"], default="both",
                     help="replicas with a shared `tiercache serve` under their L1 (yes), without (no), or both")
-    rb.add_argument("--conversations", type=_positive, default=40)
+    rb.add_argument("--conversations", type=_positive, default=120,
+                    help="about 3.8 requests each; enough that a p99 is not the opening seconds' second slowest")
     rb.add_argument("--max-turns", type=_positive, default=8)
     rb.add_argument("--system-prompts", type=_positive, default=4)
     rb.add_argument("--system-tokens", type=_positive, default=1200)
     rb.add_argument("--user-tokens", type=_positive, default=300)
     rb.add_argument("--output-tokens", type=_positive, default=8)
-    rb.add_argument("--rate", type=_positive_float, default=0.8, help="conversations started per second")
+    rb.add_argument("--rate", type=_positive_float, default=1.6,
+                    help="conversations started per second (1.6: near two replicas' capacity on a 2-core machine)")
     rb.add_argument("--seed", type=int, default=0)
     rb.add_argument("--overhead-pairs", type=int, default=30,
                     help="requests alternated direct and through the router to measure its overhead (0: skip)")

@@ -45,13 +45,13 @@ POOL_BLOCKS = 2048          # each replica's L0: 32K tokens, a few conversations
 
 @dataclass(frozen=True, slots=True)
 class RouteWorkload:
-    conversations: int = 40
+    conversations: int = 120
     max_turns: int = 8               # a conversation has 1..max_turns turns (more often few)
     system_prompts: int = 4
     system_tokens: int = 1200
     user_tokens: int = 300
     output_tokens: int = 8
-    rate: float = 0.8                # conversations started per second (Poisson)
+    rate: float = 1.6                # conversations started per second (Poisson)
     think_s: float = 0.3             # mean pause between an answer and the next turn
     zipf: float = 1.2
     seed: int = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,12 +78,31 @@ def _hf_tokenizer(path: str):
         raise ConfigError("tokenizer", path, f"cannot load the model's tokenizer: {err}") from None
 
 
+SHARE_WINDOW_S = 30.0     # how long a prompt token sent to a replica counts toward its share (1/e after this)
+
+
+@dataclass(slots=True)
+class DecayingSum:
+    """A sum whose terms fade with age: one added ``age`` seconds ago counts ``exp(-age / window_s)``."""
+    window_s: float = SHARE_WINDOW_S
+    value: float = 0.0
+    at: float = 0.0
+
+    def add(self, amount: float, now: float) -> None:
+        self.value = self.read(now) + amount
+        self.at = now
+
+    def read(self, now: float) -> float:
+        return self.value * math.exp(-max(now - self.at, 0.0) / self.window_s) if self.value else 0.0
+
+
 @dataclass(slots=True)
 class ReplicaLoad:
     in_flight: int = 0
     pending_prefill: int = 0
     requests: int = 0
     prompt_tokens: int = 0
+    recent_tokens: DecayingSum = field(default_factory=DecayingSum)   # prompt tokens sent lately: its share
     failures: int = 0
     predicted_cached: int = 0       # over requests whose replica reported cached tokens
     reported_cached: int = 0
@@ -119,7 +139,7 @@ class Replica:
         cached = (self.index.cached(keys, self.scheme, shared) if keys is not None and self.scheme is not None
                   else CachedTokens(0))
         return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates,
-                         self.load.prompt_tokens)
+                         self.load.recent_tokens.read(time.monotonic()))
 
     def learn_loads(self, descriptor: ReplicaDescriptor | None) -> None:
         """Take the load rates per medium the replica measured (its descriptor, at each health check); media it

@@ -178,6 +178,7 @@ class Router:
             load.pending_prefill += uncached
             load.requests += 1
             load.prompt_tokens += routed.prompt_tokens
+            load.recent_tokens.add(routed.prompt_tokens, time.monotonic())
             blocks = routed.blocks.get(replica.name, ())
             replica.index.hold(blocks)
             started, first = time.perf_counter(), None

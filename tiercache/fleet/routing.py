@@ -16,7 +16,7 @@ Policies (`routing_policies`):
 - ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
   (a replica whose queue is far above the other replicas' goes last); near
-  ties go to the replica sent the fewest tokens so far, and so does a request
+  ties go to the replica sent the fewest tokens lately, and so does a request
   whose best replica has been sent over its share when another can take it
   for an extra prefill bounded by that excess (a share guard: a prefix held
   by one replica spreads to a second one instead of pulling in every
@@ -53,7 +53,8 @@ class Candidate:
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
     rates: Rates
-    routed_tokens: int = 0     # prompt tokens sent to it so far: what a tie between replicas is broken by
+    routed_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
+                               # its share of the traffic, what a tie and the share guard go by
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,7 @@ class ExpectedTTFT(Policy):
     compute it trips in a window: a hot replica whose hit saves less than its queue has grown.
 
     Replicas whose estimates are within ``tie_ratio`` of the best are a tie, and the one sent the fewest
-    prompt tokens so far goes first: a new conversation (its system prompt everywhere, every replica idle)
+    prompt tokens lately goes first: a new conversation (its system prompt everywhere, every replica idle)
     would otherwise always go to the same replica by name, and every later turn follows its history there.
     The estimates' own rates are measured, so a difference that small is noise, not a reason.
 
@@ -146,7 +147,14 @@ class ExpectedTTFT(Policy):
     later turns follow; queues stay short between turns, so the hotspot guard never sees it. The bound
     scales with the imbalance it mends: a small excess moves nothing, a new conversation moves once the
     excess is ten times its shared prefix (it recomputes that prefix once, and it then lives on two
-    replicas), a long conversation stays where its history is unless the imbalance is ten times that."""
+    replicas), a long conversation stays where its history is unless the imbalance is ten times that.
+
+    "Sent" is recent traffic (``Candidate.routed_tokens``, each token fading over `replicas.SHARE_WINDOW_S`),
+    not a count since the router started: with counts since the start, an excess of the same 20 % grew with
+    the run's length, and so did the bound — late in a run, conversations whose whole history was on one
+    replica were moved to recompute it (RESULTS.md, "Shares of recent traffic"); and a replica added at run
+    time would draw every request it could take until it had caught up with replicas that had served for
+    hours. A window a few conversations long keeps the bound to the load now and just ahead."""
 
     def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15, share_slack: float = 0.2,
                  rebalance_share: float = 0.1) -> None:
