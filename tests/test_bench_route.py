@@ -56,6 +56,10 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         assert all(r["expected_ttft_ms"] > 0 and r["predicted_cached_tokens"] <= r["prompt_tokens"]
                    for r in records)
     assert len({r["replica"] for r in runs["round-robin"]["records"]}) == 2    # in turn: both replicas named
+    # expected-ttft names the rule behind each choice (X-Tiercache-Route-Reason); round-robin has none to name
+    assert {r["reason"] for r in runs["expected-ttft"]["records"]} <= {"fastest", "tie", "hotspot", "share"}
+    assert "fastest" in {r["reason"] for r in runs["expected-ttft"]["records"]}
+    assert {r["reason"] for r in runs["round-robin"]["records"]} == {""}
 
 
 @pytest.mark.slow      # starts a fleet

@@ -88,6 +88,7 @@ def test_the_score_is_the_ranking_the_router_routes_by(fleet):
     _, score = call(f"{router.url}/v1/score", "POST", {"prompt": prompt + "more"}, key="sk-acme")
     best = score["replicas"][0]
     assert best["expected_ttft_ms"] <= score["replicas"][1]["expected_ttft_ms"]
+    assert best["reason"] in {"fastest", "tie", "hotspot", "share"} and score["replicas"][1]["reason"] == ""
     assert score["policy"] == "expected-ttft" and score["prompt_tokens"] > best["cached_tokens"] > 0
     before = metric(router.url, "tiercache_route_requests_total", replica=best["replica"])
     whole = client.completions.create(model=MODEL, prompt=prompt + "more", max_tokens=6, temperature=0)
