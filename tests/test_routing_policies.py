@@ -81,6 +81,7 @@ def test_expected_ttft_names_the_rule_that_put_its_first_replica_first():
     assert first(sent("a", 1000, 600, 9000), sent("b", 1000, 590, 100)) == ("b", "tie")
     assert first(sent("a", 1500, 1200, 40000), sent("b", 1500, 0, 15000), sent("c", 1500, 0, 5000)) \
         == ("c", "share")
+    assert first(replica("a", 1000, 800)) == ("a", "fastest")              # alone: first because it is fastest
     assert all(r.reason == "" for r in routing_policies.get("least-loaded")().rank([replica("a", 0, 0)]))
 
 

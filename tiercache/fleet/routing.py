@@ -166,7 +166,7 @@ class ExpectedTTFT(Policy):
     def rank(self, candidates: list[Candidate]) -> list[Ranked]:
         ranked = [estimate(c) for c in candidates]
         if len(ranked) < 2:
-            return ranked
+            return [replace(r, reason="fastest") for r in ranked]
         n = len(ranked)        # not len(ranked) inside the sort's key: list.sort empties the list while it sorts
         total_queue = sum(r.queue_s for r in ranked)
         slack = sum(r.prefill_s + r.load_s for r in ranked) / n
@@ -187,7 +187,7 @@ class ExpectedTTFT(Policy):
                   else "tie" if first is not best else "hotspot")
         return [replace(first, reason=reason), *shared[1:]]
 
-    def _share(self, ranked: list[Ranked], routed: dict[str, int], prefill_rate: dict[str, float],
+    def _share(self, ranked: list[Ranked], routed: dict[str, float], prefill_rate: dict[str, float],
                hot: Callable[[Ranked], bool]) -> list[Ranked]:
         """``ranked`` with the share guard applied (see the class)."""
         first = ranked[0]
