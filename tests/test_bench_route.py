@@ -60,6 +60,20 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
     assert {r["reason"] for r in runs["expected-ttft"]["records"]} <= {"fastest", "tie", "hotspot", "share"}
     assert "fastest" in {r["reason"] for r in runs["expected-ttft"]["records"]}
     assert {r["reason"] for r in runs["round-robin"]["records"]} == {""}
+    assert sum(runs["expected-ttft"]["reasons"].values()) == turns and runs["round-robin"]["reasons"] == {}
+    for run in runs.values():             # a move is a later turn: at most one per turn after each first
+        assert 0 <= run["moved"] <= turns - 4
+        assert (run["moved_ttft_ms_max"] > 0) == (run["moved"] > 0)
+
+
+def test_a_move_is_a_turn_sent_away_from_its_conversations_previous_replica():
+    from tiercache.bench.route import Request, moved
+
+    def sent(conversation: int, turn: int, replica: str) -> Request:
+        return Request(conversation, turn, float(turn), 0.1, 0.2, 100, 0, replica=replica)
+    records = [sent(0, 0, "a"), sent(1, 0, "b"), sent(0, 1, "a"), sent(1, 1, "a"), sent(0, 2, "b"), sent(1, 2, "a")]
+    assert [(r.conversation, r.turn) for r in moved(records)] == [(1, 1), (0, 2)]
+    assert moved(records[:2]) == []                       # first turns go somewhere: none of them is a move
 
 
 @pytest.mark.slow      # starts a fleet

@@ -24,8 +24,10 @@ first seconds — each replica computing each system prompt once, several
 conversations opening at once on cold processes — set the whole-run p99 of
 every policy (RESULTS.md, "Where the four-replica p99 comes from"); the later
 half is the fleet at work. Each request's record (sent, TTFT, the replica
-the router named in its answer's headers, what it expected there) is in the
-JSON.
+the router named in its answer's headers, what it expected there, the rule
+that chose it) is in the JSON, with the run's moves: turns sent to another
+replica than their conversation's previous one, each leaving its history
+behind (how many, the slowest, and how many choices each rule made).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -222,6 +225,18 @@ def start_fleet(n: int, policy: str, shared: bool) -> Fleet:
     return Fleet(replicas, router, server)
 
 
+def moved(records: list[Request]) -> list[Request]:
+    """Requests sent to another replica than their conversation's previous turn (``records`` in send order):
+    each recomputes or reloads the history it left behind — where a routing policy's tail comes from."""
+    last: dict[int, str] = {}
+    out = []
+    for r in records:
+        if last.get(r.conversation, r.replica) != r.replica:
+            out.append(r)
+        last[r.conversation] = r.replica
+    return out
+
+
 def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             progress: Callable[[], None] | None = None) -> dict:
     fleet = start_fleet(n, policy, shared)
@@ -237,6 +252,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
     later = [r.ttft_s * 1e3 for r in by_time[len(by_time) // 2:]]   # a fleet past its cold start: see below
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
+    moves = moved(by_time)
     loads = [v.get("prompt_tokens", 0.0) for v in per_replica.values()] or [0.0]
     computed = [v.get("prompt_tokens", 0.0) - v.get("reported", 0.0) for v in per_replica.values()] or [0.0]
     reported = sum(v.get("reported", 0.0) for v in per_replica.values())
@@ -251,6 +267,9 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
                                   if statistics.mean(computed) > 0 else 0.0),
             "prediction_error": round(error / reported, 4) if reported else 0.0,
+            "moved": len(moves),
+            "moved_ttft_ms_max": round(max((r.ttft_s for r in moves), default=0.0) * 1e3, 2),
+            "reasons": dict(Counter(r.reason for r in records if r.reason)),
             "per_replica": per_replica,
             "records": [asdict(r) for r in by_time]}
 
@@ -299,14 +318,14 @@ class RouteReport:
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
            "later half p50 ms", "later half p99 ms", "req/s", "prefix hits", "imbalance", "compute imbalance",
-           "prediction error")
+           "prediction error", "moved", "slowest moved ms")
 
 
 def rows(report: dict) -> list[tuple]:
     return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r.get("later_half_ttft_ms_p50", "-"), r.get("later_half_ttft_ms_p99", "-"),
              r["throughput_req_s"], r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
-             r["prediction_error"]) for r in report["runs"]]
+             r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
 
 def plot(path, report: dict) -> bool:
