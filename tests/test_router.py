@@ -1,5 +1,6 @@
 """`tiercache route` in front of reference-engine replicas, all real processes on loopback, asked with the
 official `openai` client: routing by where prefixes live, tenants, failover, resyncs, the scoring service."""
+import random
 import statistics
 import threading
 import time
@@ -281,11 +282,20 @@ def test_one_tenant_cannot_tell_from_its_time_to_first_token_what_another_has_se
             return time.perf_counter() - start
         raise AssertionError("no token")
 
+    order = random.Random(7)
+
     def samples(client, cached_docs, fresh_docs):
+        """Each pair in a random order: the router spreads idle-fleet ties by each replica's recent share, so a
+        fixed hit-then-miss order sends every hit to one replica and every miss to the other, and the test would
+        measure the two replicas' speeds instead of the cache."""
         hit, miss = [], []
         for a, b in zip(cached_docs, fresh_docs):
-            hit.append(ttft(client, a))
-            miss.append(ttft(client, b))
+            if order.random() < 0.5:
+                hit.append(ttft(client, a))
+                miss.append(ttft(client, b))
+            else:
+                miss.append(ttft(client, b))
+                hit.append(ttft(client, a))
         return hit, miss
 
     fresh = [d.replace("private", "public") for d in documents]
