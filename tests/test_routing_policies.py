@@ -38,7 +38,7 @@ def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_
     """Every replica idle and holding the system prompt: a new conversation is a tie, and it goes where the
     fewest tokens have gone (by name it would always be "a"). A real difference is never overturned."""
     def sent(name: str, cached: int, routed: int) -> Candidate:
-        return Candidate(name, 1000, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+        return Candidate(name, 1000, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
     policy = routing_policies.get("expected-ttft")()
     assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 600, 100), sent("c", 600, 5000)])] \
         == ["b", "c", "a"]
@@ -54,7 +54,7 @@ def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_his
     of prefill — within a tenth of the excess. Within its share a keeps it, and so it does when the excess is
     small; a long conversation whose 4000-token history is on a stays there (moving it would recompute 4000)."""
     def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
-        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
     policy = routing_policies.get("expected-ttft")()
     fleet = [sent("a", 1500, 1200, 40000), sent("b", 1500, 0, 15000), sent("c", 1500, 0, 5000)]
     assert [r.name for r in policy.rank(fleet)][0] == "c"
@@ -75,7 +75,7 @@ def test_expected_ttft_names_the_rule_that_put_its_first_replica_first():
         return top.name, top.reason
 
     def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
-        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, routed_tokens=routed)
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
     assert first(replica("a", 900, 500), replica("b", 0, 0)) == ("a", "fastest")
     assert first(replica("a", 1000, 800), replica("b", 0, 0)) == ("b", "hotspot")
     assert first(sent("a", 1000, 600, 9000), sent("b", 1000, 590, 100)) == ("b", "tie")
@@ -120,6 +120,31 @@ def test_a_replicas_share_is_its_recent_traffic_each_token_fading_with_age():
     for t in range(600):
         steady.add(1000, now=float(t))
     assert math.isclose(steady.read(599.0), 1000 / (1 - math.exp(-0.1)), rel_tol=1e-9)
+
+
+def test_a_replica_that_joins_a_busy_fleet_takes_its_share_within_a_few_windows_not_everything_for_hours():
+    """Two replicas have served 1000 prompt tokens a second for an hour; a third joins, idle and empty. Requests
+    that no replica holds are near ties, taken by the replica with the smallest share: with recent shares the
+    newcomer takes the first ones and about a third of them three windows later; with counts since the start
+    (a window too long to fade, as the router had) it would still be taking every one."""
+    from tiercache.fleet.replicas import DecayingSum
+
+    def newcomer_shares(window_s: float) -> tuple[float, float]:
+        sums = {name: DecayingSum(window_s=window_s) for name in ("a", "b", "new")}
+        for t in range(3600):                                     # the hour before: 500 tokens/s to each
+            sums["a"].add(500, float(t))
+            sums["b"].add(500, float(t))
+        policy, taken = routing_policies.get("expected-ttft")(), []
+        for i in range(4 * 30 * 2):                               # four windows of 30 s, a request each 0.5 s
+            now = 3600.0 + i / 2
+            top = policy.rank([Candidate(n, 500, CachedTokens(0), 0, 0, RATES, recent_tokens=s.read(now))
+                               for n, s in sums.items()])[0].name
+            sums[top].add(500, now)
+            taken.append(top == "new")
+        return sum(taken[:20]) / 20, sum(taken[180:]) / 60         # its first 10 s, and the fourth window
+    first, later = newcomer_shares(30.0)
+    assert first == 1.0 and 0.25 <= later <= 0.42
+    assert newcomer_shares(1e12) == (1.0, 1.0)
 
 
 def test_the_router_passes_a_requests_session_on_to_the_replica():

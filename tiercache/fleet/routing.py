@@ -53,7 +53,7 @@ class Candidate:
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
     rates: Rates
-    routed_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
+    recent_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
                                # its share of the traffic, what a tie and the share guard go by
 
 
@@ -149,7 +149,7 @@ class ExpectedTTFT(Policy):
     excess is ten times its shared prefix (it recomputes that prefix once, and it then lives on two
     replicas), a long conversation stays where its history is unless the imbalance is ten times that.
 
-    "Sent" is recent traffic (``Candidate.routed_tokens``, each token fading over `replicas.SHARE_WINDOW_S`),
+    "Sent" is recent traffic (``Candidate.recent_tokens``, each token fading over `replicas.SHARE_WINDOW_S`),
     not a count since the router started: with counts since the start, an excess of the same 20 % grew with
     the run's length, and so did the bound — late in a run, conversations whose whole history was on one
     replica were moved to recompute it (RESULTS.md, "Shares of recent traffic"); and a replica added at run
@@ -178,7 +178,7 @@ class ExpectedTTFT(Policy):
         best = ranked[0]
         tied = [r for r in ranked if hot(r) == hot(best)
                 and r.expected_ttft_s <= best.expected_ttft_s * (1 + self.tie_ratio)]
-        routed = {c.name: c.routed_tokens for c in candidates}
+        routed = {c.name: c.recent_tokens for c in candidates}
         tied.sort(key=lambda r: (routed[r.name], r.expected_ttft_s, r.name))
         ranked = tied + ranked[len(tied):]
         shared = self._share(ranked, routed, {c.name: c.rates.prefill for c in candidates}, hot)
