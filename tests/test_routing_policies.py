@@ -7,7 +7,7 @@ RATES = Rates(prefill=1000.0, load={"CPU": 20000.0})
 
 def replica(name: str, cached: int, waiting: int, prompt: int = 1000) -> Candidate:
     return Candidate(name, prompt, CachedTokens(cached), in_flight=waiting // prompt, pending_prefill=waiting,
-                     rates=RATES)
+                     pending_prefill_s=waiting / RATES.prefill, rates=RATES)
 
 
 def order(policy: str, *candidates: Candidate) -> list[str]:
@@ -38,7 +38,7 @@ def test_a_near_tie_goes_to_the_replica_sent_the_fewest_tokens_not_to_the_first_
     """Every replica idle and holding the system prompt: a new conversation is a tie, and it goes where the
     fewest tokens have gone (by name it would always be "a"). A real difference is never overturned."""
     def sent(name: str, cached: int, routed: int) -> Candidate:
-        return Candidate(name, 1000, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
+        return Candidate(name, 1000, CachedTokens(cached), 0, 0, 0.0, RATES, recent_tokens=routed)
     policy = routing_policies.get("expected-ttft")()
     assert [r.name for r in policy.rank([sent("a", 600, 9000), sent("b", 600, 100), sent("c", 600, 5000)])] \
         == ["b", "c", "a"]
@@ -54,7 +54,7 @@ def test_the_share_guard_spreads_a_prefix_one_replica_holds_but_keeps_a_long_his
     of prefill — within a tenth of the excess. Within its share a keeps it, and so it does when the excess is
     small; a long conversation whose 4000-token history is on a stays there (moving it would recompute 4000)."""
     def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
-        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, 0.0, RATES, recent_tokens=routed)
     policy = routing_policies.get("expected-ttft")()
     fleet = [sent("a", 1500, 1200, 40000), sent("b", 1500, 0, 15000), sent("c", 1500, 0, 5000)]
     assert [r.name for r in policy.rank(fleet)][0] == "c"
@@ -75,7 +75,7 @@ def test_expected_ttft_names_the_rule_that_put_its_first_replica_first():
         return top.name, top.reason
 
     def sent(name: str, prompt: int, cached: int, routed: int) -> Candidate:
-        return Candidate(name, prompt, CachedTokens(cached), 0, 0, RATES, recent_tokens=routed)
+        return Candidate(name, prompt, CachedTokens(cached), 0, 0, 0.0, RATES, recent_tokens=routed)
     assert first(replica("a", 900, 500), replica("b", 0, 0)) == ("a", "fastest")
     assert first(replica("a", 1000, 800), replica("b", 0, 0)) == ("b", "hotspot")
     assert first(sent("a", 1000, 600, 9000), sent("b", 1000, 590, 100)) == ("b", "tie")
@@ -88,16 +88,61 @@ def test_expected_ttft_names_the_rule_that_put_its_first_replica_first():
 def test_a_replicas_first_measured_prefill_rate_replaces_the_configured_guess():
     """The router starts from a configured rate (20K tokens/s); a replica's first idle first token measured at
     2K tokens/s is its rate from then on, not a tenth of the way there (a fresh fleet's estimates would be
-    several times too low for its first dozen requests); later measurements are averaged in."""
-    from tiercache.fleet.replicas import EWMA_WEIGHT, Replica
+    several times too low for its first dozen requests). Measurements that cannot tell the per-token part from
+    the attention part (all without context here) give one rate, their least-squares ratio."""
+    from tiercache.fleet.replicas import PREFILL_DECAY, Replica
 
     r = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0}))
-    r.learn_prefill(200, 0.1)
-    assert r.rates.prefill == 2_000.0 and r.rates.load == {"CPU": 400_000.0}
-    r.learn_prefill(400, 0.1)
-    assert r.rates.prefill == 2_000.0 * (1 - EWMA_WEIGHT) + 4_000.0 * EWMA_WEIGHT
-    r.learn_prefill(0, 0.1)                                   # a full hit computes nothing: it teaches nothing
-    assert r.rates.prefill == 2_000.0 * (1 - EWMA_WEIGHT) + 4_000.0 * EWMA_WEIGHT
+    r.learn_prefill(200, 0, 0.1)
+    assert r.rates.prefill == 2_000.0 and r.rates.attention_s == 0.0 and r.rates.load == {"CPU": 400_000.0}
+    r.learn_prefill(200, 0, 0.05)                             # 4K tokens/s: least squares of the relative error
+    assert r.rates.prefill == (2_000.0 ** 2 * PREFILL_DECAY + 4_000.0 ** 2) / (2_000.0 * PREFILL_DECAY + 4_000.0)
+    before = r.rates
+    r.learn_prefill(0, 500, 0.1)                              # a full hit computes nothing: it teaches nothing
+    assert r.rates == before
+
+
+def test_the_prefill_cost_grows_with_the_context_it_attends_to_and_the_fit_finds_both_parts():
+    """A replica whose prefill costs 0.2 ms a token plus 0.1 µs per pair (computed token, token it attends to),
+    measured on short turns after long histories and long prompts after none: the fit finds both parts, so it
+    estimates a 3000-token recompute and a 300-token turn after a 3000-token history alike — one rate fitted to
+    the same measurements is a fifth or more off on one of them (a share guard or a tie trusting it misjudges
+    what moving a conversation away from its history costs)."""
+    import math
+
+    from tiercache.fleet.replicas import Replica
+
+    def true_s(n: int, c: int) -> float:
+        return n * 2e-4 + n * (c + n / 2) * 1e-7
+
+    seen = [(300, 1200), (1500, 0), (300, 3400), (700, 2000), (1500, 0), (200, 4000)] * 3
+    r = Replica("r", "http://r", Rates(20_000.0))
+    for n, c in seen:
+        r.learn_prefill(n, c, true_s(n, c))
+    assert math.isclose(r.rates.prefill, 5_000.0, rel_tol=1e-6)
+    assert math.isclose(r.rates.attention_s, 1e-7, rel_tol=1e-6)
+    probes = [(3000, 0), (300, 3000)]
+    assert all(math.isclose(r.rates.prefill_s(n, c), true_s(n, c), rel_tol=1e-6) for n, c in probes)
+    one_rate = Rates(sum(n * n for n, _ in seen) / sum(n * true_s(n, c) for n, c in seen))   # least squares
+    assert max(abs(one_rate.prefill_s(n, c) / true_s(n, c) - 1) for n, c in probes) > 0.2
+    # a candidate's estimate uses it: 300 new tokens after a 3000-token history cost more than after none
+    ranked = routing_policies.get("least-loaded")().rank([
+        Candidate("long", 3300, CachedTokens(3000), 0, 0, 0.0, r.rates),
+        Candidate("short", 300, CachedTokens(0), 0, 0, 0.0, r.rates)])
+    assert {x.name: round(x.prefill_s, 6) for x in ranked} == {"long": round(true_s(300, 3000), 6),
+                                                              "short": round(true_s(300, 0), 6)}
+
+
+def test_prefill_measurements_that_find_a_negative_part_fall_back_to_one_rate():
+    """Noise can make the two-part fit say attention (or the per-token part) is free or negative: then one
+    rate, never a negative time."""
+    from tiercache.fleet.replicas import Replica
+
+    r = Replica("r", "http://r", Rates(20_000.0))
+    for n, c, s in [(300, 3000, 0.05), (1500, 0, 0.5), (300, 3000, 0.05), (1500, 0, 0.5)]:
+        r.learn_prefill(n, c, s)          # the long-context turns are *faster* per token: no attention part
+    assert r.rates.attention_s == 0.0 and r.rates.prefill > 0
+    assert r.rates.prefill_s(300, 3000) > 0
 
 
 def test_a_replicas_share_is_its_recent_traffic_each_token_fading_with_age():
@@ -137,7 +182,7 @@ def test_a_replica_that_joins_a_busy_fleet_takes_its_share_within_a_few_windows_
         policy, taken = routing_policies.get("expected-ttft")(), []
         for i in range(4 * 30 * 2):                               # four windows of 30 s, a request each 0.5 s
             now = 3600.0 + i / 2
-            top = policy.rank([Candidate(n, 500, CachedTokens(0), 0, 0, RATES, recent_tokens=s.read(now))
+            top = policy.rank([Candidate(n, 500, CachedTokens(0), 0, 0, 0.0, RATES, recent_tokens=s.read(now))
                                for n, s in sums.items()])[0].name
             sums[top].add(500, now)
             taken.append(top == "new")

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,7 +32,8 @@ from tiercache.fleet.vllm_keys import VllmKeys  # noqa: F401 — registers the "
 
 log = logging.getLogger(__name__)
 
-EWMA_WEIGHT = 0.2
+PREFILL_DECAY = 0.9      # an idle first token's weight in the prefill fit, per measurement since (~10 remembered)
+MIN_SPREAD = 0.05        # how far from proportional (1 - cos²) the two costs must have varied to be told apart
 
 
 class PromptEncoder:
@@ -97,9 +98,51 @@ class DecayingSum:
 
 
 @dataclass(slots=True)
+class PrefillFit:
+    """A replica's prefill cost learned from its idle first tokens: seconds ≈ ``tokens / prefill +
+    tokens·(context + tokens/2) · attention_s`` (`Rates.prefill_s`), fitted by least squares of the relative
+    error over the recent measurements, each weighing `PREFILL_DECAY` times less per measurement since. The
+    error is relative because a measurement's noise is: a core shared with a busy neighbour stretches a 2 s
+    prefill by as many percent as a 0.1 s one, and absolute least squares lets a few slow long prompts pull
+    the fit off every short turn (replayed on `bench route`'s idle first tokens: the relative fit's p90 error
+    is 0.20-0.53, the absolute one's 0.19-1.03, one averaged rate's 0.42-0.66 — RESULTS.md).
+
+    Both parts are taken once they have been told apart: the measurements have varied in how much of their
+    time is attention (a short turn after a long history, a long prompt after none) and the fit finds both
+    positive. Until then the cost is one rate per token, the measurements' weighted ratio — a replica's very
+    first measurement replaces the configured guess outright (a guess several times off would otherwise
+    weigh on a fresh fleet's opening seconds, exactly when moving a conversation away from its history looks
+    cheap)."""
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # decayed Σ of t², tp, p², t, p: t, p the
+                                                                     # two parts' features over the seconds
+    measured: int = 0
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        t, p = tokens / seconds, tokens * (context + tokens / 2) / seconds     # relative: each measurement / y
+        for i, v in enumerate((t * t, t * p, p * p, t, p)):
+            self.sums[i] = self.sums[i] * PREFILL_DECAY + v
+        self.measured += 1
+
+    def rates(self, rates: Rates) -> Rates:
+        """``rates`` with the fitted prefill cost (unchanged before any measurement)."""
+        if not self.measured:
+            return rates
+        tt, tp, pp, t_sum, p_sum = self.sums     # normal equations of Σ (t·per_token + p·per_pair - 1)²
+        det = tt * pp - tp * tp
+        if det > MIN_SPREAD * tt * pp:
+            per_token, per_pair = (pp * t_sum - tp * p_sum) / det, (tt * p_sum - tp * t_sum) / det
+            if per_token > 0 and per_pair > 0:
+                return replace(rates, prefill=1 / per_token, attention_s=per_pair)
+        return replace(rates, prefill=tt / t_sum, attention_s=0.0)
+
+
+@dataclass(slots=True)
 class ReplicaLoad:
     in_flight: int = 0
     pending_prefill: int = 0
+    pending_prefill_s: float = 0.0  # their prefill as estimated when routed
     requests: int = 0
     prompt_tokens: int = 0
     recent_tokens: DecayingSum = field(default_factory=DecayingSum)   # prompt tokens sent lately: its share
@@ -125,7 +168,7 @@ class Replica:
     since: float = field(default_factory=time.monotonic)
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     encoder: PromptEncoder | None = None     # tokenizes and templates as this replica does
-    prefill_measured: int = 0                # idle first tokens its prefill rate has been learned from
+    prefill: PrefillFit = field(default_factory=PrefillFit)   # its idle first tokens: what its prefill costs
 
     def shares_with(self, other: Replica) -> bool:
         """Whether ``other``'s stores to a shared tier are loads for this replica: the same chains, a shared
@@ -138,7 +181,8 @@ class Replica:
     def candidate(self, keys: PromptKeys | None, num_tokens: int, shared: list[set[bytes]] = ()) -> Candidate:
         cached = (self.index.cached(keys, self.scheme, shared) if keys is not None and self.scheme is not None
                   else CachedTokens(0))
-        return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill, self.rates,
+        return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill,
+                         max(self.load.pending_prefill_s, 0.0), self.rates,
                          self.load.recent_tokens.read(time.monotonic()))
 
     def learn_loads(self, descriptor: ReplicaDescriptor | None) -> None:
@@ -147,19 +191,13 @@ class Replica:
         measured = {m: float(r) for m, r in (descriptor.load_tokens_per_s if descriptor else {}).items()
                     if isinstance(r, (int, float)) and r > 0}
         if measured:
-            self.rates = Rates(self.rates.prefill, {**self.rates.load, **measured}, self.rates.per_request_s)
+            self.rates = replace(self.rates, load={**self.rates.load, **measured})
 
-    def learn_prefill(self, tokens: int, seconds: float) -> None:
-        """A first token measured on an otherwise idle replica: ``tokens`` computed in ``seconds``. The first
-        measurement replaces the configured rate outright (a guess several times off would otherwise weigh on
-        the next ten estimates: on a fresh fleet, exactly the opening seconds when moving a conversation away
-        from its history looks cheap); later ones are averaged in."""
-        if tokens > 0 and seconds > 0:
-            rate = tokens / seconds
-            if self.prefill_measured:
-                rate = self.rates.prefill * (1 - EWMA_WEIGHT) + rate * EWMA_WEIGHT
-            self.prefill_measured += 1
-            self.rates = Rates(rate, self.rates.load, self.rates.per_request_s)
+    def learn_prefill(self, tokens: int, context: int, seconds: float) -> None:
+        """A first token measured on an otherwise idle replica: ``tokens`` computed after ``context`` cached
+        ones in ``seconds`` (`PrefillFit`)."""
+        self.prefill.observe(tokens, context, seconds)
+        self.rates = self.prefill.rates(self.rates)
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,10 +172,11 @@ class Router:
                     self.sticky_routed += 1
                 self.sessions.put(routed.session, replica.name)
             load = replica.load
-            uncached = max(routed.prompt_tokens - ranked.cached_tokens, 0)
+            uncached, prefill_s = max(routed.prompt_tokens - ranked.cached_tokens, 0), ranked.prefill_s
             idle = load.in_flight == 0
             load.in_flight += 1
             load.pending_prefill += uncached
+            load.pending_prefill_s += prefill_s
             load.requests += 1
             load.prompt_tokens += routed.prompt_tokens
             load.recent_tokens.add(routed.prompt_tokens, time.monotonic())
@@ -194,7 +195,8 @@ class Router:
                                 if first is None:
                                     first = time.perf_counter()
                                     load.pending_prefill -= uncached
-                                    uncached = 0
+                                    load.pending_prefill_s -= prefill_s
+                                    uncached, prefill_s = 0, 0.0
                                 await out.write(data)
                                 tail = (tail + data)[-8192:]
                         except (ClientConnectionError, ClientPayloadError) as err:
@@ -220,6 +222,7 @@ class Router:
             finally:
                 load.in_flight -= 1
                 load.pending_prefill -= uncached
+                load.pending_prefill_s -= prefill_s
                 replica.index.release(blocks)
         self.unrouted += 1
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")
@@ -239,7 +242,9 @@ class Router:
         load.prediction_error += abs(ranked.cached_tokens - reported)
         load.reported_prompt += prompt_tokens
         if ttft_s is not None and idle:
-            replica.learn_prefill(prompt_tokens - reported, ttft_s)
+            # what the cached part took to load, where the router knew which tiers held it (its prediction held)
+            loads_s = ranked.load_s if reported == ranked.cached_tokens else 0.0
+            replica.learn_prefill(prompt_tokens - reported, reported, ttft_s - loads_s)
 
 
 def _forwarded_headers(request) -> dict[str, str]:
@@ -391,6 +396,7 @@ def _replica_state(replica: Replica) -> dict:
             "in_flight": replica.load.in_flight, "pending_prefill_tokens": replica.load.pending_prefill,
             "events": follower.counters.as_dict() if follower else None,
             "prefill_tokens_per_s": round(replica.rates.prefill, 1),
+            "prefill_attention_ns_per_pair": round(replica.rates.attention_s * 1e9, 3),
             "load_tokens_per_s": {m: round(r, 1) for m, r in replica.rates.load.items()}}
 
 

@@ -2,7 +2,8 @@
 
 Families (labels in braces):
 - ``tiercache_route_replica_up{replica}``, ``..._in_flight{replica}``,
-  ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` (as measured);
+  ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` and
+  ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as measured);
 - ``tiercache_route_requests_total{replica}``, ``..._prompt_tokens_total{replica}``,
   ``..._failures_total{replica}`` (a request it could not be reached for);
 - ``tiercache_route_index_keys{replica,medium}``: blocks and chunks the router knows it holds;
@@ -34,7 +35,9 @@ class RouterCollector(Collector):
             "in_flight": ("requests sent and not finished", lambda r: r.load.in_flight),
             "pending_prefill_tokens": ("prompt tokens to compute before first tokens",
                                        lambda r: r.load.pending_prefill),
-            "prefill_tokens_per_second": ("measured prefill rate", lambda r: r.rates.prefill),
+            "prefill_tokens_per_second": ("measured prefill rate, its per-token part", lambda r: r.rates.prefill),
+            "prefill_attention_seconds_per_pair": ("measured prefill cost per (computed, earlier) token pair",
+                                                   lambda r: r.rates.attention_s),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"tiercache_route_{name}", doc, labels=["replica"])

@@ -39,10 +39,22 @@ from tiercache.registry import Registry
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """How fast a replica works, in prompt tokens per second (the router measures prefill; loads are set)."""
-    prefill: float
+    """How fast a replica works (the router measures prefill, `replicas.PrefillFit`; loads are the replica's own
+    measurements, or set).
+
+    Computing ``n`` prompt tokens after ``c`` cached ones takes ``n / prefill + n·(c + n/2) · attention_s``
+    seconds: a part per token (the layers' weights) and a part per pair of a computed token and one it attends
+    to — the same 300 tokens take twice as long after a 3K-token history as after a 1K one on the reference
+    engine (RESULTS.md, "Prefill that grows with the context"), so one rate learned on short requests is far
+    too optimistic for recomputing a long history elsewhere."""
+    prefill: float                  # prompt tokens per second, the per-token part
     load: dict[str, float] = field(default_factory=dict)   # per tier medium: CPU, DISK, REMOTE
     per_request_s: float = 0.0      # what each request already running adds to a new one's wait
+    attention_s: float = 0.0        # seconds per (computed token, earlier token) pair
+
+    def prefill_s(self, tokens: int, context: int) -> float:
+        """Seconds to compute ``tokens`` prompt tokens after ``context`` cached ones."""
+        return tokens / self.prefill + tokens * (context + tokens / 2) * self.attention_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +64,7 @@ class Candidate:
     cached: CachedTokens
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
+    pending_prefill_s: float   # their prefill as estimated when each was routed (`Rates.prefill_s`)
     rates: Rates
     recent_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
                                # its share of the traffic, what a tie and the share guard go by
@@ -79,8 +92,8 @@ class Ranked:
 
 def estimate(c: Candidate) -> Ranked:
     """Expected time to first token on ``c``: wait for what is ahead, compute what nobody holds, load the rest."""
-    queue_s = c.pending_prefill / c.rates.prefill + c.in_flight * c.rates.per_request_s
-    prefill_s = max(c.prompt_tokens - c.cached.total, 1) / c.rates.prefill
+    queue_s = c.pending_prefill_s + c.in_flight * c.rates.per_request_s
+    prefill_s = c.rates.prefill_s(max(c.prompt_tokens - c.cached.total, 1), c.cached.total)
     load_s = sum(n / c.rates.load.get(medium, c.rates.prefill) for medium, n in c.cached.tiers.items())
     return Ranked(c.name, queue_s + prefill_s + load_s, queue_s, prefill_s, load_s, c.cached.total,
                   c.cached.engine, dict(c.cached.tiers))
