@@ -126,6 +126,38 @@ def test_a_request_sent_while_another_computes_its_prefix_is_predicted_to_find_i
         router.stop()
 
 
+def test_the_router_learns_a_replicas_prefill_from_its_first_tokens_and_its_queue_empties_with_it(fleet):
+    """A router of its own over one replica, asked streamed prompts in turn (each finds the replica idle): long
+    ones after no context and short ones after a long cached prefix. Its prefill cost is measured, not the
+    configured 20K tokens/s, both parts are published, and once every request has its first token the queue it
+    expects there is empty again (each request's estimated prefill added when sent, taken off at its first
+    token)."""
+    _, replicas = fleet
+    router = start_router([replicas[0].url])
+    try:
+        client = _client(router.url)
+        for i in range(3):
+            base = f"Chapter {i} of a manual nobody has sent before, on cache tiers and their links. " * 12
+            for prompt in (base, base + "Now a short question about it?"):
+                chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True})
+                assert len(list(chunks)) >= 1
+            _wait(lambda: call(f"{router.url}/v1/score", "POST", {"prompt": base + "x"})[1]["replicas"][0]
+                  ["cached_tokens"] > 0, what="the chapter's events")
+        name = _name(replicas[0])
+        rate = metric(router.url, "tiercache_route_prefill_tokens_per_second", replica=name)
+        pair_s = metric(router.url, "tiercache_route_prefill_attention_seconds_per_pair", replica=name)
+        assert rate > 0 and rate != 20_000.0 and pair_s >= 0
+        _, score = call(f"{router.url}/v1/score", "POST", {"prompt": base + "Another question, a longer one?"})
+        best = score["replicas"][0]
+        assert best["queue_ms"] == 0
+        new, cached = score["prompt_tokens"] - best["cached_tokens"], best["cached_tokens"]
+        assert cached > 0 and best["prefill_ms"] == pytest.approx((new / rate + new * (cached + new / 2) * pair_s)
+                                                                  * 1e3, abs=2e-3)   # the published parts
+    finally:
+        router.stop()
+
+
 def test_sticky_sessions_keep_a_session_on_its_replica_under_round_robin(fleet):
     """A second router over the same replicas, round-robin with ``--sticky-sessions``: the turns of a session
     (vLLM's ``session_id`` field, or its X-Session-ID header) stay on one replica; requests without one still

@@ -222,7 +222,7 @@ class Router:
             finally:
                 load.in_flight -= 1
                 load.pending_prefill -= uncached
-                load.pending_prefill_s -= prefill_s
+                load.pending_prefill_s = load.pending_prefill_s - prefill_s if load.in_flight else 0.0   # no drift
                 replica.index.release(blocks)
         self.unrouted += 1
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")

@@ -45,8 +45,8 @@ class Rates:
     Computing ``n`` prompt tokens after ``c`` cached ones takes ``n / prefill + n·(c + n/2) · attention_s``
     seconds: a part per token (the layers' weights) and a part per pair of a computed token and one it attends
     to — the same 300 tokens take twice as long after a 3K-token history as after a 1K one on the reference
-    engine (RESULTS.md, "Prefill that grows with the context"), so one rate learned on short requests is far
-    too optimistic for recomputing a long history elsewhere."""
+    engine (RESULTS.md, "Prefill that grows with the context"), so one rate misjudges one kind of request or the
+    other: a short turn after a long history, or a long history recomputed from nothing elsewhere."""
     prefill: float                  # prompt tokens per second, the per-token part
     load: dict[str, float] = field(default_factory=dict)   # per tier medium: CPU, DISK, REMOTE
     per_request_s: float = 0.0      # what each request already running adds to a new one's wait
