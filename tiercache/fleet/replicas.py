@@ -105,7 +105,7 @@ class PrefillFit:
     error is relative because a measurement's noise is: a core shared with a busy neighbour stretches a 2 s
     prefill by as many percent as a 0.1 s one, and absolute least squares lets a few slow long prompts pull
     the fit off every short turn (replayed on `bench route`'s idle first tokens: the relative fit's p90 error
-    is 0.20-0.54, the absolute one's 0.19-1.03, one averaged rate's 0.42-0.66 — RESULTS.md).
+    is 0.20-0.54, the absolute one's 0.19-1.03, one averaged rate's 0.41-0.66 — RESULTS.md).
 
     Both parts are taken once they have been told apart: the measurements have varied in how much of their
     time is attention (a short turn after a long history, a long prompt after none) and the fit finds both
