@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from tiercache.engine.openai_api import (
@@ -188,7 +188,8 @@ class Router:
                                                    headers=_forwarded_headers(request)) as resp:
                     if routed.body.get("stream") is True and resp.status == 200:
                         out = web.StreamResponse(status=resp.status, headers=_answer_headers(resp, replica, ranked))
-                        await out.prepare(request)
+                        if not await _to_client(out.prepare(request)):
+                            return out                # the client left: leaving the block drops the replica's answer
                         tail = b""
                         try:
                             async for data in resp.content.iter_any():
@@ -197,7 +198,8 @@ class Router:
                                     load.pending_prefill -= uncached
                                     load.pending_prefill_s -= prefill_s
                                     uncached, prefill_s = 0, 0.0
-                                await out.write(data)
+                                if not await _to_client(out.write(data)):
+                                    return out
                                 tail = (tail + data)[-8192:]
                         except (ClientConnectionError, ClientPayloadError) as err:
                             # the answer was already streaming: it cannot move; the client sees its stream end
@@ -205,8 +207,8 @@ class Router:
                             log.warning("tiercache route: %s failed mid-stream (%s)", replica.name, err)
                             self.fleet.mark_down(replica)
                             return out
-                        await out.write_eof()
                         self._record(replica, ranked, _usage_from_stream(tail), first and first - started, idle)
+                        await _to_client(out.write_eof())   # a client that closed after the last event: done
                         return out
                     data = await resp.read()
                     first = time.perf_counter()
@@ -245,6 +247,19 @@ class Router:
             # what the cached part took to load, where the router knew which tiers held it (its prediction held)
             loads_s = ranked.load_s if reported == ranked.cached_tokens else 0.0
             replica.learn_prefill(prompt_tokens - reported, reported, ttft_s - loads_s)
+
+
+async def _to_client(write: Awaitable) -> bool:
+    """Await a write to the client; False when the client has closed its end. aiohttp raises that as
+    `ClientConnectionResetError` — a `ClientConnectionError`, like a replica's failures — and the router took it
+    for the replica's: an OpenAI client that closes its stream at ``data: [DONE]``, before the final chunk,
+    made the router mark a replica that had answered in full as down (every request to a lone replica then
+    got a 503 until its next health check) and send the request again to the next one."""
+    try:
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
 def _forwarded_headers(request) -> dict[str, str]:
