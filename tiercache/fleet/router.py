@@ -252,9 +252,9 @@ class Router:
 async def _to_client(write: Awaitable) -> bool:
     """Await a write to the client; False when the client has closed its end. aiohttp raises that as
     `ClientConnectionResetError` — a `ClientConnectionError`, like a replica's failures — and the router took it
-    for the replica's: an OpenAI client that closes its stream at ``data: [DONE]``, before the final chunk,
-    made the router mark a replica that had answered in full as down (every request to a lone replica then
-    got a 503 until its next health check) and send the request again to the next one."""
+    for the replica's: a client that closed its connection once it had read the last event (the openai client,
+    here: "Cannot write to closing transport" at the end of the stream) made the router mark a replica that had
+    answered in full as down — every request to a lone replica then got a 503 until its next health check."""
     try:
         await write
     except ConnectionResetError:
