@@ -230,3 +230,25 @@ def test_bfloat16_kv_round_trips_through_l1():
         assert engine.kv.kv.dtype == torch.bfloat16
         assert [s.output_token_ids for s in seqs] == expect
         assert seqs[2].metrics.external_hit_tokens == 128
+
+
+@pytest.mark.parametrize("ctx,new,kv_heads,heads,tile_bytes", [
+    (300, 300, 2, 8, 8 << 20),       # a fresh prefill
+    (700, 130, 2, 8, 8 << 20),       # a turn after a cached history
+    (700, 130, 2, 8, 40_000),        # ... in tiles of a few rows
+    (513, 1, 4, 4, 8 << 20),         # a decode step, one query head per KV head
+])
+def test_attention_matches_a_softmax_over_repeated_keys(monkeypatch, ctx, new, kv_heads, heads, tile_bytes):
+    from tiercache.engine import model
+    monkeypatch.setattr(model, "ATTN_TILE_BYTES", tile_bytes)
+    g = torch.Generator().manual_seed(ctx + new)
+    q = torch.randn(new, heads, 32, generator=g)
+    keys, values = torch.randn(2, ctx, kv_heads, 32, generator=g)
+    out = model._attend(q, keys, values)
+    group = heads // kv_heads
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)          # [heads, ctx, D]
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / 32 ** 0.5        # [heads, new, ctx]
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - new, ctx)[:, None]
+    expect = (torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v).transpose(0, 1)
+    assert torch.allclose(out.double(), expect, atol=1e-5), (out.double() - expect).abs().max()

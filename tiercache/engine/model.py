@@ -100,27 +100,46 @@ class Attention(nn.Module):
         if hooks is not None:
             hooks.after_layer(self.layer)
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
         for s in batch.seqs:
             ctx = s.context_len
             keys = _gather_heads(parts, 0, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
             values = _gather_heads(parts, 1, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
-            keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)      # [H, ctx, D]
-            values = values.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            new = s.end - s.start
-            # Query rows in tiles, so the score matrix stays small enough for the allocator to
-            # reuse: a 2K-token prefill in one call page-faults ~140 MB of fresh temporaries
-            # per layer, which made attention much slower (benchmarks/RESULTS.md, "Reference engine").
-            tile = max(1, ATTN_TILE_BYTES // (ctx * self.num_heads * q.element_size()))
-            for lo in range(0, new, tile):
-                hi = min(new, lo + tile)
-                query = q[s.start + lo:s.start + hi].transpose(0, 1)                    # [H, rows, D]
-                mask = None
-                if new > 1:  # causal with an offset: query i sits at position ctx - new + i
-                    mask = torch.ones(hi - lo, ctx, dtype=torch.bool).tril(diagonal=ctx - new + lo)
-                out[s.start + lo:s.start + hi] = F.scaled_dot_product_attention(
-                    query, keys, values, attn_mask=mask).transpose(0, 1)
+            out[s.start:s.end] = _attend(q[s.start:s.end].float(), keys.float(), values.float())
         return self.o_proj(out.reshape(n, -1))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal grouped-query attention of ``q`` (``[new, heads, head_dim]``, the last ``new`` positions of the
+    context) over ``keys`` / ``values`` (``[ctx, kv_heads, head_dim]``); returns ``[new, heads, head_dim]``.
+    Callers pass float32 (a half-precision model's scores and softmax are still taken in float32).
+
+    Each KV head's query heads are stacked into one matrix product against its keys, so the keys are never
+    repeated per query head; only the columns a query may not see yet (the last ``new``) are masked. Query rows
+    go in tiles that keep the score matrix under ``ATTN_TILE_BYTES``: a 2K-token prefill in one call page-faults
+    ~140 MB of fresh temporaries per layer (benchmarks/RESULTS.md, "Reference engine"). Against repeating the
+    keys and calling SDPA with a boolean mask, the attention of a 330-token turn over a 2K history takes about
+    half the time, the whole turn 0.68-0.73 of it (benchmarks/RESULTS.md, "Attention without repeated keys").
+    """
+    new, heads, head_dim = q.shape
+    ctx, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    keys_t = keys.permute(1, 2, 0)                 # [kv, D, ctx]
+    values = values.transpose(0, 1)                # [kv, ctx, D]
+    scale = head_dim ** -0.5
+    out = torch.empty_like(q)
+    tile = max(1, ATTN_TILE_BYTES // (ctx * heads * q.element_size()))
+    for lo in range(0, new, tile):
+        rows = min(new, lo + tile) - lo
+        query = q[lo:lo + rows].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(query.reshape(kv_heads, group * rows, head_dim), keys_t).mul_(scale)
+        first_hidden = ctx - new + lo + 1           # row i of the tile sees columns < first_hidden + i
+        if first_hidden < ctx:
+            hidden = torch.ones(rows, ctx - first_hidden, dtype=torch.bool).triu_()
+            scores.view(kv_heads, group, rows, ctx)[..., first_hidden:].masked_fill_(hidden, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        out[lo:lo + rows] = (torch.bmm(weights, values).view(kv_heads, group, rows, head_dim)
+                             .permute(2, 0, 1, 3).reshape(rows, heads, head_dim))
+    return out
 
 
 def _gather_heads(parts: list[torch.Tensor], kv: int, table: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
