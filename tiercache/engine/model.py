@@ -114,11 +114,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     Callers pass float32 (a half-precision model's scores and softmax are still taken in float32).
 
     Each KV head's query heads are stacked into one matrix product against its keys, so the keys are never
-    repeated per query head; only the columns a query may not see yet (the last ``new``) are masked. Query rows
+    repeated per query head, and a tile of query rows is scored only against the columns its last row sees (a
+    fresh prompt's later keys are never multiplied by its earlier queries), the rest of them masked. Query rows
     go in tiles that keep the score matrix under ``ATTN_TILE_BYTES``: a 2K-token prefill in one call page-faults
     ~140 MB of fresh temporaries per layer (benchmarks/RESULTS.md, "Reference engine"). Against repeating the
-    keys and calling SDPA with a boolean mask, the attention of a 330-token turn over a 2K history takes about
-    half the time, the whole turn 0.68-0.73 of it (benchmarks/RESULTS.md, "Attention without repeated keys").
+    keys and calling SDPA with a boolean mask over the whole context, a cold 2K-token prompt takes about half
+    the time and a 330-token turn after a 2K-token hit three quarters (benchmarks/RESULTS.md, "Attention without
+    repeated keys").
     """
     new, heads, head_dim = q.shape
     ctx, kv_heads, _ = keys.shape
@@ -130,14 +132,15 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     tile = max(1, ATTN_TILE_BYTES // (ctx * heads * q.element_size()))
     for lo in range(0, new, tile):
         rows = min(new, lo + tile) - lo
+        seen = ctx - new + lo + rows                # columns the tile's last row sees: none after them is computed
+        first_hidden = seen - rows + 1              # row i of the tile sees columns < first_hidden + i
         query = q[lo:lo + rows].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        scores = torch.bmm(query.reshape(kv_heads, group * rows, head_dim), keys_t).mul_(scale)
-        first_hidden = ctx - new + lo + 1           # row i of the tile sees columns < first_hidden + i
-        if first_hidden < ctx:
-            hidden = torch.ones(rows, ctx - first_hidden, dtype=torch.bool).triu_()
-            scores.view(kv_heads, group, rows, ctx)[..., first_hidden:].masked_fill_(hidden, float("-inf"))
+        scores = torch.bmm(query.reshape(kv_heads, group * rows, head_dim), keys_t[..., :seen]).mul_(scale)
+        if rows > 1:
+            hidden = torch.ones(rows, rows - 1, dtype=torch.bool).triu_()
+            scores.view(kv_heads, group, rows, seen)[..., first_hidden:].masked_fill_(hidden, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
-        out[lo:lo + rows] = (torch.bmm(weights, values).view(kv_heads, group, rows, head_dim)
+        out[lo:lo + rows] = (torch.bmm(weights, values[:, :seen]).view(kv_heads, group, rows, head_dim)
                              .permute(2, 0, 1, 3).reshape(rows, heads, head_dim))
     return out
 
