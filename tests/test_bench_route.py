@@ -49,8 +49,8 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         assert len(replicas) == 2 and sum(r["prompt_tokens"] for r in replicas) > 0
         assert run["load_imbalance"] >= 1.0 and 0 <= run["prediction_error"] <= 1
         assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
-        assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= max(
-            r["ttft_s"] * 1e3 for r in run["records"])
+        assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= round(max(   # as reported
+            r["ttft_s"] * 1e3 for r in run["records"]), 2)
         records = run["records"]                  # each answer, where the router sent it and what it expected
         assert len(records) == turns and {r["replica"] for r in records} <= set(run["per_replica"])
         assert all(r["expected_ttft_ms"] > 0 and r["predicted_cached_tokens"] <= r["prompt_tokens"]
