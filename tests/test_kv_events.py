@@ -281,6 +281,44 @@ def test_a_replica_measures_its_load_rates_per_medium_and_a_router_takes_them():
     assert load_tokens_per_s(transfers, "cpu", {"disk": "DISK", "redis": "REMOTE"}, 16) == {
         "CPU": 16_000.0, "DISK": 4_000.0}
     replica = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0, "DISK": 150_000.0}))
-    replica.learn_loads(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+    replica.learn_rates(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
                                           chunk_tokens=64, load_tokens_per_s={"DISK": 4_000.0, "GPU": -1}))
     assert replica.rates.load == {"CPU": 400_000.0, "DISK": 4_000.0}
+
+
+def test_a_replica_times_its_prefill_before_serving_and_a_router_takes_it_until_it_has_timed_its_own():
+    """`LLMEngine.measure_prefill` runs the model over the empty pool (nothing cached, nothing left allocated, the
+    outputs after it those of an engine that never ran it); the descriptor carries both parts, the router's
+    replica starts from them instead of its configured guess, and its own first measurement replaces them."""
+    from support.engine_runs import shared_prompts
+
+    from tiercache.errors import ConfigError
+    from tiercache.fleet.replicas import Replica
+    from tiercache.fleet.routing import Rates
+
+    prompts = shared_prompts(n=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outputs = []
+    for profiled in (False, True):
+        with LLMEngine(engine_cfg=EngineConfig(num_blocks=256)) as engine:
+            if profiled:
+                cost = engine.measure_prefill()
+                assert cost is not None and cost.tokens_per_s > 0 and cost.attention_s_per_pair >= 0
+                assert engine.pool.num_free == 256 and not engine.pool.cached
+            seqs = [engine.add_request(p, params) for p in prompts]
+            engine.run()
+            outputs.append([s.output_token_ids for s in seqs])
+            assert engine.measure_prefill() is None      # its pool holds the prompts' blocks now: not timed again
+    assert outputs[0] == outputs[1]
+
+    descriptor = ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16, chunk_tokens=64,
+                                   prefill_tokens_per_s=2_500.0, prefill_attention_s_per_pair=1e-8)
+    assert ReplicaDescriptor.from_dict(descriptor.as_dict(), "r") == descriptor
+    with pytest.raises(ConfigError, match="r.prefill_tokens_per_s"):
+        ReplicaDescriptor.from_dict({**descriptor.as_dict(), "prefill_tokens_per_s": -1}, "r")
+    replica = Replica("r", "http://r", Rates(20_000.0))
+    replica.learn_rates(descriptor)
+    assert (replica.rates.prefill, replica.rates.attention_s) == (2_500.0, 1e-8)
+    replica.learn_prefill(300, 2000, 0.2)                   # the router's own first token: 1,500 tokens/s
+    replica.learn_rates(descriptor)                          # the next health check does not undo it
+    assert (replica.rates.prefill, replica.rates.attention_s) == (1_500.0, 0.0)

@@ -131,11 +131,17 @@ def test_the_router_learns_a_replicas_prefill_from_its_first_tokens_and_its_queu
     ones after no context and short ones after a long cached prefix. Its prefill cost is measured, not the
     configured 20K tokens/s, both parts are published, and once every request has its first token the queue it
     expects there is empty again (each request's estimated prefill added when sent, taken off at its first
-    token)."""
+    token). Before its first measurement it goes by the prefill the replica timed of itself before serving (its
+    descriptor's two parts), not by the configured guess."""
     _, replicas = fleet
     # one replica and no failover, and health is not what this test is about: checks far apart
     router = start_router([replicas[0].url], health_interval=5.0)
     try:
+        name = _name(replicas[0])
+        _, descriptor = call(f"{replicas[0].url}/tiercache/replica")
+        assert descriptor["prefill_tokens_per_s"] > 0 and descriptor["prefill_attention_s_per_pair"] >= 0
+        assert metric(router.url, "tiercache_route_prefill_tokens_per_second",
+                      replica=name) == pytest.approx(descriptor["prefill_tokens_per_s"])
         client = _client(router.url)
         for i in range(3):
             base = f"Chapter {i} of a manual nobody has sent before, on cache tiers and their links. " * 12
@@ -145,7 +151,6 @@ def test_the_router_learns_a_replicas_prefill_from_its_first_tokens_and_its_queu
                 assert len(list(chunks)) >= 1
             _wait(lambda: call(f"{router.url}/v1/score", "POST", {"prompt": base + "x"})[1]["replicas"][0]
                   ["cached_tokens"] > 0, what="the chapter's events")
-        name = _name(replicas[0])
         # a client can read its stream's end before the router has recorded it and let the request go
         _wait(lambda: metric(router.url, "tiercache_route_in_flight", replica=name) == 0, what="the last request")
         rate = metric(router.url, "tiercache_route_prefill_tokens_per_second", replica=name)

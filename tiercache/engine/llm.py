@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import statistics
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,6 +55,20 @@ def _namespace(model_cfg: ModelConfig, engine_cfg: EngineConfig, model_path: str
             digest.update(f"{f.name}:{f.stat().st_size}".encode())
         model_id, revision = path.name, digest.hexdigest()[:16]
     return Namespace(model_id, geometry, engine_cfg.block_size, revision, salt)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """What computing prompt tokens costs this engine: ``n`` tokens after ``c`` cached ones take
+    ``n / tokens_per_s + n·(c + n/2)·attention_s_per_pair`` seconds (a router's estimate,
+    `tiercache.fleet.routing.Rates.prefill_s`)."""
+    tokens_per_s: float
+    attention_s_per_pair: float
+
+
+PROFILE_FRESH_TOKENS = 512      # measure_prefill's shapes: a prompt with nothing cached ...
+PROFILE_TURN_TOKENS = 64        # ... and a short turn after a long context, attention most of its time
+PROFILE_CONTEXT_TOKENS = 2048
 
 
 COPY_RATES_EVERY = 32      # steps between readings of the connector's copy rates (a stats call)
@@ -121,6 +136,27 @@ class LLMEngine:
                 raise ConfigError(
                     "metrics_port", metrics_port, f"cannot listen: {getattr(err, 'strerror', err)}"
                 ) from None
+
+    def measure_prefill(self, reps: int = 3) -> PrefillCost | None:
+        """This engine's prefill cost, timed on its own model before it serves anything (as vLLM's profile run
+        uses its pool before the first request): a fresh prompt, and a short turn after a long context, medians
+        of ``reps`` forwards each, solved for the two parts of `PrefillCost` (one rate per token when they
+        cannot be told apart). None once the pool is in use or too small for the shapes."""
+        bs, capacity = self.engine_cfg.block_size, self.engine_cfg.num_blocks * self.engine_cfg.block_size
+        if self.pool.num_free < self.pool.num_blocks or self.pool.cached or capacity < 2 * PROFILE_TURN_TOKENS:
+            return None
+        context = min(PROFILE_CONTEXT_TOKENS, capacity) - PROFILE_TURN_TOKENS
+        fresh, turn = min(PROFILE_FRESH_TOKENS, capacity), PROFILE_TURN_TOKENS
+        self.runner.time_prefill(bs, 0)                  # the first forward pays for lazy setup
+        t_fresh = statistics.median(self.runner.time_prefill(fresh, 0) for _ in range(reps))
+        t_turn = statistics.median(self.runner.time_prefill(turn, context) for _ in range(reps))
+        # fresh·x + fresh·(fresh/2)·y = t_fresh and turn·x + turn·(context + turn/2)·y = t_turn, x = 1 / tokens_per_s
+        a, b, c, d = fresh, fresh * fresh / 2, turn, turn * (context + turn / 2)
+        det = a * d - b * c
+        per_token, per_pair = (d * t_fresh - b * t_turn) / det, (a * t_turn - c * t_fresh) / det
+        if per_token > 0 and per_pair > 0:
+            return PrefillCost(1 / per_token, per_pair)
+        return PrefillCost((fresh + turn) / (t_fresh + t_turn), 0.0)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str = "", continues: bool = False) -> Sequence:

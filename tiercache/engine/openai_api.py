@@ -531,7 +531,9 @@ def measured_load_rates(engine: LLMEngine) -> dict[str, float]:
 
 
 def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: EventEndpoints) -> ReplicaDescriptor:
-    """What a router needs to hash prompts as ``engine`` does and to follow its KV events."""
+    """What a router needs to hash prompts as ``engine`` does and to follow its KV events, and what its prefill
+    costs (`LLMEngine.measure_prefill`: timed here, before the engine serves anything)."""
+    prefill = engine.measure_prefill()
     manager = engine.connector.scheduler.manager if engine.connector is not None else None
     chunk_tokens = engine.connector.scheduler.config.keys.chunk_tokens if manager is not None else 0
     media = ("GPU", *(t.medium.value.upper() for t in manager.tiers)) if manager is not None else ("GPU",)
@@ -539,7 +541,9 @@ def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: E
     return ReplicaDescriptor(model=model_name, instance=uuid.uuid4().hex, key_scheme="tiercache",
                              block_size=engine.hasher.block_size, chunk_tokens=chunk_tokens,
                              hash=engine.hasher.hash_name, seed=engine.hasher.seed.hex(), tokenizer=tokenizer,
-                             media=media, shared_tiers=shared, events=events)
+                             media=media, shared_tiers=shared, events=events,
+                             prefill_tokens_per_s=round(prefill.tokens_per_s, 1) if prefill else 0.0,
+                             prefill_attention_s_per_pair=prefill.attention_s_per_pair if prefill else 0.0)
 
 
 def serve(engine: LLMEngine, host: str, port: int, model_name: str = DEFAULT_MODEL_NAME,

@@ -7,6 +7,7 @@ step's stores over, and samples.
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -67,6 +68,20 @@ class ModelRunner:
         if self.worker is not None:
             self.worker.wait_for_save()
         return sampled
+
+    def time_prefill(self, tokens: int, context: int) -> float:
+        """Seconds one forward of ``tokens`` prompt tokens after ``context`` earlier ones takes on this model, with
+        no connector, over the pool's first blocks (their KV is overwritten with noise: only for a pool that holds
+        nothing yet, as a profile run before serving)."""
+        bs = self.block_size
+        end = context + tokens
+        positions = torch.arange(context, end)
+        table = torch.arange(-(-end // bs), dtype=torch.int64)
+        batch = AttentionBatch([SeqSlice(0, tokens, end, table)], positions)   # block i holds positions i·bs…
+        ids = torch.randint(0, self.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+        start = time.perf_counter()
+        self.model(ids, positions, batch, self.kv, None, torch.tensor([tokens - 1]))
+        return time.perf_counter() - start
 
     def _forward(self, out: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size

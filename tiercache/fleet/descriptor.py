@@ -39,6 +39,8 @@ class ReplicaDescriptor:
                                         # replica with the same chains stores there, this one can load
     events: EventEndpoints | None = None
     load_tokens_per_s: dict = field(default_factory=dict)   # measured per tier medium (`fleet.load_rates`)
+    prefill_tokens_per_s: float = 0.0            # its prefill, measured before serving (0: not measured):
+    prefill_attention_s_per_pair: float = 0.0    # the two parts of `routing.Rates.prefill_s`
     version: int = DESCRIPTOR_VERSION
     extra: dict = field(default_factory=dict)
 
@@ -63,6 +65,10 @@ class ReplicaDescriptor:
             value = getattr(descriptor, name)
             if not isinstance(value, int) or value < 0 or (name == "block_size" and value == 0):
                 raise ConfigError(f"{source}.{name}", value, "must be a positive integer")
+        for name in ("prefill_tokens_per_s", "prefill_attention_s_per_pair"):
+            value = getattr(descriptor, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{source}.{name}", value, "must be a number ≥ 0 (0: not measured)")
         if descriptor.version != DESCRIPTOR_VERSION:
             raise ConfigError(f"{source}.version", descriptor.version,
                               f"this router reads version {DESCRIPTOR_VERSION}")

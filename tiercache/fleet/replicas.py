@@ -185,13 +185,19 @@ class Replica:
                          max(self.load.pending_prefill_s, 0.0), self.rates,
                          self.load.recent_tokens.read(time.monotonic()))
 
-    def learn_loads(self, descriptor: ReplicaDescriptor | None) -> None:
-        """Take the load rates per medium the replica measured (its descriptor, at each health check); media it
-        has not measured keep theirs."""
-        measured = {m: float(r) for m, r in (descriptor.load_tokens_per_s if descriptor else {}).items()
+    def learn_rates(self, descriptor: ReplicaDescriptor | None) -> None:
+        """Take what the replica measured of itself (its descriptor, at each health check): load rates per
+        medium (media it has not measured keep theirs), and — until the router has timed a first token of its
+        own there — the prefill cost it measured before serving, in place of the configured guess."""
+        if descriptor is None:
+            return
+        measured = {m: float(r) for m, r in descriptor.load_tokens_per_s.items()
                     if isinstance(r, (int, float)) and r > 0}
         if measured:
             self.rates = replace(self.rates, load={**self.rates.load, **measured})
+        if not self.prefill.measured and descriptor.prefill_tokens_per_s > 0:
+            self.rates = replace(self.rates, prefill=float(descriptor.prefill_tokens_per_s),
+                                 attention_s=float(descriptor.prefill_attention_s_per_pair))
 
     def learn_prefill(self, tokens: int, context: int, seconds: float) -> None:
         """A first token measured on an otherwise idle replica: ``tokens`` computed after ``context`` cached
@@ -321,7 +327,7 @@ class Fleet:
             await self._down(replica)
             return
         if replica.up and _same_instance(replica.descriptor, descriptor) and not _crashed(replica.task):
-            replica.learn_loads(descriptor)
+            replica.learn_rates(descriptor)
             return
         if replica.up:
             log.warning("tiercache route: replica %s restarted", replica.name)
@@ -343,7 +349,7 @@ class Fleet:
                 log.warning("tiercache route: replica %s: %s; routed by load alone", replica.name, err)
                 descriptor = None
         replica.descriptor, replica.up, replica.since = descriptor, True, time.monotonic()
-        replica.learn_loads(descriptor)
+        replica.learn_rates(descriptor)
         if descriptor is None or descriptor.events is None or scheme is None:
             return
         replica.scheme = scheme(descriptor)
