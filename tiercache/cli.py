@@ -596,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--health-interval", type=_positive_float, default=2.0,
                    help="seconds between health checks; a replica silent for one leaves the pool")
     r.add_argument("--prefill-tokens-per-s", type=_positive_float, default=20_000.0,
-                   help="a replica's prefill rate until the router has measured it")
+                   help="a replica's prefill rate until the router has measured it, for a replica whose "
+                        "descriptor carries no profile of its own (tiercache api measures one before serving)")
     r.add_argument("--admin-key", help="key of /admin/replicas (without one those routes are off)")
     r.add_argument("--sticky-sessions", action="store_true",
                    help="a request with a session (vLLM's session_id field or X-Session-ID header) goes first to "

@@ -53,7 +53,7 @@ RESPONSE_HEADERS = ("Content-Type", "Cache-Control")
 class RouterConfig:
     policy: str = "expected-ttft"
     health_interval_s: float = 2.0
-    prefill_tokens_per_s: float = 20_000.0    # until measured
+    prefill_tokens_per_s: float = 20_000.0    # until measured, by the replica (its descriptor) or the router
     load_tokens_per_s: tuple[tuple[str, float], ...] = (("CPU", 400_000.0), ("DISK", 150_000.0),
                                                         ("REMOTE", 100_000.0))
     per_request_s: float = 0.002
