@@ -1,0 +1,103 @@
+"""How far admission alone could take LRU on a Mooncake trace: an oracle that admits only what comes back.
+
+    python benchmarks/admission_bound.py [--trace PATH]
+
+One tier under LRU, replayed as `tiercache bench trace` replays it (a hit is a request's leading run of resident
+chunks; its missing chunks are stored from the head of its chain until the admission refuses one). The admission
+is an oracle: it admits a chunk only if a later request asks for it again within ``H`` times the tier's chunks of
+requested chunks (``ever``: at all). Prints the token hit ratio of each against LRU's at 1M and 3M tokens, beside
+Belady's (`replay_belady`) — how much of the gap to the offline optimum is an admission question at all. Then,
+for every chunk a request asks for, how often it is asked for again within 400 requests, by how many requests had
+asked for it before (what frequency-based policies go by).
+"""
+import argparse
+from collections import Counter, OrderedDict
+from pathlib import Path
+
+from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, replay_belady
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def next_uses(trace) -> tuple[list[list[int | None]], list[int]]:
+    """Per request, per chunk: the clock (chunks requested so far) at its next request, or None; and each
+    request's own clock."""
+    clocks, clock = [], 0
+    for request in trace:
+        clocks.append(clock)
+        clock += len(request.keys)
+    upcoming: dict = {}
+    out: list[list[int | None]] = [[] for _ in trace]
+    for i in range(len(trace) - 1, -1, -1):
+        out[i] = [upcoming.get(k) for k in trace[i].keys]
+        for k in trace[i].keys:
+            upcoming[k] = clocks[i]
+    return out, clocks
+
+
+def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, clocks) -> float:
+    capacity = capacity_tokens // TRACE_BLOCK_TOKENS
+    tier: OrderedDict = OrderedDict()
+    hit_tokens = input_tokens = 0
+    for request, next_use, now in zip(trace, uses, clocks):
+        keys = request.keys
+        hit = 0
+        while hit < len(keys) and keys[hit] in tier:
+            hit += 1
+        input_tokens += request.input_length
+        hit_tokens += min(hit * TRACE_BLOCK_TOKENS, request.input_length)
+        for key in reversed(keys[:hit]):               # tail first, as tiers touch a chain
+            tier.move_to_end(key)
+        for key, use in zip(keys[hit:], next_use[hit:]):
+            if key in tier:
+                tier.move_to_end(key)
+                continue
+            if use is None or (horizon is not None and use - now > horizon * capacity):
+                break                                   # refused: the rest of the chain is useless without it
+            tier[key] = None
+            if len(tier) > capacity:
+                tier.popitem(last=False)
+    return hit_tokens / input_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=str(SHARED / "data/mooncake_synthetic_trace.jsonl"))
+    args = p.parse_args()
+    trace = load_trace(args.trace)
+    uses, clocks = next_uses(trace)
+    horizons = (0.5, 1, 2, 4, None)
+    print("| capacity | LRU | " + " | ".join(f"oracle admission, {h}× the tier" if h else "oracle admission, ever"
+                                           for h in horizons) + " | Belady |")
+    print("| ---: | ---: | " + " | ".join("---:" for _ in horizons) + " | ---: |")
+    for capacity in (1_000_000, 3_000_000):
+        lru = replay(trace, capacity, "lru").token_hit_ratio
+        cells = [lru_with_oracle(trace, capacity, h, uses, clocks) / lru for h in horizons]
+        belady = replay_belady(trace, capacity).token_hit_ratio / lru
+        print(f"| {capacity // 1000}K | {lru:.4f} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {belady:.3f} |")
+
+    asked: Counter = Counter()
+    back: Counter = Counter()
+    total: Counter = Counter()
+    index_uses: list[list[int | None]] = [[] for _ in trace]     # per chunk: the index of its next request
+    upcoming: dict = {}
+    for i in range(len(trace) - 1, -1, -1):
+        index_uses[i] = [upcoming.get(k) for k in trace[i].keys]
+        for k in trace[i].keys:
+            upcoming[k] = i
+    for i, request in enumerate(trace):
+        for key, j in zip(request.keys, index_uses[i]):
+            asked[key] += 1
+            n = min(asked[key], 5)
+            total[n] += 1
+            back[n] += j is not None and j - i <= 400
+    print()
+    print("| requests that had asked for the chunk, this one included | chunk sightings "
+          "| asked again within 400 requests |")
+    print("| ---: | ---: | ---: |")
+    for n in sorted(total):
+        print(f"| {n}{'+' if n == 5 else ''} | {total[n]} | {back[n] / total[n]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
