@@ -138,8 +138,8 @@ class LLMEngine:
                 ) from None
 
     def measure_prefill(self, reps: int = 3) -> PrefillCost | None:
-        """This engine's prefill cost, timed on its own model before it serves anything (as vLLM's profile run
-        uses its pool before the first request): a fresh prompt, and a short turn after a long context, medians
+        """This engine's prefill cost, timed on its own model before it serves anything (vLLM, too, runs dummy
+        forward passes before it serves): a fresh prompt, and a short turn after a long context, medians
         of ``reps`` forwards each, solved for the two parts of `PrefillCost` (one rate per token when they
         cannot be told apart). None once the pool is in use or too small for the shapes."""
         bs, capacity = self.engine_cfg.block_size, self.engine_cfg.num_blocks * self.engine_cfg.block_size
