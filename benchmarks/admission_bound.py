@@ -19,27 +19,22 @@ from tiercache.bench.trace import TRACE_BLOCK_TOKENS, load_trace, replay, replay
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
-def next_uses(trace) -> tuple[list[list[int | None]], list[int]]:
-    """Per request, per chunk: the clock (chunks requested so far) at its next request, or None; and each
-    request's own clock."""
-    clocks, clock = [], 0
-    for request in trace:
-        clocks.append(clock)
-        clock += len(request.keys)
+def next_requests(trace) -> list[list[int | None]]:
+    """Per request, per chunk: the index of the next request that asks for it, or None."""
     upcoming: dict = {}
     out: list[list[int | None]] = [[] for _ in trace]
     for i in range(len(trace) - 1, -1, -1):
         out[i] = [upcoming.get(k) for k in trace[i].keys]
         for k in trace[i].keys:
-            upcoming[k] = clocks[i]
-    return out, clocks
+            upcoming[k] = i
+    return out
 
 
 def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, clocks) -> float:
     capacity = capacity_tokens // TRACE_BLOCK_TOKENS
     tier: OrderedDict = OrderedDict()
     hit_tokens = input_tokens = 0
-    for request, next_use, now in zip(trace, uses, clocks):
+    for request, next_use, now in zip(trace, uses, clocks):       # ``next_use``: request indexes
         keys = request.keys
         hit = 0
         while hit < len(keys) and keys[hit] in tier:
@@ -52,7 +47,7 @@ def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, cl
             if key in tier:
                 tier.move_to_end(key)
                 continue
-            if use is None or (horizon is not None and use - now > horizon * capacity):
+            if use is None or (horizon is not None and clocks[use] - now > horizon * capacity):
                 break                                   # refused: the rest of the chain is useless without it
             tier[key] = None
             if len(tier) > capacity:
@@ -65,7 +60,10 @@ def main() -> None:
     p.add_argument("--trace", default=str(SHARED / "data/mooncake_synthetic_trace.jsonl"))
     args = p.parse_args()
     trace = load_trace(args.trace)
-    uses, clocks = next_uses(trace)
+    uses = next_requests(trace)
+    clocks = [0]                                    # chunks requested before each request
+    for request in trace[:-1]:
+        clocks.append(clocks[-1] + len(request.keys))
     horizons = (0.5, 1, 2, 4, None)
     print("| capacity | LRU | " + " | ".join(f"oracle admission, {h}× the tier" if h else "oracle admission, ever"
                                            for h in horizons) + " | Belady |")
@@ -79,14 +77,8 @@ def main() -> None:
     asked: Counter = Counter()
     back: Counter = Counter()
     total: Counter = Counter()
-    index_uses: list[list[int | None]] = [[] for _ in trace]     # per chunk: the index of its next request
-    upcoming: dict = {}
-    for i in range(len(trace) - 1, -1, -1):
-        index_uses[i] = [upcoming.get(k) for k in trace[i].keys]
-        for k in trace[i].keys:
-            upcoming[k] = i
     for i, request in enumerate(trace):
-        for key, j in zip(request.keys, index_uses[i]):
+        for key, j in zip(request.keys, uses[i]):
             asked[key] += 1
             n = min(asked[key], 5)
             total[n] += 1
