@@ -334,9 +334,18 @@ def test_one_tenant_cannot_tell_from_its_time_to_first_token_what_another_has_se
     stats = pytest.importorskip("scipy.stats", reason="scipy is not installed")
     router, _ = fleet
     n = 24
-    documents = [f"Document {i} of a private archive. " + "Ledger line with figures. " * 40 for i in range(3 * n)]
+
+    def archive(label: str) -> list[str]:
+        return [f"Document {i} of the {label} archive. " + "Ledger line with figures. " * 40 for i in range(2 * n)]
+
+    # The two classes differ only in a label of the same byte length: a replica's time to first token moves
+    # with the prompt's length in steps far above one token's share (one replica, nothing cached: 1,074 tokens
+    # took 5 % longer than 1,073), and "private" against "public" made the class acme cached 4-9 % slower
+    # with or without acme — CI failed on it once (p = 0.006) with no tenant's cache involved.
+    documents, fresh = archive("acme"), archive("open")
+    assert all(len(a.encode()) == len(b.encode()) for a, b in zip(documents, fresh))   # byte tokenizer
     acme = _client(router.url, "sk-acme")
-    for doc in documents[:n] + documents[n:2 * n]:         # acme caches the first 2n documents
+    for doc in documents:                                   # acme caches every document of its archive
         acme.completions.create(model=MODEL, prompt=doc, max_tokens=1)
 
     def ttft(client, prompt: str) -> float:
@@ -361,7 +370,6 @@ def test_one_tenant_cannot_tell_from_its_time_to_first_token_what_another_has_se
                 hit.append(ttft(client, a))
         return hit, miss
 
-    fresh = [d.replace("private", "public") for d in documents]
     hit, miss = samples(_client(router.url, "sk-initech"), documents[:n], fresh[:n])
     p_other = stats.mannwhitneyu(hit, miss).pvalue
     granted_hit, granted_miss = samples(_client(router.url, "sk-globex"), documents[n:2 * n], fresh[n:2 * n])
