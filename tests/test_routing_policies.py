@@ -167,6 +167,34 @@ def test_a_replicas_share_is_its_recent_traffic_each_token_fading_with_age():
     assert math.isclose(steady.read(599.0), 1000 / (1 - math.exp(-0.1)), rel_tol=1e-9)
 
 
+def test_the_prefill_ahead_of_a_request_is_what_was_sent_less_what_the_replica_has_worked_off_since():
+    """A replica works on its pending prefills while it has any: a request sent 150 ms into a 200 ms prefill
+    waits 50 ms, not 200; a first token takes its request's estimate out with the work credited to it; idle
+    time is never banked against the next request."""
+    import math
+
+    from tiercache.fleet.replicas import ReplicaLoad
+
+    load = ReplicaLoad()
+    assert load.waiting_prefill_s(0.0) == 0.0
+    load.sent(200, 0.2, 1000, now=0.0)
+    assert math.isclose(load.waiting_prefill_s(0.15), 0.05)
+    load.sent(100, 0.1, 1000, now=0.15)
+    assert math.isclose(load.waiting_prefill_s(0.15), 0.15)
+    assert load.waiting_prefill_s(0.5) == 0.0                  # both should be done: no negative wait
+    load.prefilled(200, 0.2, now=0.5)                          # ran long: the second is taken as worked off
+    assert math.isclose(load.waiting_prefill_s(0.5), 0.0)
+    assert math.isclose(load.waiting_prefill_s(0.55), 0.0)
+    load.finished(100, 0.1, now=0.55)                          # failed before its first token
+    load.finished(0, 0.0, now=0.6)                             # the first one's stream ends
+    assert (load.in_flight, load.pending_prefill, load.waiting_prefill_s(0.6)) == (0, 0, 0.0)
+    load.sent(300, 0.3, 1000, now=10.0)                        # after 9.4 s idle: the whole estimate is ahead
+    assert math.isclose(load.waiting_prefill_s(10.0), 0.3)
+    load.prefilled(300, 0.3, now=10.1)                         # came early (0.1 s): the credit does not go
+    assert (load.worked_s, load.pending_prefill_s) == (0.0, 0.0)           # negative or carry over
+    assert (load.requests, load.prompt_tokens) == (3, 3000)
+
+
 def test_a_replica_that_joins_a_busy_fleet_takes_its_share_within_a_few_windows_not_everything_for_hours():
     """Two replicas have served 1000 prompt tokens a second for an hour; a third joins, idle and empty. Requests
     that no replica holds are near ties, taken by the replica with the smallest share: with recent shares the

@@ -174,12 +174,7 @@ class Router:
             load = replica.load
             uncached, prefill_s = max(routed.prompt_tokens - ranked.cached_tokens, 0), ranked.prefill_s
             idle = load.in_flight == 0
-            load.in_flight += 1
-            load.pending_prefill += uncached
-            load.pending_prefill_s += prefill_s
-            load.requests += 1
-            load.prompt_tokens += routed.prompt_tokens
-            load.recent_tokens.add(routed.prompt_tokens, time.monotonic())
+            load.sent(uncached, prefill_s, routed.prompt_tokens, time.monotonic())
             blocks = routed.blocks.get(replica.name, ())
             replica.index.hold(blocks)
             started, first = time.perf_counter(), None
@@ -195,8 +190,7 @@ class Router:
                             async for data in resp.content.iter_any():
                                 if first is None:
                                     first = time.perf_counter()
-                                    load.pending_prefill -= uncached
-                                    load.pending_prefill_s -= prefill_s
+                                    load.prefilled(uncached, prefill_s, time.monotonic())
                                     uncached, prefill_s = 0, 0.0
                                 if not await _to_client(out.write(data)):
                                     return out
@@ -222,9 +216,7 @@ class Router:
                             replica.name, err)
                 self.fleet.mark_down(replica)
             finally:
-                load.in_flight -= 1
-                load.pending_prefill -= uncached
-                load.pending_prefill_s = load.pending_prefill_s - prefill_s if load.in_flight else 0.0   # no drift
+                load.finished(uncached, prefill_s, time.monotonic())
                 replica.index.release(blocks)
         self.unrouted += 1
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")

@@ -64,7 +64,8 @@ class Candidate:
     cached: CachedTokens
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
-    pending_prefill_s: float   # their prefill as estimated when each was routed (`Rates.prefill_s`)
+    pending_prefill_s: float   # what is left of their prefill: each one's estimate when routed (`Rates.prefill_s`)
+                               # less the time the replica has worked on them since (`ReplicaLoad`)
     rates: Rates
     recent_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
                                # its share of the traffic, what a tie and the share guard go by
