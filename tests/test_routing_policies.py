@@ -195,6 +195,29 @@ def test_the_prefill_ahead_of_a_request_is_what_was_sent_less_what_the_replica_h
     assert (load.requests, load.prompt_tokens) == (3, 3000)
 
 
+def test_what_a_running_request_adds_to_a_new_ones_wait_is_learned_from_busy_first_tokens():
+    """The configured 2 ms per running request until a busy first token is measured; then the slope of the
+    excess wait over the requests running, recent measurements first, never negative."""
+    import math
+
+    from tiercache.fleet.replicas import RunningCost
+
+    fit = RunningCost()
+    assert fit.rates(RATES) is RATES
+    fit.observe(0.5, running=0)                                # an idle first token says nothing of it
+    assert fit.rates(RATES) is RATES
+    for running in (1, 2, 3, 1, 2):
+        fit.observe(0.03 * running, running)
+    assert math.isclose(fit.rates(RATES).per_request_s, 0.03)
+    assert fit.rates(RATES).prefill == RATES.prefill
+    for _ in range(200):                                       # the replica got faster: the old slope fades
+        fit.observe(0.01 * 2, 2)
+    assert math.isclose(fit.rates(RATES).per_request_s, 0.01, rel_tol=1e-3)
+    for _ in range(400):                                       # waits under the estimate: no negative cost
+        fit.observe(-0.05, 1)
+    assert fit.rates(RATES).per_request_s == 0.0
+
+
 def test_a_replica_that_joins_a_busy_fleet_takes_its_share_within_a_few_windows_not_everything_for_hours():
     """Two replicas have served 1000 prompt tokens a second for an hour; a third joins, idle and empty. Requests
     that no replica holds are near ties, taken by the replica with the smallest share: with recent shares the

@@ -32,6 +32,7 @@ from tiercache.fleet.vllm_keys import VllmKeys  # noqa: F401 — registers the "
 
 log = logging.getLogger(__name__)
 
+RUNNING_DECAY = 0.95     # a busy first token's weight in the running-request cost, per measurement since (~20)
 PREFILL_DECAY = 0.9      # an idle first token's weight in the prefill fit, per measurement since (~10 remembered)
 MIN_SPREAD = 0.05        # how far from proportional (1 - cos²) the two costs must have varied to be told apart
 
@@ -139,6 +140,34 @@ class PrefillFit:
 
 
 @dataclass(slots=True)
+class RunningCost:
+    """What each request already running on a replica adds to a new one's wait (`Rates.per_request_s`), learned
+    from its busy first tokens: the time to first token past the request's own prefill and loads as estimated
+    and past the prefill still pending ahead of it when it was sent (`ReplicaLoad.waiting_prefill_s`), over the
+    requests running then — a least-squares slope through zero, each measurement weighing `RUNNING_DECAY` times
+    less per measurement since. Running requests decode between the steps that prefill a new one, and their
+    steps are not free: fitted over `bench route`'s requests on the reference engine (two replicas, two runs,
+    with and without the credit for work done), each one running added 13-31 ms where the configured guess
+    said 2 (RESULTS.md, "A queue that counts work done")."""
+    excess: float = 0.0      # decayed Σ excess·running
+    spread: float = 0.0      # decayed Σ running²
+    measured: int = 0
+
+    def observe(self, excess_s: float, running: int) -> None:
+        if running <= 0:
+            return
+        self.excess = self.excess * RUNNING_DECAY + excess_s * running
+        self.spread = self.spread * RUNNING_DECAY + running * running
+        self.measured += 1
+
+    def rates(self, rates: Rates) -> Rates:
+        """``rates`` with the learned cost of a running request (unchanged before any measurement; never < 0)."""
+        if not self.measured:
+            return rates
+        return replace(rates, per_request_s=max(self.excess / self.spread, 0.0))
+
+
+@dataclass(slots=True)
 class ReplicaLoad:
     """What the router has sent a replica and not seen finish. The prefill still ahead of a new request is what
     was estimated for the requests not past their first token, less the time the replica has worked on them
@@ -213,6 +242,7 @@ class Replica:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     encoder: PromptEncoder | None = None     # tokenizes and templates as this replica does
     prefill: PrefillFit = field(default_factory=PrefillFit)   # its idle first tokens: what its prefill costs
+    running: RunningCost = field(default_factory=RunningCost)  # its busy ones: what a running request adds
 
     def shares_with(self, other: Replica) -> bool:
         """Whether ``other``'s stores to a shared tier are loads for this replica: the same chains, a shared
@@ -248,6 +278,12 @@ class Replica:
         ones in ``seconds`` (`PrefillFit`)."""
         self.prefill.observe(tokens, context, seconds)
         self.rates = self.prefill.rates(self.rates)
+
+    def learn_running(self, excess_s: float, running: int) -> None:
+        """A first token measured with ``running`` requests in flight when it was sent: ``excess_s`` its wait
+        beyond its own estimated work and the prefill pending ahead of it (`RunningCost`)."""
+        self.running.observe(excess_s, running)
+        self.rates = self.running.rates(self.rates)
 
 
 @dataclass(frozen=True, slots=True)

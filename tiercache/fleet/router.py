@@ -110,6 +110,14 @@ class Routed:
     blocks: dict[str, list[bytes]] = field(default_factory=dict)   # per replica: its pool blocks of the prompt
 
 
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What was ahead of a request on its replica when it was sent: the prefill still pending there, and the
+    requests in flight (none: the replica was idle, and its first token measures the prefill alone)."""
+    prefill_s: float
+    running: int
+
+
 class Router:
     def __init__(self, fleet: Fleet, tenants: Tenants, policy: Policy, config: RouterConfig) -> None:
         self.fleet = fleet
@@ -173,8 +181,9 @@ class Router:
                 self.sessions.put(routed.session, replica.name)
             load = replica.load
             uncached, prefill_s = max(routed.prompt_tokens - ranked.cached_tokens, 0), ranked.prefill_s
-            idle = load.in_flight == 0
-            load.sent(uncached, prefill_s, routed.prompt_tokens, time.monotonic())
+            now = time.monotonic()
+            ahead = Ahead(load.waiting_prefill_s(now), load.in_flight)
+            load.sent(uncached, prefill_s, routed.prompt_tokens, now)
             blocks = routed.blocks.get(replica.name, ())
             replica.index.hold(blocks)
             started, first = time.perf_counter(), None
@@ -201,13 +210,13 @@ class Router:
                             log.warning("tiercache route: %s failed mid-stream (%s)", replica.name, err)
                             self.fleet.mark_down(replica)
                             return out
-                        self._record(replica, ranked, _usage_from_stream(tail), first and first - started, idle)
+                        self._record(replica, ranked, _usage_from_stream(tail), first and first - started, ahead)
                         await _to_client(out.write_eof())   # a client that closed after the last event: done
                         return out
                     data = await resp.read()
                     first = time.perf_counter()
                     self._record(replica, ranked, _usage_from_json(data) if resp.status == 200 else None,
-                                 None, idle)
+                                 None, ahead)
                     return web.Response(body=data, status=resp.status, headers=_answer_headers(resp, replica, ranked))
             except (ClientConnectionError, ClientPayloadError) as err:     # refused, reset, cut before it answered
                 load.failures += 1
@@ -222,7 +231,7 @@ class Router:
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")
 
     def _record(self, replica: Replica, ranked: Ranked, usage: dict | None, ttft_s: float | None,
-                idle: bool) -> None:
+                ahead: Ahead) -> None:
         if usage is None:
             return
         details = usage.get("prompt_tokens_details") or {}
@@ -235,10 +244,14 @@ class Router:
         load.reported_cached += reported
         load.prediction_error += abs(ranked.cached_tokens - reported)
         load.reported_prompt += prompt_tokens
-        if ttft_s is not None and idle:
+        if ttft_s is None:
+            return
+        if not ahead.running:
             # what the cached part took to load, where the router knew which tiers held it (its prediction held)
             loads_s = ranked.load_s if reported == ranked.cached_tokens else 0.0
             replica.learn_prefill(prompt_tokens - reported, reported, ttft_s - loads_s)
+        elif reported == ranked.cached_tokens:          # its own work as estimated is what it had to do
+            replica.learn_running(ttft_s - ranked.prefill_s - ranked.load_s - ahead.prefill_s, ahead.running)
 
 
 async def _to_client(write: Awaitable) -> bool:
