@@ -166,6 +166,38 @@ def test_the_router_learns_a_replicas_prefill_from_its_first_tokens_and_its_queu
         router.stop()
 
 
+def test_the_router_learns_what_a_running_request_adds_from_a_first_token_that_came_while_another_ran(fleet):
+    """A request sent while another is still streaming on the same replica is a busy first token: what it
+    waited beyond its own work and the prefill pending ahead of it becomes the replica's cost per running
+    request, in place of the configured 2 ms; once nothing runs, no prefill is waiting there."""
+    _, replicas = fleet
+    router = start_router([replicas[0].url], health_interval=5.0)
+    try:
+        name = _name(replicas[0])
+        client = _client(router.url)
+        assert metric(router.url, "tiercache_route_running_request_seconds", replica=name) == pytest.approx(0.002)
+        for attempt in range(5):        # until the second was sent with the first still in flight
+            running = client.completions.create(model=MODEL, prompt=f"Attempt {attempt}: a long answer, please. "
+                                                * 20, max_tokens=256, temperature=0, stream=True)
+            next(iter(running))                                                 # its first token came
+            in_flight = metric(router.url, "tiercache_route_in_flight", replica=name)
+            second = client.completions.create(model=MODEL, prompt=f"Attempt {attempt}: meanwhile, a new one. "
+                                               * 20, max_tokens=1, temperature=0, stream=True,
+                                               stream_options={"include_usage": True})
+            assert len(list(second)) >= 1
+            list(running)
+            _wait(lambda: metric(router.url, "tiercache_route_in_flight", replica=name) == 0, what="both requests")
+            if in_flight == 1:
+                break
+        else:
+            pytest.skip("the long answer ended before the second request was sent, five times")
+        learned = metric(router.url, "tiercache_route_running_request_seconds", replica=name)
+        assert learned >= 0 and learned != pytest.approx(0.002)
+        assert metric(router.url, "tiercache_route_waiting_prefill_seconds", replica=name) == 0
+    finally:
+        router.stop()
+
+
 def test_a_write_to_a_client_that_closed_its_end_is_the_clients_failure_not_the_replicas():
     """aiohttp raises a write to a client that has closed its end as `ClientConnectionResetError`, a
     `ClientConnectionError` like a replica's failures; the router's writes to its client go through `_to_client`,

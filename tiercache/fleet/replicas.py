@@ -172,9 +172,9 @@ class ReplicaLoad:
     """What the router has sent a replica and not seen finish. The prefill still ahead of a new request is what
     was estimated for the requests not past their first token, less the time the replica has worked on them
     since (`waiting_prefill_s`): counting a running prefill's whole estimate until its first token overstated a
-    busy replica's queue by about a third of a prefill — on `bench route`'s requests the wait that came after
-    an estimated 150 ms queue was 110 ms, after 250 ms 210 (RESULTS.md, "A queue that counts work done") — so a
-    conversation left its history for an idle replica more often than it paid."""
+    busy replica's queue — on `bench route`'s requests the wait that came after an estimated 150 ms queue was
+    110 ms, after 250-300 ms 210 (RESULTS.md, "A queue that counts work done") — so a conversation left its
+    history for an idle replica more often than it paid."""
     in_flight: int = 0
     pending_prefill: int = 0
     pending_prefill_s: float = 0.0  # their prefill as estimated when routed

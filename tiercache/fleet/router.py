@@ -417,6 +417,7 @@ def _replica_state(replica: Replica) -> dict:
             "events": follower.counters.as_dict() if follower else None,
             "prefill_tokens_per_s": round(replica.rates.prefill, 1),
             "prefill_attention_ns_per_pair": round(replica.rates.attention_s * 1e9, 3),
+            "running_request_ms": round(replica.rates.per_request_s * 1e3, 3),
             "load_tokens_per_s": {m: round(r, 1) for m, r in replica.rates.load.items()}}
 
 

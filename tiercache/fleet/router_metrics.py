@@ -3,7 +3,9 @@
 Families (labels in braces):
 - ``tiercache_route_replica_up{replica}``, ``..._in_flight{replica}``,
   ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` and
-  ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as measured);
+  ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as measured),
+  ``..._running_request_seconds{replica}`` (what each request running there adds to a new one's wait, as
+  learned) and ``..._waiting_prefill_seconds{replica}`` (the prefill estimated still ahead of a request now);
 - ``tiercache_route_requests_total{replica}``, ``..._prompt_tokens_total{replica}``,
   ``..._failures_total{replica}`` (a request it could not be reached for);
 - ``tiercache_route_index_keys{replica,medium}``: blocks and chunks the router knows it holds;
@@ -18,6 +20,8 @@ Families (labels in braces):
   ``tiercache_route_sticky_routed_total`` (requests sent first to their session's replica).
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -38,6 +42,10 @@ class RouterCollector(Collector):
             "prefill_tokens_per_second": ("measured prefill rate, its per-token part", lambda r: r.rates.prefill),
             "prefill_attention_seconds_per_pair": ("measured prefill cost per (computed, earlier) token pair",
                                                    lambda r: r.rates.attention_s),
+            "running_request_seconds": ("what each request running there adds to a new one's wait, as learned",
+                                        lambda r: r.rates.per_request_s),
+            "waiting_prefill_seconds": ("prefill estimated still ahead of a request sent now",
+                                        lambda r: r.load.waiting_prefill_s(time.monotonic())),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"tiercache_route_{name}", doc, labels=["replica"])
