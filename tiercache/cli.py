@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--user-tokens", type=_positive, default=300)
     rb.add_argument("--output-tokens", type=_positive, default=8)
     rb.add_argument("--rate", type=_positive_float, default=1.6,
-                    help="conversations started per second (1.6: near two replicas' capacity on a 2-core machine)")
+                    help="conversations started per second (1.6 was near two replicas' capacity on a 2-core machine "
+                         "until the reference engine's attention got faster; RESULTS.md has runs at 1.6 and 2.2)")
     rb.add_argument("--seed", type=int, default=0)
     rb.add_argument("--overhead-pairs", type=int, default=30,
                     help="requests alternated direct and through the router to measure its overhead (0: skip)")
