@@ -32,6 +32,17 @@ def test_prefix_hits_capped_at_input_length_under_lru(tmp_path):
     assert r.input_tokens == 1024 + 1100 + 1024 + 700
 
 
+def test_the_replays_tell_an_observer_each_request_s_hit(tmp_path):
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", [req([1, 2]), req([1, 2, 3], 1100), req([1, 9]),
+                                                          req([1, 2], 700)]))
+    seen = []
+    replay(trace, 3 * 512, "lru", on_hit=lambda i, n: seen.append((i, n)))
+    assert seen == [(0, 0), (1, 2), (2, 1), (3, 1)]       # as in the test above
+    seen.clear()
+    replay_belady(trace, 3 * 512, on_hit=lambda i, n: seen.append((i, n)))
+    assert seen == [(0, 0), (1, 2), (2, 1), (3, 2)]       # Belady never stores 3 or 9: nobody asks again
+
+
 def test_infinite_capacity_reproduces_the_ceiling_of_the_shared_trace(shared_trace):
     trace = shared_trace
     ceiling = replay(trace, unique_chunks(trace) * 512)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,22 +123,26 @@ def split_tiers(eviction: str) -> tuple[str, str]:
     return l1, l2 or l1
 
 
-def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru") -> ReplayResult:
+def replay(trace: Sequence[TraceRequest], capacity_tokens: int, policy: str = "lru",
+           on_hit: Callable[[int, int], None] | None = None) -> ReplayResult:
     """One tier of ``capacity_tokens`` under ``policy`` (``EVICTION[+ADMISSION]``): each request's chunks after
-    its hit are stored — as it finishes — from the head of its chain up to the first the admission refuses."""
+    its hit are stored — as it finishes — from the head of its chain up to the first the admission refuses.
+    ``on_hit(i, n)``: request ``i`` hit its first ``n`` chunks (for analyses of which chunks a policy keeps)."""
     eviction, admission = split_policy(policy)
     tier = MetadataIndex(max(1, capacity_tokens // TRACE_BLOCK_TOKENS), eviction=eviction)
     guard = admission_for(admission, 0, GuardedTier(tier.capacity_bytes)) if admission != "always" else None
     record = getattr(guard, "record", None)
     vouch = getattr(guard, "retain", None)
     result = ReplayResult()
-    for request in trace:
+    for i, request in enumerate(trace):
         keys = request.keys
         tier.record(keys)
         if record is not None:
             record(keys)
         hit = tier.contains(keys)
         result.add(request, hit)
+        if on_hit is not None:
+            on_hit(i, hit)
         if hit:
             tier.prepare_load(keys[:hit])
             tier.complete_load(keys[:hit])
@@ -169,7 +173,8 @@ def _next_uses(trace: Sequence[TraceRequest]) -> list[list[int]]:
     return out
 
 
-def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int) -> ReplayResult:
+def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int,
+                  on_hit: Callable[[int, int], None] | None = None) -> ReplayResult:
     """The offline reference row of `bench trace`: requests hit their leading run of resident chunks, as in
     `replay`; then every chunk of the request is kept when it comes back sooner than some resident chunk (that
     one, asked for furthest ahead, makes room) and never when nobody asks for it again. O(log n) a chunk."""
@@ -178,12 +183,14 @@ def replay_belady(trace: Sequence[TraceRequest], capacity_tokens: int) -> Replay
     resident: dict[BlockHash, int] = {}        # chunk → the request that next asks for it
     furthest: list[tuple[int, BlockHash]] = []  # (-next use, chunk); entries whose use has moved on are stale
     result = ReplayResult()
-    for request, next_uses in zip(trace, _next_uses(trace)):
+    for i, (request, next_uses) in enumerate(zip(trace, _next_uses(trace))):
         keys = request.keys
         hit = 0
         while hit < len(keys) and keys[hit] in resident:
             hit += 1
         result.add(request, hit)
+        if on_hit is not None:
+            on_hit(i, hit)
         for key, next_use in zip(keys, next_uses):
             if key not in resident:
                 if next_use == never:
