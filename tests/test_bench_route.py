@@ -49,6 +49,9 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         assert len(replicas) == 2 and sum(r["prompt_tokens"] for r in replicas) > 0
         assert run["load_imbalance"] >= 1.0 and 0 <= run["prediction_error"] <= 1
         assert 0 < run["ttft_ms_p50"] <= run["ttft_ms_p99"]
+        # each replica's engine computed for part of the run (its /metrics' busy seconds over the run's time; the
+        # two readings around the run take a few ms more than the run itself)
+        assert 0 < run["busy_mean"] <= run["busy_max"] <= 1.05
         assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= round(max(   # as reported
             r["ttft_s"] * 1e3 for r in run["records"]), 2)
         records = run["records"]                  # each answer, where the router sent it and what it expected

@@ -127,3 +127,24 @@ def test_a_request_continues_when_it_has_a_session_or_says_so():
     assert continues_of({}, {"X-Session-ID": "chat-1"})
     assert continues_of({"kv_transfer_params": {"continues": True}})
     assert not continues_of({"kv_transfer_params": {"continues": False}}, {})
+
+
+def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
+    parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
+    base, client = api
+    root = base.removesuffix("/v1")
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(root + "/metrics", timeout=30) as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = response.read().decode()
+        return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+                for family in parser.text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt=PROMPT + "metrics", max_tokens=4, temperature=0)
+    after = scrape()
+    assert after["tiercache_engine_steps_total"] >= before["tiercache_engine_steps_total"] + 4   # prefill + decodes
+    assert after["tiercache_engine_busy_seconds_total"] > before["tiercache_engine_busy_seconds_total"]
+    assert after["tiercache_engine_requests_running"] == after["tiercache_engine_requests_waiting"] == 0
+    assert after["tiercache_blocks{evictable}"] > 0                # the prompt's blocks, kept for reuse

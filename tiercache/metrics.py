@@ -13,6 +13,9 @@ Families (labels in braces):
   queue depth, bytes in flight, configured rate;
 - ``tiercache_blocks{state}``: L0 blocks by state (used, pinned, evictable,
   empty, held for transfers);
+- ``tiercache_engine_*`` (the reference engine): steps and busy seconds
+  (counters: the rate of the second is its utilization), requests running
+  and waiting;
 - ``tiercache_connector_*``: lookups, hit and loaded tokens (prefill tokens
   saved), failed loads, planned and cancelled stores, swaps, token hit ratio;
 - ``tiercache_server_*`` (`tiercache serve`): calls per RPC, chunks stored,
@@ -84,6 +87,14 @@ class StatsCollector(Collector):
         audit = connector.get("audit", stats.get("audit"))
         if audit is not None:
             yield from _audited(audit)
+        engine = stats.get("engine")
+        if engine:
+            yield CounterMetricFamily("tiercache_engine_steps", "engine steps", value=float(engine["steps"]))
+            yield CounterMetricFamily("tiercache_engine_busy_seconds", "seconds spent in steps that computed tokens "
+                                      "(its rate is the engine's utilization)", value=float(engine["busy_seconds"]))
+            for name in ("requests_running", "requests_waiting"):
+                yield GaugeMetricFamily(f"tiercache_engine_{name}", f"engine {name.replace('_', ' ')}",
+                                        value=float(engine[name]))
         blocks = stats.get("blocks")
         if blocks:
             g = GaugeMetricFamily("tiercache_blocks", "L0 blocks by state", labels=["state"])

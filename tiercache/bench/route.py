@@ -14,7 +14,11 @@ router's own metrics read: tokens per replica (load imbalance, max/mean: of
 the prompt tokens sent, and of those computed — sent less the cached tokens
 the replica reported) and
 its predicted against the replicas' reported cached tokens (prediction
-error: sum of |predicted - reported| over the reported). The router's own
+error: sum of |predicted - reported| over the reported); and each replica's
+busy fraction over the run (its engine's seconds in steps that computed
+tokens, from its /metrics, over the run's wall time — mean and max over the
+replicas: how near its capacity the fleet ran; replicas that share a core
+are busy for the time the core-mate takes, too). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
 
@@ -161,6 +165,20 @@ async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None
     return records
 
 
+def _busy_seconds(url: str) -> float:
+    """A replica's time in steps that computed tokens so far (``tiercache_engine_busy_seconds`` of its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "tiercache_engine_busy_seconds":
+            return family.samples[0].value
+    raise RuntimeError(f"bench route: {url}/metrics has no tiercache_engine_busy_seconds")
+
+
 def _router_metrics(url: str) -> dict[str, dict[str, float]]:
     """Per replica: prompt tokens, predicted / reported / error cached tokens (from the router's /metrics)."""
     import urllib.request
@@ -241,9 +259,11 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             progress: Callable[[], None] | None = None) -> dict:
     fleet = start_fleet(n, policy, shared)
     try:
+        busy = [_busy_seconds(r.url) for r in fleet.replicas]
         started = time.perf_counter()
         records = asyncio.run(replay(fleet.router.url, w, progress))
         elapsed = time.perf_counter() - started
+        busy = [(_busy_seconds(r.url) - b) / elapsed for r, b in zip(fleet.replicas, busy)]
         per_replica = _router_metrics(fleet.router.url)
     finally:
         fleet.stop()
@@ -262,6 +282,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "later_half_ttft_ms_p50": round(percentile(later, 0.5), 2) if later else 0.0,
             "later_half_ttft_ms_p99": round(percentile(later, 0.99), 2) if later else 0.0,
             "throughput_req_s": round(len(records) / elapsed, 3),
+            "busy_mean": round(statistics.mean(busy), 3), "busy_max": round(max(busy), 3),
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
@@ -317,14 +338,15 @@ class RouteReport:
 
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
-           "later half p50 ms", "later half p99 ms", "req/s", "prefix hits", "imbalance", "compute imbalance",
-           "prediction error", "moved", "slowest moved ms")
+           "later half p50 ms", "later half p99 ms", "req/s", "busy", "prefix hits", "imbalance",
+           "compute imbalance", "prediction error", "moved", "slowest moved ms")
 
 
 def rows(report: dict) -> list[tuple]:
     return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r.get("later_half_ttft_ms_p50", "-"), r.get("later_half_ttft_ms_p99", "-"),
-             r["throughput_req_s"], r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
+             r["throughput_req_s"], f"{r['busy_mean']:.2f} (max {r['busy_max']:.2f})" if "busy_mean" in r else "-",
+             r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
 

@@ -123,6 +123,7 @@ class LLMEngine:
                                    kv_bytes_per_token=kv_bytes // (engine_cfg.num_blocks * engine_cfg.block_size
                                                                    * engine_cfg.tensor_parallel_size))
         self._steps = 0
+        self._busy_s = 0.0          # seconds spent in steps that computed tokens: busy / elapsed is utilization
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker if self.connector else None,
                                   record_logits=record_logits)
         self._ids = itertools.count()
@@ -178,6 +179,7 @@ class LLMEngine:
         return seq
 
     def step(self) -> list[Sequence]:
+        began = time.perf_counter()
         out = self.scheduler.schedule()
         started = time.perf_counter()
         sampled = self.runner.execute(out)
@@ -187,7 +189,10 @@ class LLMEngine:
             self._observe_copies()
         # with nothing scheduled only transfers are running (promotions, held stores): wait for them a moment
         conn_out = self.connector.worker.get_finished(idle=not out.scheduled) if self.connector else None
-        return self.scheduler.update(out, sampled, conn_out, time.perf_counter())
+        finished = self.scheduler.update(out, sampled, conn_out, time.perf_counter())
+        if out.scheduled:
+            self._busy_s += time.perf_counter() - began
+        return finished
 
     def _observe_copies(self) -> None:
         """Rank 0's copy times between the pool and L1 (every rank copies its share at once), for the
@@ -266,6 +271,9 @@ class LLMEngine:
                        "evictable": pool.evictable, "empty": pool.empty,
                        "held_for_transfers": sum(len(b) for lists in self.scheduler.held.values() for b in lists)},
             "preemptions": self.scheduler.num_preemptions,
+            "engine": {"steps": self._steps, "busy_seconds": self._busy_s,
+                       "requests_running": len(self.scheduler.running),
+                       "requests_waiting": len(self.scheduler.waiting)},
         }
         if self.connector is not None:
             out["connector"] = self.connector.stats()

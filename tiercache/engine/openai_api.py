@@ -499,7 +499,22 @@ def build_app(server: ApiServer):
         seq = await asyncio.wrap_future(server.loop.call(server.loop.publish_held))
         return web.json_response({"seq": seq})
 
+    async def metrics(request):
+        """Prometheus exposition of the engine's stats (`tiercache.metrics`), taken on the engine's thread
+        between two steps."""
+        try:
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            from tiercache.metrics import registry_for
+        except ImportError:
+            raise ApiError("/metrics needs prometheus-client, which is not installed: "
+                           "pip install 'tiercache[metrics]'", status=501) from None
+        snapshot = await asyncio.wrap_future(server.loop.call(server.loop.engine.stats))
+        return web.Response(body=generate_latest(registry_for(lambda: snapshot)),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application(middlewares=[errors])
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/tiercache/replica", replica)
     app.router.add_post("/tiercache/kv/announce", announce)
     app.router.add_post("/v1/completions", completions)
