@@ -18,7 +18,10 @@ error: sum of |predicted - reported| over the reported); and each replica's
 busy fraction over the run (its engine's seconds in steps that computed
 tokens, from its /metrics, over the run's wall time — mean and max over the
 replicas: how near its capacity the fleet ran; replicas that share a core
-are busy for the time the core-mate takes, too). The router's own
+are busy for the time the core-mate takes, too) and the engines' busy
+seconds per request (what a request cost the fleet: a policy that finds
+more prefixes costs less per request, by as much as a hit saves on this
+engine). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
 
@@ -263,7 +266,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
         started = time.perf_counter()
         records = asyncio.run(replay(fleet.router.url, w, progress))
         elapsed = time.perf_counter() - started
-        busy = [(_busy_seconds(r.url) - b) / elapsed for r, b in zip(fleet.replicas, busy)]
+        busy = [_busy_seconds(r.url) - b for r, b in zip(fleet.replicas, busy)]
         per_replica = _router_metrics(fleet.router.url)
     finally:
         fleet.stop()
@@ -282,7 +285,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "later_half_ttft_ms_p50": round(percentile(later, 0.5), 2) if later else 0.0,
             "later_half_ttft_ms_p99": round(percentile(later, 0.99), 2) if later else 0.0,
             "throughput_req_s": round(len(records) / elapsed, 3),
-            "busy_mean": round(statistics.mean(busy), 3), "busy_max": round(max(busy), 3),
+            "busy_mean": round(statistics.mean(busy) / elapsed, 3), "busy_max": round(max(busy) / elapsed, 3),
+            "engine_ms_per_request": round(sum(busy) / len(records) * 1e3, 2) if records else 0.0,
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
@@ -338,7 +342,7 @@ class RouteReport:
 
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
-           "later half p50 ms", "later half p99 ms", "req/s", "busy", "prefix hits", "imbalance",
+           "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request", "prefix hits", "imbalance",
            "compute imbalance", "prediction error", "moved", "slowest moved ms")
 
 
@@ -346,6 +350,7 @@ def rows(report: dict) -> list[tuple]:
     return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r.get("later_half_ttft_ms_p50", "-"), r.get("later_half_ttft_ms_p99", "-"),
              r["throughput_req_s"], f"{r['busy_mean']:.2f} (max {r['busy_max']:.2f})" if "busy_mean" in r else "-",
+             r.get("engine_ms_per_request", "-"),
              r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
