@@ -198,6 +198,40 @@ def test_the_router_learns_what_a_running_request_adds_from_a_first_token_that_c
         router.stop()
 
 
+def test_requests_a_replica_got_from_elsewhere_are_in_the_routers_estimate_of_its_queue(fleet):
+    """Clients that call a replica directly (or through a second router) load it where this router cannot see;
+    the replica's /metrics says what its engine holds, and at its next health check the router counts what it
+    did not send there as foreign requests, each in that replica's expected wait like one of its own (a fresh
+    router: the configured 2 ms each) — and drops them once they end."""
+    _, replicas = fleet
+    busy, name, other = replicas[0], _name(replicas[0]), _name(replicas[1])
+    router = start_router([r.url for r in replicas])
+    direct = _client(busy.url)
+    streams = []
+    try:
+        streams += [direct.completions.create(model=MODEL, prompt=f"Caller {i}, from outside the router. " * 6,
+                                              max_tokens=1000, temperature=0, stream=True) for i in range(2)]
+        for stream in streams:
+            next(iter(stream))                                        # each is in the replica's engine
+        _wait(lambda: metric(router.url, "tiercache_route_foreign_requests", replica=name) >= 1,
+              what="the replica's report of requests the router did not send")
+        assert metric(router.url, "tiercache_route_in_flight", replica=name) == 0
+        assert metric(router.url, "tiercache_route_foreign_requests", replica=other) == 0
+        _, score = call(f"{router.url}/v1/score", "POST", {"prompt": "Nobody has this one yet. " * 8})
+        foreign = metric(router.url, "tiercache_route_foreign_requests", replica=name)
+        queue = {r["replica"]: r["queue_ms"] for r in score["replicas"]}
+        assert queue[name] == pytest.approx(2.0 * foreign, abs=2.0) and queue[name] > 0   # the report may move
+        assert queue[other] == 0
+        for stream in streams:
+            list(stream)
+        _wait(lambda: metric(router.url, "tiercache_route_foreign_requests", replica=name) == 0,
+              what="the foreign requests to leave the estimate once they ended")
+    finally:
+        for stream in streams:
+            stream.close()
+        router.stop()
+
+
 def test_a_write_to_a_client_that_closed_its_end_is_the_clients_failure_not_the_replicas():
     """aiohttp raises a write to a client that has closed its end as `ClientConnectionResetError`, a
     `ClientConnectionError` like a replica's failures; the router's writes to its client go through `_to_client`,

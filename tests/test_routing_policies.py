@@ -195,6 +195,46 @@ def test_the_prefill_ahead_of_a_request_is_what_was_sent_less_what_the_replica_h
     assert (load.requests, load.prompt_tokens) == (3, 3000)
 
 
+def test_requests_a_replica_reports_beyond_the_routers_own_are_foreign_load_in_its_estimate():
+    """A replica's /metrics says what its engine holds (vLLM's gauges or tiercache api's); what it holds beyond
+    the requests this router could have there — a second router's, a client's calling it directly — is waited
+    for as well: each like a request in flight, those not started also for a prefill of this router's mean."""
+    import math
+
+    from tiercache.fleet.engine_queue import EngineQueue, engine_queue
+    from tiercache.fleet.replicas import ReplicaLoad
+    from tiercache.fleet.routing import estimate
+
+    vllm = ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0\n'
+            "vllm:num_requests_swapped 7\n")
+    assert engine_queue(vllm) == EngineQueue(running=3, waiting=4)
+    assert engine_queue("tiercache_engine_requests_running 1.0\ntiercache_engine_requests_waiting 0.0\n") \
+        == EngineQueue(1, 0)
+    assert engine_queue("tiercache_engine_steps_total 5.0\n") is None           # nothing it knows
+    assert engine_queue("tiercache_engine_requests_running NaN\n") is None      # not a count
+
+    load = ReplicaLoad()
+    load.sent(100, 0.2, 1000, now=0.0)
+    load.sent(100, 0.4, 1000, now=0.0)
+    load.reported(EngineQueue(running=2, waiting=0), own=load.in_flight)       # its own two: nothing foreign
+    assert (load.foreign, load.foreign_prefill_s()) == (0, 0.0)
+    load.reported(EngineQueue(running=3, waiting=3), own=load.in_flight)       # four more, three not started
+    assert (load.foreign, load.foreign_waiting) == (4, 3)
+    assert math.isclose(load.foreign_prefill_s(), 3 * (0.9 * 0.2 + 0.1 * 0.4))
+    load.reported(None, own=load.in_flight)                                    # no report: no foreign load
+    assert load.foreign == 0
+
+    busy = Candidate("busy", 1000, CachedTokens(0), 0, 0, 0.0, RATES, foreign=4, foreign_prefill_s=0.5)
+    idle = Candidate("idle", 1000, CachedTokens(0), 0, 0, 0.0, RATES)
+    assert math.isclose(estimate(busy).queue_s, 0.5 + 4 * RATES.per_request_s)
+    assert estimate(idle).queue_s == 0.0
+    assert order("expected-ttft", busy, idle)[0] == "idle"
+
+
 def test_what_a_running_request_adds_to_a_new_ones_wait_is_learned_from_busy_first_tokens():
     """The configured 2 ms per running request until a busy first token is measured; then the slope of the
     excess wait over the requests running, recent measurements first, never negative."""

@@ -25,6 +25,7 @@ from tiercache.config import read_listing
 from tiercache.engine.openai_api import ApiError, chat_template
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.fleet.descriptor import GivenDescriptor, ReplicaDescriptor
+from tiercache.fleet.engine_queue import EngineQueue, engine_queue
 from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
 from tiercache.fleet.routing import Candidate, Rates
 from tiercache.fleet.subscriber import EventFollower
@@ -188,6 +189,21 @@ class ReplicaLoad:
     reported_cached: int = 0
     prediction_error: int = 0       # sum of |predicted - reported|
     reported_prompt: int = 0
+    foreign: int = 0                # requests the replica reported beyond those in flight from here (its /metrics
+    foreign_waiting: int = 0        # at the last health check), and how many of them had not started
+    mean_prefill_s: float = 0.0     # the prefill estimates sent here, averaged (recent ones weigh more): what a
+                                    # foreign request waiting there is taken to cost
+
+    def reported(self, queue: EngineQueue | None, own: int) -> None:
+        """What the replica says its engine holds (None: it did not say); ``own``: at most how many of those
+        this router sent (in flight when it asked, and sent while it waited for the answer). Any beyond came
+        from elsewhere — a second router, a client calling the replica directly."""
+        extra = max(queue.requests - own, 0) if queue is not None else 0
+        self.foreign, self.foreign_waiting = extra, min(queue.waiting, extra) if queue is not None else 0
+
+    def foreign_prefill_s(self) -> float:
+        """Seconds of prefill ahead of a new request from foreign requests not yet started there."""
+        return self.foreign_waiting * self.mean_prefill_s
 
     def _work(self, now: float) -> None:
         """Credit the time since the last change as work on the pending prefills (none is banked while idle)."""
@@ -201,6 +217,7 @@ class ReplicaLoad:
         self.in_flight += 1
         self.pending_prefill += uncached
         self.pending_prefill_s += prefill_s
+        self.mean_prefill_s = prefill_s if not self.requests else 0.9 * self.mean_prefill_s + 0.1 * prefill_s
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.recent_tokens.add(prompt_tokens, now)
@@ -257,7 +274,8 @@ class Replica:
                   else CachedTokens(0))
         now = time.monotonic()
         return Candidate(self.name, num_tokens, cached, self.load.in_flight, self.load.pending_prefill,
-                         self.load.waiting_prefill_s(now), self.rates, self.load.recent_tokens.read(now))
+                         self.load.waiting_prefill_s(now), self.rates, self.load.recent_tokens.read(now),
+                         self.load.foreign, self.load.foreign_prefill_s())
 
     def learn_rates(self, descriptor: ReplicaDescriptor | None) -> None:
         """Take what the replica measured of itself (its descriptor, at each health check): load rates per
@@ -406,6 +424,9 @@ class Fleet:
                 log.warning("tiercache route: replica %s is down (%s)", replica.name, err or type(err).__name__)
             await self._down(replica)
             return
+        in_flight, sent = replica.load.in_flight, replica.load.requests
+        queue = await self._engine_queue(replica, timeout)
+        replica.load.reported(queue, in_flight + replica.load.requests - sent)
         if replica.up and _same_instance(replica.descriptor, descriptor) and not _crashed(replica.task):
             replica.learn_rates(descriptor)
             return
@@ -413,6 +434,17 @@ class Fleet:
             log.warning("tiercache route: replica %s restarted", replica.name)
         await self._down(replica)
         self._up(replica, descriptor)
+
+    async def _engine_queue(self, replica: Replica, timeout) -> EngineQueue | None:
+        """The requests in the replica's engine by its own /metrics; None when it publishes none the router
+        knows, or does not answer in time (a replica is up or down by its /health alone)."""
+        import aiohttp
+
+        try:
+            async with self.session.get(f"{replica.url}/metrics", timeout=timeout) as resp:
+                return engine_queue(await resp.text()) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError):
+            return None
 
     async def _descriptor(self, replica: Replica, timeout) -> ReplicaDescriptor | None:
         async with self.session.get(f"{replica.url}/tiercache/replica", timeout=timeout) as resp:

@@ -113,7 +113,8 @@ class Routed:
 @dataclass(frozen=True, slots=True)
 class Ahead:
     """What was ahead of a request on its replica when it was sent: the prefill still pending there, and the
-    requests in flight (none: the replica was idle, and its first token measures the prefill alone)."""
+    requests in flight — this router's and those the replica reported beyond them (none: the replica was idle,
+    and its first token measures the prefill alone)."""
     prefill_s: float
     running: int
 
@@ -182,7 +183,7 @@ class Router:
             load = replica.load
             uncached, prefill_s = max(routed.prompt_tokens - ranked.cached_tokens, 0), ranked.prefill_s
             now = time.monotonic()
-            ahead = Ahead(load.waiting_prefill_s(now), load.in_flight)
+            ahead = Ahead(load.waiting_prefill_s(now) + load.foreign_prefill_s(), load.in_flight + load.foreign)
             load.sent(uncached, prefill_s, routed.prompt_tokens, now)
             blocks = routed.blocks.get(replica.name, ())
             replica.index.hold(blocks)
@@ -418,6 +419,7 @@ def _replica_state(replica: Replica) -> dict:
             "prefill_tokens_per_s": round(replica.rates.prefill, 1),
             "prefill_attention_ns_per_pair": round(replica.rates.attention_s * 1e9, 3),
             "running_request_ms": round(replica.rates.per_request_s * 1e3, 3),
+            "foreign_requests": replica.load.foreign,
             "load_tokens_per_s": {m: round(r, 1) for m, r in replica.rates.load.items()}}
 
 

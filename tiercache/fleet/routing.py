@@ -13,7 +13,8 @@ Policies (`routing_policies`):
 - ``prefix-affinity``: the most cached tokens, anywhere in the replica's
   hierarchy (ties: least loaded) — the hit-ratio maximiser that makes
   hotspots;
-- ``expected-ttft`` (default): queue + prefill of what no tier holds for it +
+- ``expected-ttft`` (default): queue (this router's requests there, and those
+  the replica reports that it did not send) + prefill of what no tier holds for it +
   loads of the rest at each medium's rate, lowest first, with a hotspot guard
   (a replica whose queue is far above the other replicas' goes last); near
   ties go to the replica sent the fewest tokens lately, and so does a request
@@ -69,6 +70,8 @@ class Candidate:
     rates: Rates
     recent_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
                                # its share of the traffic, what a tie and the share guard go by
+    foreign: int = 0           # requests it reported that this router did not send (`engine_queue`)
+    foreign_prefill_s: float = 0.0   # the prefill of those not yet started there, at this router's mean estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,7 @@ class Ranked:
 
 def estimate(c: Candidate) -> Ranked:
     """Expected time to first token on ``c``: wait for what is ahead, compute what nobody holds, load the rest."""
-    queue_s = c.pending_prefill_s + c.in_flight * c.rates.per_request_s
+    queue_s = c.pending_prefill_s + c.foreign_prefill_s + (c.in_flight + c.foreign) * c.rates.per_request_s
     prefill_s = c.rates.prefill_s(max(c.prompt_tokens - c.cached.total, 1), c.cached.total)
     load_s = sum(n / c.rates.load.get(medium, c.rates.prefill) for medium, n in c.cached.tiers.items())
     return Ranked(c.name, queue_s + prefill_s + load_s, queue_s, prefill_s, load_s, c.cached.total,
