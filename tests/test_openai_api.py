@@ -148,3 +148,36 @@ def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
     assert after["tiercache_engine_busy_seconds_total"] > before["tiercache_engine_busy_seconds_total"]
     assert after["tiercache_engine_requests_running"] == after["tiercache_engine_requests_waiting"] == 0
     assert after["tiercache_blocks{evictable}"] > 0                # the prompt's blocks, kept for reuse
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_engine_computing_for_it(api):
+    """A streamed request whose client closes the connection after its first event: the server's next write
+    fails, and the engine ends the sequence at its next token instead of decoding its 2,000 tokens for nobody
+    (far fewer engine steps than that pass before nothing runs)."""
+    import http.client
+    import time
+
+    parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
+    base, _ = api
+    host, port = base.removeprefix("http://").removesuffix("/v1").split(":")
+
+    def engine() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        return {s.name: s.value for family in parser.text_string_to_metric_families(text) for s in family.samples
+                if s.name.startswith("tiercache_engine_")}
+
+    before = engine()["tiercache_engine_steps_total"]
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT + "leaving",
+                                                        "max_tokens": 2000, "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    response.close()                                                   # the client leaves
+    conn.close()
+    deadline = time.monotonic() + 120
+    while engine()["tiercache_engine_requests_running"] or engine()["tiercache_engine_requests_waiting"]:
+        assert time.monotonic() < deadline, "the engine kept the request running"
+        time.sleep(0.05)
+    assert engine()["tiercache_engine_steps_total"] - before < 1000

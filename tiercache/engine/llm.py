@@ -178,6 +178,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def abort(self, seq: Sequence) -> None:
+        """Its client is gone: the sequence ends at its next token, through the way every sequence ends (its
+        blocks freed or held for their stores, the connector told), rather than decoding to its max_tokens for
+        nobody."""
+        seq.aborted = True
+
     def step(self) -> list[Sequence]:
         began = time.perf_counter()
         out = self.scheduler.schedule()

@@ -316,15 +316,21 @@ async def _generate(server: ApiServer, checked: Checked, request, chunk: Callabl
             kind, value = await generation.events.get()
         return web.json_response(whole(server.decode(tokens), value))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     tokens, said = [], ""
-    while kind != "done":
-        tokens += value
-        text = server.decode(tokens).rstrip(UNFINISHED)   # a character cut short may still end differently
-        if len(text) > len(said):
-            await response.write(_event(chunk(text[len(said):], None)))
-            said = text
-        kind, value = await generation.events.get()
+    try:
+        await response.prepare(request)
+        while kind != "done":
+            tokens += value
+            text = server.decode(tokens).rstrip(UNFINISHED)   # a character cut short may still end differently
+            if len(text) > len(said):
+                await response.write(_event(chunk(text[len(said):], None)))
+                said = text
+            kind, value = await generation.events.get()
+    except (ConnectionError, asyncio.CancelledError):     # the client left mid-stream: stop computing for it
+        seq = generation.seq
+        if seq is not None:
+            server.loop.call(lambda: server.loop.engine.abort(seq))
+        raise
     final = chunk(server.decode(tokens)[len(said):], value.finish_reason)
     await response.write(_event(final))
     if include_usage:

@@ -214,6 +214,6 @@ class Scheduler:
         return finished
 
     def _stopped(self, seq: Sequence) -> bool:
-        if seq.num_output_tokens >= seq.params.max_tokens:
+        if seq.aborted or seq.num_output_tokens >= seq.params.max_tokens:
             return True
         return not seq.params.ignore_eos and seq.token_ids[-1] == self.eos_token_id

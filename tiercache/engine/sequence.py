@@ -63,6 +63,7 @@ class Sequence:
         self.block_hashes: list[BlockHash] = []
         self.metrics = SeqMetrics()
         self.logits: list = []         # kept only when the engine records logits (tests)
+        self.aborted = False           # its client left: it ends at its next token (`LLMEngine.abort`)
 
     def __len__(self) -> int:
         return len(self.token_ids)
