@@ -216,6 +216,7 @@ def test_requests_a_replica_got_from_elsewhere_are_in_the_routers_estimate_of_it
         _wait(lambda: metric(router.url, "tiercache_route_foreign_requests", replica=name) >= 1,
               what="the replica's report of requests the router did not send")
         assert metric(router.url, "tiercache_route_in_flight", replica=name) == 0
+        assert metric(router.url, "tiercache_route_engine_requests", replica=name) >= 1
         assert metric(router.url, "tiercache_route_foreign_requests", replica=other) == 0
         _, score = call(f"{router.url}/v1/score", "POST", {"prompt": "Nobody has this one yet. " * 8})
         foreign = metric(router.url, "tiercache_route_foreign_requests", replica=name)

@@ -225,8 +225,9 @@ def test_requests_a_replica_reports_beyond_the_routers_own_are_foreign_load_in_i
     load.reported(EngineQueue(running=3, waiting=3), own=load.in_flight)       # four more, three not started
     assert (load.foreign, load.foreign_waiting) == (4, 3)
     assert math.isclose(load.foreign_prefill_s(), 3 * (0.9 * 0.2 + 0.1 * 0.4))
+    assert load.engine_requests == 6
     load.reported(None, own=load.in_flight)                                    # no report: no foreign load
-    assert load.foreign == 0
+    assert (load.foreign, load.engine_requests) == (0, -1)
 
     busy = Candidate("busy", 1000, CachedTokens(0), 0, 0, 0.0, RATES, foreign=4, foreign_prefill_s=0.5)
     idle = Candidate("idle", 1000, CachedTokens(0), 0, 0, 0.0, RATES)

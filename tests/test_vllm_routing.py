@@ -184,6 +184,13 @@ def test_a_conversation_comes_back_to_the_vllm_replica_that_holds_it_and_the_pre
     assert sum(metric(router.url, "tiercache_route_index_keys", replica=n, medium="GPU") for n in names) > 0
     # every block vLLM stored was named by the router
     assert all(metric(router.url, "tiercache_route_unnamed_blocks_total", replica=n) == 0 for n in names)
+    # the router reads what vLLM's engines hold from their /metrics (vllm:num_requests_running / _waiting): with
+    # every request answered, nothing — and nothing it did not send
+    deadline = time.monotonic() + 60
+    while any(metric(router.url, "tiercache_route_engine_requests", replica=n) != 0 for n in names):
+        assert time.monotonic() < deadline, "the router read no idle vLLM engine from /metrics"
+        time.sleep(0.2)
+    assert all(metric(router.url, "tiercache_route_foreign_requests", replica=n) == 0 for n in names)
 
 
 def test_another_tenants_prefix_on_vllm_is_neither_predicted_nor_hit(vllm_fleet):

@@ -193,11 +193,13 @@ class ReplicaLoad:
     foreign_waiting: int = 0        # at the last health check), and how many of them had not started
     mean_prefill_s: float = 0.0     # the prefill estimates sent here, averaged (recent ones weigh more): what a
                                     # foreign request waiting there is taken to cost
+    engine_requests: int = -1       # what the replica last reported its engine holds (-1: it reports nothing)
 
     def reported(self, queue: EngineQueue | None, own: int) -> None:
         """What the replica says its engine holds (None: it did not say); ``own``: at most how many of those
         this router sent (in flight when it asked, and sent while it waited for the answer). Any beyond came
         from elsewhere — a second router, a client calling the replica directly."""
+        self.engine_requests = queue.requests if queue is not None else -1
         extra = max(queue.requests - own, 0) if queue is not None else 0
         self.foreign, self.foreign_waiting = extra, min(queue.waiting, extra) if queue is not None else 0
 

@@ -5,8 +5,9 @@ Families (labels in braces):
   ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` and
   ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as measured),
   ``..._running_request_seconds{replica}`` (what each request running there adds to a new one's wait, as
-  learned), ``..._waiting_prefill_seconds{replica}`` (the prefill estimated still ahead of a request now) and
-  ``..._foreign_requests{replica}`` (requests in its engine that this router did not send, by its /metrics);
+  learned), ``..._waiting_prefill_seconds{replica}`` (the prefill estimated still ahead of a request now),
+  ``..._engine_requests{replica}`` (requests in its engine by its own /metrics; -1: none it reads) and
+  ``..._foreign_requests{replica}`` (of those, the ones this router did not send);
 - ``tiercache_route_requests_total{replica}``, ``..._prompt_tokens_total{replica}``,
   ``..._failures_total{replica}`` (a request it could not be reached for);
 - ``tiercache_route_index_keys{replica,medium}``: blocks and chunks the router knows it holds;
@@ -47,8 +48,10 @@ class RouterCollector(Collector):
                                         lambda r: r.rates.per_request_s),
             "waiting_prefill_seconds": ("prefill estimated still ahead of a request sent now",
                                         lambda r: r.load.waiting_prefill_s(time.monotonic())),
-            "foreign_requests": ("requests the replica reported that this router did not send (its /metrics at "
-                                 "the last health check)", lambda r: r.load.foreign),
+            "engine_requests": ("requests running and waiting in the replica's engine, by its /metrics at the "
+                                "last health check (-1: it reports none the router reads)",
+                                lambda r: r.load.engine_requests),
+            "foreign_requests": ("of those, requests this router did not send", lambda r: r.load.foreign),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"tiercache_route_{name}", doc, labels=["replica"])
