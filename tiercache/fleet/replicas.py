@@ -199,9 +199,12 @@ class ReplicaLoad:
         """What the replica says its engine holds (None: it did not say); ``own``: at most how many of those
         this router sent (in flight when it asked, and sent while it waited for the answer). Any beyond came
         from elsewhere — a second router, a client calling the replica directly."""
-        self.engine_requests = queue.requests if queue is not None else -1
-        extra = max(queue.requests - own, 0) if queue is not None else 0
-        self.foreign, self.foreign_waiting = extra, min(queue.waiting, extra) if queue is not None else 0
+        if queue is None:
+            self.engine_requests, self.foreign, self.foreign_waiting = -1, 0, 0
+            return
+        self.engine_requests = queue.requests
+        self.foreign = max(queue.requests - own, 0)
+        self.foreign_waiting = min(queue.waiting, self.foreign)
 
     def foreign_prefill_s(self) -> float:
         """Seconds of prefill ahead of a new request from foreign requests not yet started there."""
