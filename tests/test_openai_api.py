@@ -129,21 +129,21 @@ def test_a_request_continues_when_it_has_a_session_or_says_so():
     assert not continues_of({"kv_transfer_params": {"continues": False}}, {})
 
 
-def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
+def _scrape(base: str) -> dict[str, float]:
+    """Every sample of the server's /metrics by name (labels' values in braces); a missing one is a KeyError."""
     parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+            for family in parser.text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
     base, client = api
-    root = base.removesuffix("/v1")
-
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(root + "/metrics", timeout=30) as response:
-            assert response.headers["Content-Type"].startswith("text/plain")
-            text = response.read().decode()
-        return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
-                for family in parser.text_string_to_metric_families(text) for s in family.samples}
-
-    before = scrape()
+    before = _scrape(base)
     client.completions.create(model=MODEL, prompt=PROMPT + "metrics", max_tokens=4, temperature=0)
-    after = scrape()
+    after = _scrape(base)
     assert after["tiercache_engine_steps_total"] >= before["tiercache_engine_steps_total"] + 4   # prefill + decodes
     assert after["tiercache_engine_busy_seconds_total"] > before["tiercache_engine_busy_seconds_total"]
     assert after["tiercache_engine_requests_running"] == after["tiercache_engine_requests_waiting"] == 0
@@ -157,17 +157,9 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_computing_for_it(api):
     import http.client
     import time
 
-    parser = pytest.importorskip("prometheus_client.parser", reason="prometheus-client is not installed")
     base, _ = api
     host, port = base.removeprefix("http://").removesuffix("/v1").split(":")
-
-    def engine() -> dict[str, float]:
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as response:
-            text = response.read().decode()
-        return {s.name: s.value for family in parser.text_string_to_metric_families(text) for s in family.samples
-                if s.name.startswith("tiercache_engine_")}
-
-    before = engine()["tiercache_engine_steps_total"]
+    before = _scrape(base)["tiercache_engine_steps_total"]
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT + "leaving",
                                                         "max_tokens": 2000, "temperature": 0, "stream": True}),
@@ -177,7 +169,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_computing_for_it(api):
     response.close()                                                   # the client leaves
     conn.close()
     deadline = time.monotonic() + 120
-    while engine()["tiercache_engine_requests_running"] or engine()["tiercache_engine_requests_waiting"]:
+    while (now := _scrape(base))["tiercache_engine_requests_running"] or now["tiercache_engine_requests_waiting"]:
         assert time.monotonic() < deadline, "the engine kept the request running"
         time.sleep(0.05)
-    assert engine()["tiercache_engine_steps_total"] - before < 1000
+    assert _scrape(base)["tiercache_engine_steps_total"] - before < 1000

@@ -168,15 +168,19 @@ async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None
     return records
 
 
-def _busy_seconds(url: str) -> float:
-    """A replica's time in steps that computed tokens so far (``tiercache_engine_busy_seconds`` of its /metrics)."""
+def _metric_families(url: str):
+    """The metric families of ``url``/metrics (a replica's or the router's Prometheus exposition)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
+        return list(text_string_to_metric_families(resp.read().decode()))
+
+
+def _busy_seconds(url: str) -> float:
+    """A replica's time in steps that computed tokens so far (``tiercache_engine_busy_seconds`` of its /metrics)."""
+    for family in _metric_families(url):
         if family.name == "tiercache_engine_busy_seconds":
             return family.samples[0].value
     raise RuntimeError(f"bench route: {url}/metrics has no tiercache_engine_busy_seconds")
@@ -184,18 +188,12 @@ def _busy_seconds(url: str) -> float:
 
 def _router_metrics(url: str) -> dict[str, dict[str, float]]:
     """Per replica: prompt tokens, predicted / reported / error cached tokens (from the router's /metrics)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
     wanted = {"tiercache_route_prompt_tokens": "prompt_tokens",
               "tiercache_route_predicted_cached_tokens": "predicted",
               "tiercache_route_reported_cached_tokens": "reported",
               "tiercache_route_prediction_error_tokens": "error"}
     out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in _metric_families(url):
         key = wanted.get(family.name)
         if key is None:
             continue
