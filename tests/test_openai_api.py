@@ -150,10 +150,12 @@ def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
     assert after["tiercache_blocks{evictable}"] > 0                # the prompt's blocks, kept for reuse
 
 
-def test_a_client_that_leaves_mid_stream_stops_the_engine_computing_for_it(api):
-    """A streamed request whose client closes the connection after its first event: the server's next write
-    fails, and the engine ends the sequence at its next token instead of decoding its 2,000 tokens for nobody
-    (far fewer engine steps than that pass before nothing runs)."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_stops_the_engine_computing_for_it(api, stream):
+    """A request whose client closes the connection — streamed, after its first event (the server's next write
+    fails), or whole, before any answer (its handler looks at the connection while it waits): the engine ends
+    the sequence at its next token instead of decoding its 2,000 tokens for nobody (far fewer engine steps than
+    that pass before nothing runs)."""
     import http.client
     import time
 
@@ -161,13 +163,19 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_computing_for_it(api):
     host, port = base.removeprefix("http://").removesuffix("/v1").split(":")
     before = _scrape(base)["tiercache_engine_steps_total"]
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT + "leaving",
-                                                        "max_tokens": 2000, "temperature": 0, "stream": True}),
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT + f"leaving {stream}",
+                                                        "max_tokens": 2000, "temperature": 0, "stream": stream}),
                  {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
-    response.close()                                                   # the client leaves
-    conn.close()
+    if stream:
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        response.close()                                               # the client leaves
+    else:
+        deadline = time.monotonic() + 60
+        while not _scrape(base)["tiercache_engine_requests_running"]:  # the engine has it
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+    conn.close()                                                       # the client leaves
     deadline = time.monotonic() + 120
     while (now := _scrape(base))["tiercache_engine_requests_running"] or now["tiercache_engine_requests_waiting"]:
         assert time.monotonic() < deadline, "the engine kept the request running"

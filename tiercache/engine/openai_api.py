@@ -43,6 +43,7 @@ OPENAI_DEFAULT_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 EVENTS_HEARTBEAT_S = 1.0
 UNFINISHED = "\ufffd"    # what a tokenizer decodes a character cut short (a byte tokenizer mid-UTF-8) to
+CLIENT_CHECK_S = 0.5     # how often a non-streamed request's handler looks whether its client is still there
 
 
 class KVEventSink(Protocol):
@@ -309,16 +310,16 @@ async def _generate(server: ApiServer, checked: Checked, request, chunk: Callabl
     kind, value = await generation.events.get()
     if kind == "error":
         raise value
-    if not stream:
-        tokens: list[int] = []
-        while kind != "done":
-            tokens += value
-            kind, value = await generation.events.get()
-        return web.json_response(whole(server.decode(tokens), value))
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    tokens, said = [], ""
+    tokens: list[int] = []
     try:
+        if not stream:
+            while kind != "done":
+                tokens += value
+                kind, value = await _while_client_waits(generation, request)
+            return web.json_response(whole(server.decode(tokens), value))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        said = ""
         while kind != "done":
             tokens += value
             text = server.decode(tokens).rstrip(UNFINISHED)   # a character cut short may still end differently
@@ -326,7 +327,7 @@ async def _generate(server: ApiServer, checked: Checked, request, chunk: Callabl
                 await response.write(_event(chunk(text[len(said):], None)))
                 said = text
             kind, value = await generation.events.get()
-    except (ConnectionError, asyncio.CancelledError):     # the client left mid-stream: stop computing for it
+    except (ConnectionError, asyncio.CancelledError):     # the client left: stop computing for it
         seq = generation.seq
         if seq is not None:
             server.loop.call(lambda: server.loop.engine.abort(seq))
@@ -337,6 +338,20 @@ async def _generate(server: ApiServer, checked: Checked, request, chunk: Callabl
         await response.write(_event({**chunk("", None), "choices": [], "usage": value.as_dict()}))
     await response.write(b"data: [DONE]\n\n")
     return response
+
+
+async def _while_client_waits(generation: Generation, request) -> tuple[str, object]:
+    """The generation's next event, for a handler that writes nothing until the answer is whole: its client's
+    connection is looked at before each event and every `CLIENT_CHECK_S` while none comes, and
+    `ConnectionResetError` raised once it is gone. (A streamed answer learns it from its next write.)"""
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed its connection")
+        try:
+            return await asyncio.wait_for(generation.events.get(), CLIENT_CHECK_S)
+        except asyncio.TimeoutError:
+            continue
 
 
 def _event(payload: dict) -> bytes:
