@@ -52,6 +52,9 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         # each replica's engine computed for part of the run (its /metrics' busy seconds over the run's time; the
         # two readings around the run take a few ms more than the run itself)
         assert 0 < run["busy_mean"] <= run["busy_max"] <= 1.05 and run["engine_ms_per_request"] > 0
+        assert run["engine_steps_per_request"] > 0 and run["engine_ms_per_step"] > 0
+        assert run["engine_steps_per_request"] * run["engine_ms_per_step"] == pytest.approx(
+            run["engine_ms_per_request"], rel=0.02)                   # the cost per request, split (rounded)
         assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= round(max(   # as reported
             r["ttft_s"] * 1e3 for r in run["records"]), 2)
         records = run["records"]                  # each answer, where the router sent it and what it expected

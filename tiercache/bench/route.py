@@ -21,7 +21,8 @@ replicas: how near its capacity the fleet ran; replicas that share a core
 are busy for the time the core-mate takes, too) and the engines' busy
 seconds per request (what a request cost the fleet: a policy that finds
 more prefixes costs less per request, by as much as a hit saves on this
-engine). The router's own
+engine), split into steps per request and busy seconds per step (how
+much the policy's queues batched, and what a step cost). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
 
@@ -178,12 +179,13 @@ def _metric_families(url: str):
         return list(text_string_to_metric_families(resp.read().decode()))
 
 
-def _busy_seconds(url: str) -> float:
-    """A replica's time in steps that computed tokens so far (``tiercache_engine_busy_seconds`` of its /metrics)."""
-    for family in _metric_families(url):
-        if family.name == "tiercache_engine_busy_seconds":
-            return family.samples[0].value
-    raise RuntimeError(f"bench route: {url}/metrics has no tiercache_engine_busy_seconds")
+def _engine_counters(url: str) -> tuple[float, float]:
+    """A replica's engine so far, from its /metrics: seconds in steps that computed tokens, and steps."""
+    found = {f.name: f.samples[0].value for f in _metric_families(url)
+             if f.name in ("tiercache_engine_busy_seconds", "tiercache_engine_steps")}
+    if len(found) < 2:
+        raise RuntimeError(f"bench route: {url}/metrics lacks tiercache_engine_busy_seconds or _steps")
+    return found["tiercache_engine_busy_seconds"], found["tiercache_engine_steps"]
 
 
 def _router_metrics(url: str) -> dict[str, dict[str, float]]:
@@ -260,11 +262,13 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             progress: Callable[[], None] | None = None) -> dict:
     fleet = start_fleet(n, policy, shared)
     try:
-        busy = [_busy_seconds(r.url) for r in fleet.replicas]
+        before = [_engine_counters(r.url) for r in fleet.replicas]
         started = time.perf_counter()
         records = asyncio.run(replay(fleet.router.url, w, progress))
         elapsed = time.perf_counter() - started
-        busy = [_busy_seconds(r.url) - b for r, b in zip(fleet.replicas, busy)]
+        after = [_engine_counters(r.url) for r in fleet.replicas]
+        busy = [a[0] - b[0] for a, b in zip(after, before)]
+        steps = sum(a[1] - b[1] for a, b in zip(after, before))
         per_replica = _router_metrics(fleet.router.url)
     finally:
         fleet.stop()
@@ -285,6 +289,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "throughput_req_s": round(len(records) / elapsed, 3),
             "busy_mean": round(statistics.mean(busy) / elapsed, 3), "busy_max": round(max(busy) / elapsed, 3),
             "engine_ms_per_request": round(sum(busy) / len(records) * 1e3, 2) if records else 0.0,
+            "engine_steps_per_request": round(steps / len(records), 2) if records else 0.0,
+            "engine_ms_per_step": round(sum(busy) / steps * 1e3, 2) if steps else 0.0,
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
@@ -340,15 +346,16 @@ class RouteReport:
 
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
-           "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request", "prefix hits", "imbalance",
-           "compute imbalance", "prediction error", "moved", "slowest moved ms")
+           "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request (steps × ms)",
+           "prefix hits", "imbalance", "compute imbalance", "prediction error", "moved", "slowest moved ms")
 
 
 def rows(report: dict) -> list[tuple]:
     return [(r["replicas"], "yes" if r["shared_server"] else "no", r["policy"], r["requests"], r["ttft_ms_p50"],
              r["ttft_ms_p99"], r.get("later_half_ttft_ms_p50", "-"), r.get("later_half_ttft_ms_p99", "-"),
              r["throughput_req_s"], f"{r['busy_mean']:.2f} (max {r['busy_max']:.2f})" if "busy_mean" in r else "-",
-             r.get("engine_ms_per_request", "-"),
+             f"{r['engine_ms_per_request']} ({r['engine_steps_per_request']} × {r['engine_ms_per_step']})"
+             if "engine_steps_per_request" in r else r.get("engine_ms_per_request", "-"),
              r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
