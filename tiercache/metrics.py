@@ -13,8 +13,9 @@ Families (labels in braces):
   queue depth, bytes in flight, configured rate;
 - ``tiercache_blocks{state}``: L0 blocks by state (used, pinned, evictable,
   empty, held for transfers);
-- ``tiercache_engine_*`` (the reference engine): steps and busy seconds
-  (counters: the rate of the second is its utilization), requests running
+- ``tiercache_engine_*`` (the reference engine): steps that computed tokens
+  and the seconds they took (counters: the rate of the second is its
+  utilization; their ratio the time a step takes), requests running
   and waiting;
 - ``tiercache_connector_*``: lookups, hit and loaded tokens (prefill tokens
   saved), failed loads, planned and cancelled stores, swaps, token hit ratio;
@@ -89,7 +90,8 @@ class StatsCollector(Collector):
             yield from _audited(audit)
         engine = stats.get("engine")
         if engine:
-            yield CounterMetricFamily("tiercache_engine_steps", "engine steps", value=float(engine["steps"]))
+            yield CounterMetricFamily("tiercache_engine_steps", "engine steps that computed tokens",
+                                      value=float(engine["steps"]))
             yield CounterMetricFamily("tiercache_engine_busy_seconds", "seconds spent in steps that computed tokens "
                                       "(its rate is the engine's utilization)", value=float(engine["busy_seconds"]))
             for name in ("requests_running", "requests_waiting"):

@@ -124,6 +124,7 @@ class LLMEngine:
                                                                    * engine_cfg.tensor_parallel_size))
         self._steps = 0
         self._busy_s = 0.0          # seconds spent in steps that computed tokens: busy / elapsed is utilization
+        self._busy_steps = 0        # those steps (a step that only waits for transfers is neither)
         self.runner = ModelRunner(self.model, self.kv, self.connector.worker if self.connector else None,
                                   record_logits=record_logits)
         self._ids = itertools.count()
@@ -198,6 +199,7 @@ class LLMEngine:
         finished = self.scheduler.update(out, sampled, conn_out, time.perf_counter())
         if out.scheduled:
             self._busy_s += time.perf_counter() - began
+            self._busy_steps += 1
         return finished
 
     def _observe_copies(self) -> None:
@@ -277,7 +279,7 @@ class LLMEngine:
                        "evictable": pool.evictable, "empty": pool.empty,
                        "held_for_transfers": sum(len(b) for lists in self.scheduler.held.values() for b in lists)},
             "preemptions": self.scheduler.num_preemptions,
-            "engine": {"steps": self._steps, "busy_seconds": self._busy_s,
+            "engine": {"steps": self._busy_steps, "busy_seconds": self._busy_s,
                        "requests_running": len(self.scheduler.running),
                        "requests_waiting": len(self.scheduler.waiting)},
         }
