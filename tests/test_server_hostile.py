@@ -31,7 +31,7 @@ from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.engine import EngineConfig  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
-from tiercache.wire.grpc_messages import encode_chunk, method  # noqa: E402
+from tiercache.wire.grpc_messages import AUTH_HEADER, encode_chunk, method  # noqa: E402
 
 MiB = 1 << 20
 
@@ -154,6 +154,12 @@ def test_values_declared_and_never_sent_cannot_grow_the_server_past_its_budget(t
 def raw_stats(server) -> str:
     reply = pb.StatsReply.FromString(raw_call(server, "Stats", b""))
     return json.dumps(dict(reply.counters))
+
+
+def server_counters(server, admin_token: str) -> dict:
+    """The server's counters, asked for with an admin tenant's token."""
+    reply = raw_call(server, "Stats", b"", metadata=((AUTH_HEADER, f"Bearer {admin_token}"),))
+    return dict(pb.StatsReply.FromString(reply).counters)
 
 
 def test_stalled_streams_and_idle_connections_do_not_keep_a_client_out(tmp_path):
@@ -313,17 +319,12 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
     outputs are those of an undisturbed run. Meanwhile the rival's own loads proceed, whatever becomes of
     its stores, and its tier stays up."""
     from tiercache.wire.chunk_format import HEADER_BYTES
-    from tiercache.wire.grpc_messages import AUTH_HEADER
 
     tokens = {name: f"{name}-token-0123456789" for name in ("acme", "rival", "ops")}
     tenants = tmp_path / "tenants.toml"
     tenants.write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items()) + "admin = true\n")
     server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--read-timeout", "30",
                                 "--auth-token-file", str(tenants), "--log-format", "text")
-
-    def server_stats() -> dict:
-        reply = raw_call(server, "Stats", b"", metadata=((AUTH_HEADER, f"Bearer {tokens['ops']}"),))
-        return dict(pb.StatsReply.FromString(reply).counters)
 
     token = tmp_path / "acme.token"
     token.write_text(tokens["acme"])
@@ -346,7 +347,8 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
             sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(16 * MiB)
                          + header_for(key, 16 * MiB - HEADER_BYTES) + b"\1" * MiB)
             held.append(sock)
-        eventually(lambda: server_stats()["inflight_bytes"] == 64 * MiB, 10, "the rival holding the budget")
+        eventually(lambda: server_counters(server, tokens["ops"])["inflight_bytes"] == 64 * MiB, 10,
+                   "the rival holding the budget")
         # the rival's own stores find no room now (refused as busy: the tier stays up), its loads proceed
         assert {why for _, why in rival.write_chunks(chunks(1, seed=10))} <= {Failure.IO} and rival.available
         bufs = [memoryview(bytearray(len(raw))) for _, raw in stored]
@@ -355,7 +357,7 @@ def test_one_tenant_holding_the_whole_in_flight_budget_silently_leaves_another_t
         first = run_workload(spec, EngineConfig(num_blocks=64), cfg)
         second = run_workload(spec, EngineConfig(num_blocks=64), cfg)
         assert second.tier_hit_tokens >= 256 and second.outputs == first.outputs
-        assert server_stats()["inflight_taken_back"] >= 1
+        assert server_counters(server, tokens["ops"])["inflight_taken_back"] >= 1
 
         def ended(sock: socket.socket) -> bool:
             sock.settimeout(0.2)
@@ -472,15 +474,19 @@ def test_a_hostile_tenant_leaves_every_other_tenants_engines_storing_and_loading
                                   "--calls-per-round", "200", "--round-pause", "1"],
                                  stdout=subprocess.PIPE, text=True)
         assert rival.stdout.readline().strip() == "started"
-        time.sleep(1.5)                                   # let it take what it can
+
+        def rival_holds() -> bool:
+            now = server_counters(server, tokens["ops"])
+            return now["inflight_bytes"] > 0 and now["streams_open"] > 0
+        eventually(rival_holds, 60, "the hostile tenant holding in-flight bytes and stream slots")
+        time.sleep(1.5)                  # silent past every threshold after which the server takes a hold back
         with RssSampler(server.proc.pid) as rss:
             hostile = turn(seed=20)
         for t in ("acme", "beta"):
             assert hostile[t].outputs_match and hostile[t].store_failures == 0, hostile[t]
             assert hostile[t].hit_ratio >= 0.8 * quiet[t].hit_ratio, (quiet[t], hostile[t])
         assert rss.peak_mib <= started["memory_bound"] / MiB
-        reply = raw_call(server, "Stats", b"", metadata=(("authorization", f"Bearer {tokens['ops']}"),))
-        stats = dict(pb.StatsReply.FromString(reply).counters)
+        stats = server_counters(server, tokens["ops"])
         assert stats["streams_taken_back"] + stats["inflight_taken_back"] >= 1
         assert stats.get("handler_faults", 0) == 0          # a client gone mid-call is no fault of the server
     finally:

@@ -177,6 +177,11 @@ class StreamWatch:
             self._taken.put((victim, "a silent stream past its tenant's share of the slots, taken for another"))
         return sid
 
+    @property
+    def open(self) -> int:
+        """Streams holding a slot now."""
+        return len(self._streams)
+
     def _held(self) -> dict[str, int]:
         held: dict[str, int] = {}
         for entry in self._streams.values():

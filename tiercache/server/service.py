@@ -657,6 +657,7 @@ class CacheService:
         s["audit"] = self.audit.counts()
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
+                       "streams_open": self.streams.open,
                        "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,
                        "streams_stalled": self.streams.cancelled, "requests_refused": self.requests.refused,
                        "requests_taken_back": self.requests.taken_back}
