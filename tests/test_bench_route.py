@@ -55,6 +55,11 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         assert run["engine_steps_per_request"] > 0 and run["engine_ms_per_step"] > 0
         assert run["engine_steps_per_request"] * run["engine_ms_per_step"] == pytest.approx(
             run["engine_ms_per_request"], rel=0.02)                   # the cost per request, split (rounded)
+        # CPU per request of the replicas' processes (more than their engines' busy time: the transfer threads and
+        # the HTTP server are in it) and the router's; chunks loaded per request from each replica's tiers
+        assert run["cpu_ms_per_request"]["replicas"] > 0 and run["cpu_ms_per_request"]["router"] > 0
+        assert "server" not in run["cpu_ms_per_request"]                # no shared server in this fleet
+        assert set(run["loaded_chunks_per_request"]) == {"cpu"} and run["loaded_chunks_per_request"]["cpu"] >= 0
         assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= round(max(   # as reported
             r["ttft_s"] * 1e3 for r in run["records"]), 2)
         records = run["records"]                  # each answer, where the router sent it and what it expected

@@ -22,7 +22,11 @@ are busy for the time the core-mate takes, too) and the engines' busy
 seconds per request (what a request cost the fleet: a policy that finds
 more prefixes costs less per request, by as much as a hit saves on this
 engine), split into steps per request and busy seconds per step (how
-much the policy's queues batched, and what a step cost). The router's own
+much the policy's queues batched, and what a step cost); the CPU seconds per
+request of the replicas' processes (engine and transfer threads), the router
+and the shared server (all on this machine's cores: a load from the server
+costs CPU at both ends), and the chunks per request each tier loaded on the
+replicas (from their `tiercache_tier_loaded`). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
 
@@ -41,12 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from tiercache.bench.processes import Launched, start_replica, start_router, start_server
 from tiercache.bench.report import percentile
@@ -188,6 +194,28 @@ def _engine_counters(url: str) -> tuple[float, float]:
     return found["tiercache_engine_busy_seconds"], found["tiercache_engine_steps"]
 
 
+def _tier_loads(url: str) -> dict[str, float]:
+    """A replica's chunks loaded so far from each of its tiers, from its /metrics."""
+    return {sample.labels["tier"]: sample.value for family in _metric_families(url)
+            if family.name == "tiercache_tier_loaded" for sample in family.samples if sample.name.endswith("_total")}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _readings(fleet: "Fleet") -> dict:
+    """What the fleet's processes have done so far: each replica's engine counters and tier loads, and the CPU
+    seconds of the replicas, the router and the shared server."""
+    return {"engine": [_engine_counters(r.url) for r in fleet.replicas],
+            "loads": [_tier_loads(r.url) for r in fleet.replicas],
+            "cpu": {"replicas": sum(_cpu_seconds(r.proc.pid) for r in fleet.replicas),
+                    "router": _cpu_seconds(fleet.router.proc.pid),
+                    **({"server": _cpu_seconds(fleet.server.proc.pid)} if fleet.server else {})}}
+
+
 def _router_metrics(url: str) -> dict[str, dict[str, float]]:
     """Per replica: prompt tokens, predicted / reported / error cached tokens (from the router's /metrics)."""
     wanted = {"tiercache_route_prompt_tokens": "prompt_tokens",
@@ -262,16 +290,21 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             progress: Callable[[], None] | None = None) -> dict:
     fleet = start_fleet(n, policy, shared)
     try:
-        before = [_engine_counters(r.url) for r in fleet.replicas]
+        first = _readings(fleet)
         started = time.perf_counter()
         records = asyncio.run(replay(fleet.router.url, w, progress))
         elapsed = time.perf_counter() - started
-        after = [_engine_counters(r.url) for r in fleet.replicas]
+        last = _readings(fleet)
+        before, after = first["engine"], last["engine"]
         busy = [a[0] - b[0] for a, b in zip(after, before)]
         steps = sum(a[1] - b[1] for a, b in zip(after, before))
         per_replica = _router_metrics(fleet.router.url)
     finally:
         fleet.stop()
+    per = max(1, len(records))           # per request
+    loaded: Counter[str] = Counter()
+    for a, b in zip(last["loads"], first["loads"]):
+        loaded.update({tier: a[tier] - b.get(tier, 0.0) for tier in a})
     ttfts = [r.ttft_s * 1e3 for r in records]
     by_time = sorted(records, key=lambda r: r.sent_s)
     later = [r.ttft_s * 1e3 for r in by_time[len(by_time) // 2:]]   # a fleet past its cold start: see below
@@ -291,6 +324,9 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "engine_ms_per_request": round(sum(busy) / len(records) * 1e3, 2) if records else 0.0,
             "engine_steps_per_request": round(steps / len(records), 2) if records else 0.0,
             "engine_ms_per_step": round(sum(busy) / steps * 1e3, 2) if steps else 0.0,
+            "cpu_ms_per_request": {who: round((last["cpu"][who] - first["cpu"][who]) / per * 1e3, 2)
+                                   for who in last["cpu"]},
+            "loaded_chunks_per_request": {tier: round(v / per, 3) for tier, v in sorted(loaded.items())},
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
             "compute_imbalance": (round(max(computed) / statistics.mean(computed), 3)
@@ -347,7 +383,13 @@ class RouteReport:
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
            "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request (steps × ms)",
-           "prefix hits", "imbalance", "compute imbalance", "prediction error", "moved", "slowest moved ms")
+           "CPU ms / request", "chunks loaded / request", "prefix hits", "imbalance", "compute imbalance",
+           "prediction error", "moved", "slowest moved ms")
+
+
+def _per(values: dict | None) -> str:
+    """``{"a": 1.5, "b": 2}`` as ``a 1.5, b 2`` (a column of named figures); ``-`` for none."""
+    return ", ".join(f"{k} {v}" for k, v in values.items()) if values else "-"
 
 
 def rows(report: dict) -> list[tuple]:
@@ -356,6 +398,7 @@ def rows(report: dict) -> list[tuple]:
              r["throughput_req_s"], f"{r['busy_mean']:.2f} (max {r['busy_max']:.2f})" if "busy_mean" in r else "-",
              f"{r['engine_ms_per_request']} ({r['engine_steps_per_request']} × {r['engine_ms_per_step']})"
              if "engine_steps_per_request" in r else r.get("engine_ms_per_request", "-"),
+             _per(r.get("cpu_ms_per_request")), _per(r.get("loaded_chunks_per_request")),
              r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
