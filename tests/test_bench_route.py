@@ -55,6 +55,7 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         assert run["engine_steps_per_request"] > 0 and run["engine_ms_per_step"] > 0
         assert run["engine_steps_per_request"] * run["engine_ms_per_step"] == pytest.approx(
             run["engine_ms_per_request"], rel=0.02)                   # the cost per request, split (rounded)
+        assert 0 <= run["engine_load_ms_per_request"] <= run["engine_ms_per_request"]   # loading: part of it
         # CPU per request of the replicas' processes (more than their engines' busy time: the transfer threads and
         # the HTTP server are in it) and the router's; chunks loaded per request from each replica's tiers
         assert run["cpu_ms_per_request"]["replicas"] > 0 and run["cpu_ms_per_request"]["router"] > 0

@@ -27,6 +27,7 @@ def test_shared_prefix_hits_in_l0_give_identical_tokens(reference_outputs):
         seqs = run_sequential(engine, shared_prompts())
         assert [s.output_token_ids for s in seqs] == [reference_outputs[tuple(p)] for p in shared_prompts()]
         assert sum(s.metrics.l0_hit_tokens for s in seqs[1:]) >= 15 * 192   # every later request hit the prefix
+        assert engine.stats()["engine"]["load_seconds"] == 0                 # nothing loaded from a tier
         assert_back_to_baseline(engine)
 
 
@@ -41,6 +42,8 @@ def test_hits_from_l1_alone_give_identical_tokens(reference_outputs, layerwise, 
         assert [s.metrics.external_hit_tokens for s in seqs] == [0] + [192] * 15
         stats = engine.stats()["connector"]
         assert stats["loaded_tokens"] == 15 * 192 and stats["failed_loads"] == 0
+        steps = engine.stats()["engine"]           # the steps' time loading (or waiting for loads): part of their time
+        assert 0 < steps["load_seconds"] < steps["busy_seconds"]
         assert_back_to_baseline(engine)
 
 

@@ -146,6 +146,7 @@ def test_metrics_count_the_engine_s_busy_time_and_what_it_holds(api):
     after = _scrape(base)
     assert after["tiercache_engine_steps_total"] >= before["tiercache_engine_steps_total"] + 4   # prefill + decodes
     assert after["tiercache_engine_busy_seconds_total"] > before["tiercache_engine_busy_seconds_total"]
+    assert after["tiercache_engine_load_seconds_total"] <= after["tiercache_engine_busy_seconds_total"]
     assert after["tiercache_engine_requests_running"] == after["tiercache_engine_requests_waiting"] == 0
     assert after["tiercache_blocks{evictable}"] > 0                # the prompt's blocks, kept for reuse
 

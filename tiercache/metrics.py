@@ -15,8 +15,9 @@ Families (labels in braces):
   empty, held for transfers);
 - ``tiercache_engine_*`` (the reference engine): steps that computed tokens
   and the seconds they took (counters: the rate of the second is its
-  utilization; their ratio the time a step takes), requests running
-  and waiting;
+  utilization; their ratio the time a step takes), the part of those
+  seconds spent loading KV into the pool or waiting for it, requests
+  running and waiting;
 - ``tiercache_connector_*``: lookups, hit and loaded tokens (prefill tokens
   saved), failed loads, planned and cancelled stores, swaps, token hit ratio;
 - ``tiercache_server_*`` (`tiercache serve`): calls per RPC, chunks stored,
@@ -94,6 +95,8 @@ class StatsCollector(Collector):
                                       value=float(engine["steps"]))
             yield CounterMetricFamily("tiercache_engine_busy_seconds", "seconds spent in steps that computed tokens "
                                       "(its rate is the engine's utilization)", value=float(engine["busy_seconds"]))
+            yield CounterMetricFamily("tiercache_engine_load_seconds", "of the busy seconds, those spent loading KV "
+                                      "into the pool or waiting for it to arrive", value=float(engine["load_seconds"]))
             for name in ("requests_running", "requests_waiting"):
                 yield GaugeMetricFamily(f"tiercache_engine_{name}", f"engine {name.replace('_', ' ')}",
                                         value=float(engine[name]))

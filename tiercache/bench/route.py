@@ -22,7 +22,8 @@ are busy for the time the core-mate takes, too) and the engines' busy
 seconds per request (what a request cost the fleet: a policy that finds
 more prefixes costs less per request, by as much as a hit saves on this
 engine), split into steps per request and busy seconds per step (how
-much the policy's queues batched, and what a step cost); the CPU seconds per
+much the policy's queues batched, and what a step cost), and the part of them
+spent loading KV into the pools; the CPU seconds per
 request of the replicas' processes (engine and transfer threads), the router
 and the shared server (all on this machine's cores: a load from the server
 costs CPU at both ends), and the chunks per request each tier loaded on the
@@ -185,13 +186,18 @@ def _metric_families(url: str):
         return list(text_string_to_metric_families(resp.read().decode()))
 
 
-def _engine_counters(url: str) -> tuple[float, float]:
-    """A replica's engine so far, from its /metrics: seconds in steps that computed tokens, and steps."""
-    found = {f.name: f.samples[0].value for f in _metric_families(url)
-             if f.name in ("tiercache_engine_busy_seconds", "tiercache_engine_steps")}
-    if len(found) < 2:
-        raise RuntimeError(f"bench route: {url}/metrics lacks tiercache_engine_busy_seconds or _steps")
-    return found["tiercache_engine_busy_seconds"], found["tiercache_engine_steps"]
+ENGINE_COUNTERS = ("tiercache_engine_busy_seconds", "tiercache_engine_steps", "tiercache_engine_load_seconds")
+
+
+def _engine_counters(url: str) -> tuple[float, float, float]:
+    """A replica's engine so far, from its /metrics: seconds in steps that computed tokens, those steps, and
+    the part of those seconds spent loading KV."""
+    found = {f.name: f.samples[0].value for f in _metric_families(url) if f.name in ENGINE_COUNTERS}
+    missing = [name for name in ENGINE_COUNTERS if name not in found]
+    if missing:
+        raise RuntimeError(f"bench route: {url}/metrics lacks {', '.join(missing)}")
+    busy, steps, load = (found[name] for name in ENGINE_COUNTERS)
+    return busy, steps, load
 
 
 def _tier_loads(url: str) -> dict[str, float]:
@@ -298,6 +304,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
         before, after = first["engine"], last["engine"]
         busy = [a[0] - b[0] for a, b in zip(after, before)]
         steps = sum(a[1] - b[1] for a, b in zip(after, before))
+        loading = sum(a[2] - b[2] for a, b in zip(after, before))
         per_replica = _router_metrics(fleet.router.url)
     finally:
         fleet.stop()
@@ -324,6 +331,7 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "engine_ms_per_request": round(sum(busy) / len(records) * 1e3, 2) if records else 0.0,
             "engine_steps_per_request": round(steps / len(records), 2) if records else 0.0,
             "engine_ms_per_step": round(sum(busy) / steps * 1e3, 2) if steps else 0.0,
+            "engine_load_ms_per_request": round(loading / per * 1e3, 2),
             "cpu_ms_per_request": {who: round((last["cpu"][who] - first["cpu"][who]) / per * 1e3, 2)
                                    for who in last["cpu"]},
             "loaded_chunks_per_request": {tier: round(v / per, 3) for tier, v in sorted(loaded.items())},
@@ -383,6 +391,7 @@ class RouteReport:
 
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
            "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request (steps × ms)",
+           "loading ms / request",
            "CPU ms / request", "chunks loaded / request", "prefix hits", "imbalance", "compute imbalance",
            "prediction error", "moved", "slowest moved ms")
 
@@ -398,6 +407,7 @@ def rows(report: dict) -> list[tuple]:
              r["throughput_req_s"], f"{r['busy_mean']:.2f} (max {r['busy_max']:.2f})" if "busy_mean" in r else "-",
              f"{r['engine_ms_per_request']} ({r['engine_steps_per_request']} × {r['engine_ms_per_step']})"
              if "engine_steps_per_request" in r else r.get("engine_ms_per_request", "-"),
+             r.get("engine_load_ms_per_request", "-"),
              _per(r.get("cpu_ms_per_request")), _per(r.get("loaded_chunks_per_request")),
              r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]

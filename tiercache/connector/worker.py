@@ -64,6 +64,7 @@ class OffloadWorker(WorkerConnector):
         self._reported_links: dict[str, dict[str, float]] = {}
         self._reported_layerwise = 0
         self.layerwise_loads = 0   # load jobs that landed layer by layer (waited for per layer)
+        self.load_seconds = 0.0    # the step's time spent loading into the pool (inline) or waiting for loads
         self._reports_sent = 0
         # the shutdown write-down (`WriteBackOrder`): where to, chunks named for it whose job has not ended on
         # this rank, and the L1 slots holding such a chunk on this rank
@@ -131,6 +132,7 @@ class OffloadWorker(WorkerConnector):
         self._progress = []
         for plan in self._meta.background:
             engine.submit(plan)
+        began = time.perf_counter()
         for plan in self._meta.loads:
             progress = LayerProgress() if self.layerwise else None
             if self.inline:
@@ -141,11 +143,15 @@ class OffloadWorker(WorkerConnector):
                 self._progress.append(progress)
                 self.layerwise_loads += 1
             self._step_load_jobs.append(plan.job_id)
+        if self._meta.loads:
+            self.load_seconds += time.perf_counter() - began
 
     def wait_for_layer_load(self, layer: int) -> None:
         if self._progress:
+            began = time.perf_counter()
             for progress in self._progress:
                 progress.wait(layer)
+            self.load_seconds += time.perf_counter() - began
         elif layer == 0:
             self._settle_loads()   # whole-chunk loads complete before the first layer reads the cache
 
@@ -153,7 +159,10 @@ class OffloadWorker(WorkerConnector):
         """Collect this step's load results; a request whose load failed has its stores cancelled."""
         if not self._step_load_jobs:
             return
-        for result in self._engine.wait(self._step_load_jobs):
+        began = time.perf_counter()
+        results = self._engine.wait(self._step_load_jobs)
+        self.load_seconds += time.perf_counter() - began
+        for result in results:
             if not result.ok:
                 self._failed_this_step.add(self._owners[result.job_id])
             self._results.append(result)
@@ -231,7 +240,8 @@ class OffloadWorker(WorkerConnector):
         return out
 
     def stats(self) -> dict[str, object]:
-        return {"rank": self.rank, "transfers": self._engine.stats(), "stores_in_flight": len(self._stores_in_flight)}
+        return {"rank": self.rank, "transfers": self._engine.stats(), "stores_in_flight": len(self._stores_in_flight),
+                "load_seconds": self.load_seconds}
 
     def wait_until_idle(self, timeout: float = 60.0) -> None:
         """Block until every job handed to this rank's engine has finished (results stay for `get_finished`)."""

@@ -280,6 +280,8 @@ class LLMEngine:
                        "held_for_transfers": sum(len(b) for lists in self.scheduler.held.values() for b in lists)},
             "preemptions": self.scheduler.num_preemptions,
             "engine": {"steps": self._busy_steps, "busy_seconds": self._busy_s,
+                       # of those seconds, loading into the pool or waiting for loads (rank 0: ranks load at once)
+                       "load_seconds": self.connector.workers[0].load_seconds if self.connector is not None else 0.0,
                        "requests_running": len(self.scheduler.running),
                        "requests_waiting": len(self.scheduler.waiting)},
         }
