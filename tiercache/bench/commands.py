@@ -557,11 +557,12 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
         route.plot(Path(out) / "route.png", data)
     _write_json(args.json, data)
     if not args.quiet:
-        table = Table(title="bench route")
-        for header in route.HEADERS:
-            table.add_column(header)
+        table = Table(title="bench route")       # a column per run, a row per figure: readable in 80 columns
+        table.add_column("")
         for row in rows:
-            table.add_row(*(str(v) for v in row))
+            table.add_column(f"{row[0]} replicas{' + serve' if row[1] == 'yes' else ''}, {row[2]}")
+        for i, header in enumerate(route.HEADERS[3:], start=3):
+            table.add_row(header, *(str(row[i]) for row in rows))
         Console().print(table)
         if report.overhead:
             Console().print(f"router overhead: {report.overhead}")
