@@ -60,6 +60,7 @@ def test_bench_route_replays_the_workload_through_each_policy_and_reports_the_fl
         # the HTTP server are in it) and the router's; chunks loaded per request from each replica's tiers
         assert run["cpu_ms_per_request"]["replicas"] > 0 and run["cpu_ms_per_request"]["router"] > 0
         assert "server" not in run["cpu_ms_per_request"]                # no shared server in this fleet
+        assert run["replica_threads_cpu_ms_per_request"]["tiercache-engine"] > 0      # the engine's own thread
         assert set(run["loaded_chunks_per_request"]) == {"cpu"} and run["loaded_chunks_per_request"]["cpu"] >= 0
         assert 0 < run["later_half_ttft_ms_p50"] <= run["later_half_ttft_ms_p99"] <= round(max(   # as reported
             r["ttft_s"] * 1e3 for r in run["records"]), 2)

@@ -42,3 +42,35 @@ def test_two_engines_export_side_by_side():
         run_sequential(a, shared_prompts(n=2))
         assert scrape(a.metrics_port)['tiercache_tier_stored_total{tier="cpu"}'] > 0
         assert scrape(b.metrics_port)['tiercache_tier_stored_total{tier="cpu"}'] == 0
+
+
+def test_a_thread_s_cpu_seconds_are_exported_under_its_name_without_its_number():
+    """`tiercache_thread_cpu_seconds{thread}`: a pool's numbered threads add up under one name, and the CPU a
+    thread burns shows under it (the engine's thread beside its transfer threads is what it is for)."""
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def burn() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait(30)
+    burners = [threading.Thread(target=burn, name=f"test-burner-{i}", daemon=True) for i in range(2)]
+    for t in burners:
+        t.start()
+    try:
+        with LLMEngine(offload=offload(), metrics_port=0) as engine:
+            def burned() -> float:
+                return scrape(engine.metrics_port).get('tiercache_thread_cpu_seconds{thread="test-burner"}', 0.0)
+            deadline = time.monotonic() + 60
+            while burned() < 0.5:            # two threads' 0.3 s each, however busy the machine's cores are
+                assert time.monotonic() < deadline, scrape(engine.metrics_port)
+                time.sleep(0.05)
+            names = [k for k in scrape(engine.metrics_port) if k.startswith("tiercache_thread_cpu_seconds")]
+            assert not any(re.search(r"test-burner-\d", k) for k in names)
+    finally:
+        done.set()
+        for t in burners:
+            t.join(30)

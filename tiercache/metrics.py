@@ -25,12 +25,21 @@ Families (labels in braces):
   per status code, purges and what they took; ``tiercache_server_namespaces``;
   with tenants, ``tiercache_server_tenant_*{tenant}``: bytes, namespaces,
   purges;
+- ``tiercache_thread_cpu_seconds{thread}``: CPU seconds of the process's threads
+  alive now, by name (a pool's numbered threads together; threads Python did
+  not start by the kernel's name for them) — where a process's CPU goes (a
+  gauge: a thread that ends takes its seconds with it); Linux only;
 - ``tiercache_audit_events_total{tenant,event}`` and ``_chunks``, ``_bytes``:
   the audit trail's purges, expiries and key rotations (`tiercache.audit`).
 """
 from __future__ import annotations
 
+import os
+import re
+import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -140,9 +149,41 @@ class StatsCollector(Collector):
                                     value=float(connector.get("in_flight_jobs", 0)))
 
 
+def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, float]:
+    """CPU seconds (user and system) of this process's live threads, summed by name: a Python thread by its
+    name with a trailing number dropped (``tiercache-xfer-2`` → ``tiercache-xfer``), any other by the kernel's
+    name for it. Empty where there is no /proc."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Counter[str] = Counter()
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            stat = Path(f"{task_dir}/{tid}/stat").read_text()
+        except OSError:          # it ended meanwhile
+            continue
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name = re.sub(r"[-_ ]\d+$", "", names.get(int(tid), comm))
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+class ThreadCpuCollector(Collector):
+    def collect(self) -> Iterator:
+        g = GaugeMetricFamily("tiercache_thread_cpu_seconds", "CPU seconds of this process's live threads, by name",
+                              labels=["thread"])
+        for name, seconds in sorted(thread_cpu_seconds().items()):
+            g.add_metric([name], seconds)
+        yield g
+
+
 def registry_for(stats: Callable[[], dict[str, Any]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
+    registry.register(ThreadCpuCollector())
     return registry
 
 

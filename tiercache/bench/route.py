@@ -26,7 +26,9 @@ much the policy's queues batched, and what a step cost), and the part of them
 spent loading KV into the pools; the CPU seconds per
 request of the replicas' processes (engine and transfer threads), the router
 and the shared server (all on this machine's cores: a load from the server
-costs CPU at both ends), and the chunks per request each tier loaded on the
+costs CPU at both ends) and of the replicas' threads by name (the engine's,
+the transfer threads', the HTTP server's: those of half a millisecond a
+request or more), and the chunks per request each tier loaded on the
 replicas (from their `tiercache_tier_loaded`). The router's own
 overhead is measured apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
@@ -206,6 +208,12 @@ def _tier_loads(url: str) -> dict[str, float]:
             if family.name == "tiercache_tier_loaded" for sample in family.samples if sample.name.endswith("_total")}
 
 
+def _thread_cpu(url: str) -> dict[str, float]:
+    """A replica's CPU seconds by thread name so far (its /metrics' ``tiercache_thread_cpu_seconds``)."""
+    return {sample.labels["thread"]: sample.value for family in _metric_families(url)
+            if family.name == "tiercache_thread_cpu_seconds" for sample in family.samples}
+
+
 def _cpu_seconds(pid: int) -> float:
     """CPU seconds (user and system, every thread) process ``pid`` has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -217,6 +225,7 @@ def _readings(fleet: "Fleet") -> dict:
     seconds of the replicas, the router and the shared server."""
     return {"engine": [_engine_counters(r.url) for r in fleet.replicas],
             "loads": [_tier_loads(r.url) for r in fleet.replicas],
+            "threads": [_thread_cpu(r.url) for r in fleet.replicas],
             "cpu": {"replicas": sum(_cpu_seconds(r.proc.pid) for r in fleet.replicas),
                     "router": _cpu_seconds(fleet.router.proc.pid),
                     **({"server": _cpu_seconds(fleet.server.proc.pid)} if fleet.server else {})}}
@@ -312,6 +321,9 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
     loaded: Counter[str] = Counter()
     for a, b in zip(last["loads"], first["loads"]):
         loaded.update({tier: a[tier] - b.get(tier, 0.0) for tier in a})
+    threads: Counter[str] = Counter()
+    for a, b in zip(last["threads"], first["threads"]):
+        threads.update({name: a[name] - b.get(name, 0.0) for name in a})
     ttfts = [r.ttft_s * 1e3 for r in records]
     by_time = sorted(records, key=lambda r: r.sent_s)
     later = [r.ttft_s * 1e3 for r in by_time[len(by_time) // 2:]]   # a fleet past its cold start: see below
@@ -334,6 +346,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
             "engine_load_ms_per_request": round(loading / per * 1e3, 2),
             "cpu_ms_per_request": {who: round((last["cpu"][who] - first["cpu"][who]) / per * 1e3, 2)
                                    for who in last["cpu"]},
+            "replica_threads_cpu_ms_per_request": {name: round(v / per * 1e3, 2) for name, v in threads.most_common()
+                                                   if v / per * 1e3 >= 0.5},
             "loaded_chunks_per_request": {tier: round(v / per, 3) for tier, v in sorted(loaded.items())},
             "prefix_hit_ratio": round(cached / prompt, 4) if prompt else 0.0,
             "load_imbalance": round(max(loads) / statistics.mean(loads), 3) if statistics.mean(loads) else 0.0,
@@ -392,7 +406,8 @@ class RouteReport:
 HEADERS = ("replicas", "shared serve", "policy", "requests", "TTFT p50 ms", "TTFT p99 ms",
            "later half p50 ms", "later half p99 ms", "req/s", "busy", "engine ms / request (steps × ms)",
            "loading ms / request",
-           "CPU ms / request", "chunks loaded / request", "prefix hits", "imbalance", "compute imbalance",
+           "CPU ms / request", "replicas' CPU ms / request by thread", "chunks loaded / request", "prefix hits",
+           "imbalance", "compute imbalance",
            "prediction error", "moved", "slowest moved ms")
 
 
@@ -408,7 +423,9 @@ def rows(report: dict) -> list[tuple]:
              f"{r['engine_ms_per_request']} ({r['engine_steps_per_request']} × {r['engine_ms_per_step']})"
              if "engine_steps_per_request" in r else r.get("engine_ms_per_request", "-"),
              r.get("engine_load_ms_per_request", "-"),
-             _per(r.get("cpu_ms_per_request")), _per(r.get("loaded_chunks_per_request")),
+             _per(r.get("cpu_ms_per_request")),
+             _per(dict(list(r.get("replica_threads_cpu_ms_per_request", {}).items())[:4])),
+             _per(r.get("loaded_chunks_per_request")),
              r["prefix_hit_ratio"], r["load_imbalance"], r.get("compute_imbalance", "-"),
              r["prediction_error"], r.get("moved", "-"), r.get("moved_ttft_ms_max", "-")) for r in report["runs"]]
 
