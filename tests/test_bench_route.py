@@ -111,3 +111,26 @@ def test_a_bench_stopped_with_sigterm_stops_the_fleet_it_started(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         bench.kill()
+
+
+def test_a_bad_replica_setting_is_one_line_before_any_replica_starts():
+    for value, named in (("keys.chunk_tokens=65", "keys.chunk_tokens"), ("keys.chunk_tokenz=64", "keys.chunk_tokenz"),
+                         ("nonsense", "--replica-set")):
+        proc = subprocess.run([*BENCH, "--replica-set", value], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and named in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_replica_settings_reach_every_replica_of_the_fleet():
+    """`--replica-set` starts each replica with the field set: here its chunk size, which the replica's descriptor
+    (what the router reads) reports."""
+    import urllib.request
+
+    from tiercache.bench.route import start_fleet
+    fleet = start_fleet(2, "round-robin", False, ("keys.chunk_tokens=64",))
+    try:
+        for replica in fleet.replicas:
+            with urllib.request.urlopen(f"{replica.url}/tiercache/replica", timeout=30) as resp:
+                assert json.loads(resp.read())["chunk_tokens"] == 64
+    finally:
+        fleet.stop()

@@ -503,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="conversations started per second (1.6 was near two replicas' capacity on a 2-core machine "
                          "until the reference engine's attention got faster; RESULTS.md has runs at 1.6 and 2.2)")
     rb.add_argument("--seed", type=int, default=0)
+    rb.add_argument("--replica-set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
+                    help="a config field for every replica (repeatable), e.g. keys.chunk_tokens=64: what a "
+                         "deployment's settings do to the routing comparison")
     rb.add_argument("--overhead-pairs", type=int, default=30,
                     help="requests alternated direct and through the router to measure its overhead (0: skip)")
     rb.add_argument("--out", metavar="DIR", help="write route.json, route.md and route.png here")

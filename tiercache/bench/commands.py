@@ -527,6 +527,12 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
             raise TierCacheError(f"bench route needs {module}, which is not installed: "
                                  f"pip install 'tiercache[{extra}]'")
     out = _directory(args.out, "--out")
+    try:                        # a bad field or value is one line here, before any replica starts
+        load_config(env={}, overrides=args.replica_set)
+    except ConfigError as err:
+        if err.field != "--set":
+            raise
+        raise ConfigError("--replica-set", err.value, err.reason) from None
     workload = route.RouteWorkload(conversations=args.conversations, max_turns=args.max_turns,
                                    system_prompts=args.system_prompts, system_tokens=args.system_tokens,
                                    user_tokens=args.user_tokens, output_tokens=args.output_tokens, rate=args.rate,
@@ -543,7 +549,8 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
         for n, s in fleets:
             for policy in args.policies:
                 bar.set_postfix_str(f"{n} replicas{' + serve' if s else ''}, {policy}")
-                report.runs.append(route.run_one(n, policy, s, workload, progress=lambda: bar.update(1)))
+                report.runs.append(route.run_one(n, policy, s, workload, progress=lambda: bar.update(1),
+                                                 replica_set=tuple(args.replica_set)))
     if args.overhead_pairs > 0:
         report.overhead = route.router_overhead(args.overhead_pairs)
     data = {**report.as_dict(), "command": "tiercache " + " ".join(sys.argv[1:]), "machine": platform.node()}

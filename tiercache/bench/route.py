@@ -270,15 +270,18 @@ def _warm(url: str) -> None:
         resp.read()
 
 
-def start_fleet(n: int, policy: str, shared: bool) -> Fleet:
+def start_fleet(n: int, policy: str, shared: bool, replica_set: tuple[str, ...] = ()) -> Fleet:
+    """``replica_set``: config fields (``section.field=value``) every replica is started with."""
     server = start_server() if shared else None
     replicas: list[Launched] = []
+    sets = [arg for pair in replica_set for arg in ("--set", pair)]
     try:
         for i in range(n):
             if server is None:
-                replicas.append(start_replica(i, 0, "cpu", "256MiB", POOL_BLOCKS))
+                replicas.append(start_replica(i, 0, "cpu", "256MiB", POOL_BLOCKS, *sets))
             else:
-                replicas.append(start_replica(i, 0, "cpu,grpc", "256MiB", POOL_BLOCKS, "--grpc-address", server.url))
+                replicas.append(start_replica(i, 0, "cpu,grpc", "256MiB", POOL_BLOCKS, "--grpc-address", server.url,
+                                              *sets))
         for replica in replicas:
             _warm(replica.url)
         router = start_router([r.url for r in replicas], "--policy", policy)
@@ -302,8 +305,8 @@ def moved(records: list[Request]) -> list[Request]:
 
 
 def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
-            progress: Callable[[], None] | None = None) -> dict:
-    fleet = start_fleet(n, policy, shared)
+            progress: Callable[[], None] | None = None, replica_set: tuple[str, ...] = ()) -> dict:
+    fleet = start_fleet(n, policy, shared, replica_set)
     try:
         first = _readings(fleet)
         started = time.perf_counter()
@@ -334,7 +337,8 @@ def run_one(n: int, policy: str, shared: bool, w: RouteWorkload,
     computed = [v.get("prompt_tokens", 0.0) - v.get("reported", 0.0) for v in per_replica.values()] or [0.0]
     reported = sum(v.get("reported", 0.0) for v in per_replica.values())
     error = sum(v.get("error", 0.0) for v in per_replica.values())
-    return {"replicas": n, "shared_server": shared, "policy": policy, "requests": len(records),
+    return {"replicas": n, "shared_server": shared, "policy": policy, "replica_set": list(replica_set),
+            "requests": len(records),
             "ttft_ms_p50": round(percentile(ttfts, 0.5), 2), "ttft_ms_p99": round(percentile(ttfts, 0.99), 2),
             "later_half_ttft_ms_p50": round(percentile(later, 0.5), 2) if later else 0.0,
             "later_half_ttft_ms_p99": round(percentile(later, 0.99), 2) if later else 0.0,
