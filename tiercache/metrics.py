@@ -153,13 +153,13 @@ def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, float]:
     """CPU seconds (user and system) of this process's live threads, summed by name: a Python thread by its
     name with a trailing number dropped (``tiercache-xfer-2`` → ``tiercache-xfer``), any other by the kernel's
     name for it. Empty where there is no /proc."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: Counter[str] = Counter()
     try:
         tids = os.listdir(task_dir)
     except OSError:
         return {}
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Counter[str] = Counter()
     for tid in tids:
         try:
             stat = Path(f"{task_dir}/{tid}/stat").read_text()
@@ -172,6 +172,8 @@ def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, float]:
 
 
 class ThreadCpuCollector(Collector):
+    """``tiercache_thread_cpu_seconds{thread}`` at scrape time (`thread_cpu_seconds`)."""
+
     def collect(self) -> Iterator:
         g = GaugeMetricFamily("tiercache_thread_cpu_seconds", "CPU seconds of this process's live threads, by name",
                               labels=["thread"])
