@@ -149,6 +149,13 @@ class StatsCollector(Collector):
                                     value=float(connector.get("in_flight_jobs", 0)))
 
 
+def stat_cpu_seconds(stat: str) -> tuple[str, float]:
+    """The name and CPU seconds (user and system) in the text of a /proc ``stat`` file (a process's or a
+    thread's)."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, float]:
     """CPU seconds (user and system) of this process's live threads, summed by name: a Python thread by its
     name with a trailing number dropped (``tiercache-xfer-2`` → ``tiercache-xfer``), any other by the kernel's
@@ -158,16 +165,14 @@ def thread_cpu_seconds(task_dir: str = "/proc/self/task") -> dict[str, float]:
     except OSError:
         return {}
     names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out: Counter[str] = Counter()
     for tid in tids:
         try:
             stat = Path(f"{task_dir}/{tid}/stat").read_text()
         except OSError:          # it ended meanwhile
             continue
-        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        name = re.sub(r"[-_ ]\d+$", "", names.get(int(tid), comm))
-        out[name] += (int(fields[11]) + int(fields[12])) / tick
+        comm, seconds = stat_cpu_seconds(stat)
+        out[re.sub(r"[-_ ]\d+$", "", names.get(int(tid), comm))] += seconds
     return dict(out)
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
@@ -216,8 +215,8 @@ def _thread_cpu(url: str) -> dict[str, float]:
 
 def _cpu_seconds(pid: int) -> float:
     """CPU seconds (user and system, every thread) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    from tiercache.metrics import stat_cpu_seconds
+    return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())[1]
 
 
 def _readings(fleet: "Fleet") -> dict:
