@@ -190,10 +190,10 @@ def _metric_families(url: str):
 ENGINE_COUNTERS = ("tiercache_engine_busy_seconds", "tiercache_engine_steps", "tiercache_engine_load_seconds")
 
 
-def _engine_counters(url: str) -> tuple[float, float, float]:
-    """A replica's engine so far, from its /metrics: seconds in steps that computed tokens, those steps, and
-    the part of those seconds spent loading KV."""
-    found = {f.name: f.samples[0].value for f in _metric_families(url) if f.name in ENGINE_COUNTERS}
+def _engine_counters(families, url: str) -> tuple[float, float, float]:
+    """A replica's engine so far, from its /metrics' ``families``: seconds in steps that computed tokens, those
+    steps, and the part of those seconds spent loading KV."""
+    found = {f.name: f.samples[0].value for f in families if f.name in ENGINE_COUNTERS}
     missing = [name for name in ENGINE_COUNTERS if name not in found]
     if missing:
         raise RuntimeError(f"bench route: {url}/metrics lacks {', '.join(missing)}")
@@ -201,16 +201,10 @@ def _engine_counters(url: str) -> tuple[float, float, float]:
     return busy, steps, load
 
 
-def _tier_loads(url: str) -> dict[str, float]:
-    """A replica's chunks loaded so far from each of its tiers, from its /metrics."""
-    return {sample.labels["tier"]: sample.value for family in _metric_families(url)
-            if family.name == "tiercache_tier_loaded" for sample in family.samples if sample.name.endswith("_total")}
-
-
-def _thread_cpu(url: str) -> dict[str, float]:
-    """A replica's CPU seconds by thread name so far (its /metrics' ``tiercache_thread_cpu_seconds``)."""
-    return {sample.labels["thread"]: sample.value for family in _metric_families(url)
-            if family.name == "tiercache_thread_cpu_seconds" for sample in family.samples}
+def _by_label(families, name: str, label: str) -> dict[str, float]:
+    """Family ``name``'s values by their ``label`` (a counter's totals, a gauge's values)."""
+    return {sample.labels[label]: sample.value for family in families if family.name == name
+            for sample in family.samples if not sample.name.endswith("_created")}
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -220,11 +214,13 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _readings(fleet: "Fleet") -> dict:
-    """What the fleet's processes have done so far: each replica's engine counters and tier loads, and the CPU
-    seconds of the replicas, the router and the shared server."""
-    return {"engine": [_engine_counters(r.url) for r in fleet.replicas],
-            "loads": [_tier_loads(r.url) for r in fleet.replicas],
-            "threads": [_thread_cpu(r.url) for r in fleet.replicas],
+    """What the fleet's processes have done so far: each replica's engine counters, chunks loaded by tier and CPU
+    seconds by thread (one scrape of its /metrics), and the CPU seconds of the replicas, the router and the
+    shared server."""
+    scraped = [(r.url, _metric_families(r.url)) for r in fleet.replicas]
+    return {"engine": [_engine_counters(families, url) for url, families in scraped],
+            "loads": [_by_label(families, "tiercache_tier_loaded", "tier") for _, families in scraped],
+            "threads": [_by_label(families, "tiercache_thread_cpu_seconds", "thread") for _, families in scraped],
             "cpu": {"replicas": sum(_cpu_seconds(r.proc.pid) for r in fleet.replicas),
                     "router": _cpu_seconds(fleet.router.proc.pid),
                     **({"server": _cpu_seconds(fleet.server.proc.pid)} if fleet.server else {})}}
