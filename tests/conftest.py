@@ -30,7 +30,8 @@ class Stack:
         chunk_bytes = (chunk_tokens // BLOCK) * self.kv.block_bytes
         cfg.setdefault("cpu", {})
         cfg["cpu"] = {"capacity": cpu_chunks * chunk_bytes, "prefault": False, **cfg["cpu"]}
-        config = TierCacheConfig().replace(keys={"block_size": BLOCK, "chunk_tokens": chunk_tokens}, **cfg)
+        keys = {"block_size": BLOCK, "chunk_tokens": chunk_tokens, **cfg.pop("keys", {})}
+        config = TierCacheConfig().replace(keys=keys, **cfg)
         self.config = config
         self.namespace = Namespace("test-model", geometry, BLOCK)
         self.offload = ReferenceConnector(config, self.namespace, self.kv)

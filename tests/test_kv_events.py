@@ -143,6 +143,22 @@ def test_what_another_replica_stored_in_a_shared_tier_counts_at_the_remote_rate(
     assert own.cached(keys, scheme, [stored_by_other.media["REMOTE"]]).tiers == {"CPU": 64, "REMOTE": 128}
 
 
+def test_a_partial_chunk_another_replica_stored_counts_where_the_whole_chunks_end_when_lookups_take_them():
+    def scheme(partial):
+        return TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                               chunk_tokens=64, seed=(b"s" * 32).hex(), partial_chunks=partial))
+    history = list(range(120))                                # a previous turn: a whole chunk, then 3 blocks
+    tail_key = scheme(True).keys(history, "").block_hashes[6]       # its partial chunk's key: its 7th block
+    other = ReplicaIndex()
+    other.apply(KVEventBatch(ts=0, events=[
+        BlockStored(block_hashes=[*scheme(True).keys(history, "").chunk_keys[:1], tail_key], parent_block_hash=None,
+                    token_ids=[], block_size=64, lora_id=None, medium="REMOTE", lora_name=None)]))
+    turn = history + [7] * 200                                # the next turn runs past it
+    for partial, expect in ((True, 112), (False, 64)):
+        s = scheme(partial)
+        assert ReplicaIndex().cached(s.keys(turn, ""), s, [other.media["REMOTE"]]).tiers == {"REMOTE": expect}
+
+
 class FaultyPublisher(EventPublisher):
     """Fault injection at the socket: batches numbered in ``drop`` are kept for replay but never sent live;
     those in ``twice`` are sent twice."""

@@ -69,7 +69,9 @@ class KeysConfig:
     chunk_tokens: int = _opt(256, "tokens per offloaded chunk; a multiple of block_size")
     hash: str = _opt("sha256", "block hash function: sha256 | blake3 | xxh3_128 (unsafe for multi-tenant)")
     tenant_salt: str = _opt("", "mixed into the namespace digest so tenants never share keys")
-    store_partial_chunks: bool = _opt(False, "also offload a trailing chunk with fewer than chunk_tokens tokens")
+    store_partial_chunks: bool = _opt(False, "store a finished request's partial last chunk, and end lookups on the "
+                                             "longest such chunk where the whole ones stop (a conversation's next "
+                                             "turn on another replica loads its whole history)")
 
     def __post_init__(self) -> None:
         from tiercache.contracts.keys import hash_functions

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.contracts.keys import BlockHash, chunk_keys
-from tiercache.tiers.base import TierIndex
+from tiercache.tiers.base import Reach, TierIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,30 +57,59 @@ class PrefixFinder:
 
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
         keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
-        return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks)
+        return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks,
+                                  block_hashes if self.store_partial_chunks else None)
 
-    def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
+    def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0,
+                      block_hashes: Sequence[BlockHash] | None = None) -> PrefixLookup:
         """Greedy across tiers: at each position the fastest tier holding the next chunk serves as long a
         run as it has; one batched `contains` per tier per switch. A tier whose answer is on its way ends
         the walk (pending) after starting the lookups of the remote tiers behind it, so a miss in all of
-        them costs one wait, not one per tier."""
-        pos, runs, pending = num_computed_blocks // self.blocks_per_chunk, [], False
+        them costs one wait, not one per tier.
+
+        With the request's ``block_hashes`` (where requests store their partial last chunks), the walk ends
+        on the longest shorter chunk any tier holds where the whole ones stop — a conversation's previous
+        turn, which ended inside that chunk (`TierIndex.reach`, asked in the same query) — and the lookup's
+        ``num_blocks`` is cut to its end, which bounds it as the last chunk."""
+        bpc = self.blocks_per_chunk
+        pos, runs, pending = num_computed_blocks // bpc, [], False
+        tail: tuple[TierIndex, int] | None = None   # the longest shorter chunk where the walk is: tier, blocks
         while pos < len(keys) and not pending:
+            tail = None
             for i, tier in enumerate(self.tiers):
-                n = tier.contains(keys[pos:])
-                if n is None:
+                found = self._ask(tier, keys, pos, block_hashes, num_blocks)
+                if found is None:
                     pending = True
                     for later in self.tiers[i + 1:]:     # start the slower tiers' lookups now, side by side
                         if not later.indexed:
-                            later.contains(keys[pos:])
+                            self._ask(later, keys, pos, block_hashes, num_blocks)
                     break
+                n, tail_blocks = found.chunks, found.tail_blocks
                 if n:
                     runs.append(TierRun(tier.name, pos, tuple(keys[pos:pos + n])))
                     pos += n
                     break
+                if tail_blocks > (tail[1] if tail else 0):
+                    tail = (tier, tail_blocks)
             else:
                 break
+        if tail is not None and not pending and pos * bpc + tail[1] > num_computed_blocks:
+            tier, num_blocks = tail[0].name, pos * bpc + tail[1]
+            key = block_hashes[num_blocks - 1]
+            if runs and runs[-1].tier == tier:
+                runs[-1] = TierRun(tier, runs[-1].first_chunk, (*runs[-1].keys, key))
+            else:
+                runs.append(TierRun(tier, pos, (key,)))
+            tail[0].counters.tail_hits += 1
         return self._result(num_computed_blocks, runs, num_blocks, pending)
+
+    def _ask(self, tier: TierIndex, keys: Sequence[BlockHash], pos: int, block_hashes: Sequence[BlockHash] | None,
+             num_blocks: int) -> Reach | None:
+        if block_hashes is None:
+            n = tier.contains(keys[pos:])
+            return None if n is None else Reach(n)
+        bpc = self.blocks_per_chunk
+        return tier.reach(keys[pos:], block_hashes[pos * bpc:num_blocks], bpc)
 
     def cut(self, lookup: PrefixLookup, tier: str) -> PrefixLookup:
         """``lookup`` cut to its leading runs in ``tier``."""

@@ -56,6 +56,7 @@ class ConnectorCounters:
     failed_loads: int = 0          # load jobs that failed on some rank (their tokens were recomputed)
     stores_planned: int = 0
     stores_cancelled: int = 0
+    tail_stores: int = 0           # finished requests whose partial last chunk was stored (store_partial_chunks)
     delayed_frees: int = 0         # finished or preempted requests whose blocks waited for their stores
     swap_outs: int = 0
     swap_ins: int = 0
@@ -103,6 +104,7 @@ class OffloadScheduler(SchedulerConnector):
         self._owners: dict[JobId, str] = {}
         self._load_tokens: dict[JobId, int] = {}
         self._stored_chunks: dict[str, int] = {}
+        self._computed: dict[str, int] = {}     # tokens cached after a request's latest step (partial chunks only)
         self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
         self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
         self._delayed: list[str] = []
@@ -184,6 +186,8 @@ class OffloadScheduler(SchedulerConnector):
             self._hint(rid, RequestState.PREEMPTED)
         for s in step:
             rid = s.request.request_id
+            if manager.store_partial_chunks:
+                self._computed[rid] = s.num_computed_tokens
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
             done = self._stored_chunks.get(rid, 0)
             if full_chunks <= done:
@@ -258,16 +262,35 @@ class OffloadScheduler(SchedulerConnector):
     def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
         rid = request.request_id
         if self.manager is not None and rid in self._chunks:
+            self._store_tail(request, block_ids)
             self._chunks[rid] = self._chunk_keys(request)         # its generated tokens' chunks too
             self._hint(rid, RequestState.CONTINUES if request.continues else RequestState.FINISHED)
         self._chunks.pop(rid, None)
         self._stored_chunks.pop(rid, None)
+        self._computed.pop(rid, None)
         self._lookups.pop(rid, None)
         self._asking.pop(rid, None)
         swapped = self._swapped.pop(rid, None)
         if swapped is not None:
             self._drop_swap(swapped)
         return self._keep_blocks(rid)
+
+    def _store_tail(self, request: RequestView, block_ids: Sequence[int]) -> None:
+        """With ``keys.store_partial_chunks``: store what a finished request computed past its last whole chunk
+        — the next turn of a conversation, sent to any replica that reads the same tiers, finds it there
+        (`PrefixFinder.lookup_chunks`) rather than computing it again. Only blocks the engine has computed:
+        the last sampled token never was, and an aborted prefill stopped short."""
+        rid = request.request_id
+        computed = min(self._computed.get(rid, 0), request.num_tokens - 1)
+        blocks = min(computed // self.block_size, len(request.block_hashes), len(block_ids))
+        done = self._stored_chunks.get(rid, 0)
+        if not self.manager.store_partial_chunks or blocks <= done * self.bpc:
+            return
+        plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done)
+        self._stored_chunks[rid] = -(-blocks // self.bpc)
+        if plan is not None:
+            self._add_store(rid, plan)
+            self.counters.tail_stores += 1
 
     def request_preempted(self, request_id: str) -> bool:
         self._hint(request_id, RequestState.PREEMPTED)
@@ -296,6 +319,7 @@ class OffloadScheduler(SchedulerConnector):
 
     def request_reset(self, request_id: str) -> None:
         self._stored_chunks.pop(request_id, None)
+        self._computed.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._asking.pop(request_id, None)
 

@@ -204,3 +204,13 @@ def chunk_keys(
     if include_partial and n % blocks_per_chunk:
         keys.append(block_hashes[-1])
     return keys
+
+
+def tail_keys(block_hashes: Sequence[BlockHash], blocks_per_chunk: int, chunk: int) -> list[BlockHash]:
+    """Keys of the chunks shorter than chunk ``chunk`` of a request that could have been stored at its
+    position, longest first: the ``j``-block one is keyed by its ``j``-th block's hash (another request that
+    ended there stored it: a conversation's previous turn, whose last chunk was partial). Entry ``i`` covers
+    ``len(result) - i`` blocks."""
+    start = chunk * blocks_per_chunk
+    longest = min(blocks_per_chunk, len(block_hashes) - start) - 1
+    return [block_hashes[start + j - 1] for j in range(longest, 0, -1)]

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.contracts.keys import BlockHasher, chunk_keys
+from tiercache.contracts.keys import BlockHasher, chunk_keys, tail_keys
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.kv_events import MEDIUM_ENGINE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tiercache.registry import Registry
@@ -30,6 +30,7 @@ class PromptKeys:
     num_tokens: int
     block_hashes: list[bytes]   # the pool's blocks
     chunk_keys: list[bytes]     # the tiers' chunks
+    tier_blocks: list[bytes] = field(default_factory=list)   # the tiers' chains, where they are not the pool's
 
 
 class KeyScheme(ABC):
@@ -40,9 +41,11 @@ class KeyScheme(ABC):
     def __init__(self, descriptor: ReplicaDescriptor) -> None:
         self.block_size = descriptor.block_size
         self.chunk_tokens = descriptor.chunk_tokens
+        self.blocks_per_chunk = max(descriptor.chunk_tokens // descriptor.block_size, 1)
+        self.partial_chunks = descriptor.partial_chunks and bool(descriptor.chunk_tokens)
         # replicas with one signature name a prompt's blocks alike: the router hashes it once for all of them
         self.signature = (descriptor.key_scheme, descriptor.seed, descriptor.hash, descriptor.block_size,
-                          descriptor.chunk_tokens)
+                          descriptor.chunk_tokens, self.partial_chunks)
 
     @abstractmethod
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
@@ -70,11 +73,10 @@ class TierCacheKeys(KeyScheme):
     def __init__(self, descriptor: ReplicaDescriptor) -> None:
         super().__init__(descriptor)
         self.hasher = BlockHasher.from_seed(bytes.fromhex(descriptor.seed), descriptor.block_size, descriptor.hash)
-        self.blocks_per_chunk = max(descriptor.chunk_tokens // descriptor.block_size, 1)
 
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
         hashes = self.hasher.hash_blocks(tokens, parent=self.hasher.seed_for(cache_salt))
-        chunks = chunk_keys(hashes, self.blocks_per_chunk) if self.chunk_tokens else []
+        chunks = chunk_keys(hashes, self.blocks_per_chunk, self.partial_chunks) if self.chunk_tokens else []
         return PromptKeys(len(tokens), hashes, chunks)
 
 
@@ -156,24 +158,46 @@ class ReplicaIndex:
     def cached(self, prompt: PromptKeys, scheme: KeyScheme, shared: Sequence[set[bytes]] = ()) -> CachedTokens:
         """What the replica would find for ``prompt``: at most all tokens but the last (an engine computes at
         least one). ``shared``: what the other replicas that read the same shared tiers (with the same chains)
-        stored there — this replica loads those chunks too, at the remote rate."""
+        stored there — this replica loads those chunks too, at the remote rate. Where its lookups take shorter
+        chunks (``partial_chunks``), the run of whole chunks ends on the longest one any medium holds."""
         limit = max(prompt.num_tokens - 1, 0)
         engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()), self.in_flight)
         engine = scheme.engine_tokens(engine_blocks, prompt.num_tokens)
         tiers: dict[str, int] = {}
-        if scheme.chunk_tokens:
-            sources = [(m, held) for m in TIER_MEDIA for held in (self.media.get(m),) if held]
-            sources += [("REMOTE", held) for held in shared if held]
-            covered = 0
-            for key in prompt.chunk_keys:
-                medium = next((m for m, held in sources if key in held), None)
-                if medium is None:
-                    break
-                start, covered = covered, min(covered + scheme.chunk_tokens, limit)
-                beyond = covered - max(start, engine)
-                if beyond > 0:
-                    tiers[medium] = tiers.get(medium, 0) + beyond
+        if not scheme.chunk_tokens:
+            return CachedTokens(engine, tiers)
+        sources = [(m, held) for m in TIER_MEDIA for held in (self.media.get(m),) if held]
+        sources += [("REMOTE", held) for held in shared if held]
+        chain = prompt.tier_blocks or prompt.block_hashes
+        bpc, bs = scheme.blocks_per_chunk, scheme.block_size
+        found = []                                          # (medium, blocks it covers to)
+        for i, key in enumerate(prompt.chunk_keys):
+            medium = _fastest(sources, key)
+            if medium is None:
+                if scheme.partial_chunks:
+                    found += _longest_tail(sources, tail_keys(chain, bpc, i), i * bpc)
+                break
+            found.append((medium, min((i + 1) * bpc, len(chain))))
+        covered = 0
+        for medium, blocks in found:
+            start, covered = covered, min(blocks * bs, limit)
+            beyond = covered - max(start, engine)
+            if beyond > 0:
+                tiers[medium] = tiers.get(medium, 0) + beyond
         return CachedTokens(engine, tiers)
+
+
+def _fastest(sources: Sequence[tuple[str, set[bytes]]], key: bytes) -> str | None:
+    return next((m for m, held in sources if key in held), None)
+
+
+def _longest_tail(sources, candidates: Sequence[bytes], start_block: int) -> list[tuple[str, int]]:
+    """[(medium, blocks covered to)] for the longest of ``candidates`` (`tail_keys`) some source holds."""
+    for i, key in enumerate(candidates):
+        medium = _fastest(sources, key)
+        if medium is not None:
+            return [(medium, start_block + len(candidates) - i)]
+    return []
 
 
 def event_key(value: object) -> bytes:

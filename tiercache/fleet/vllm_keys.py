@@ -76,15 +76,13 @@ class VllmKeys(KeyScheme):
         self.hasher = BlockHasher.from_seed(ROUTER_SEED, descriptor.block_size, "sha256")
         self.tiers = (BlockHasher.from_seed(bytes.fromhex(descriptor.seed), descriptor.block_size, descriptor.hash)
                       if descriptor.seed and descriptor.chunk_tokens else None)
-        self.blocks_per_chunk = max(descriptor.chunk_tokens // descriptor.block_size, 1)
 
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
         blocks = self.hasher.hash_blocks(tokens, parent=self.hasher.seed_for(cache_salt))
-        chunks: list[bytes] = []
-        if self.tiers is not None:
-            chained = self.tiers.hash_blocks(tokens, parent=self.tiers.seed_for(cache_salt))
-            chunks = chunk_keys(chained, self.blocks_per_chunk)
-        return PromptKeys(len(tokens), blocks, chunks)
+        if self.tiers is None:
+            return PromptKeys(len(tokens), blocks, [])
+        chained = self.tiers.hash_blocks(tokens, parent=self.tiers.seed_for(cache_salt))
+        return PromptKeys(len(tokens), blocks, chunk_keys(chained, self.blocks_per_chunk, self.partial_chunks), chained)
 
     def engine_tokens(self, blocks: int, num_tokens: int) -> int:
         """vLLM looks for hits among the blocks before the prompt's last token: whole blocks only."""

@@ -384,7 +384,20 @@ class CacheService:
     def contains(self, request: bytes, context: grpc.ServicerContext, tenant: Tenant) -> bytes:
         req = self._parse(pb.ContainsRequest, request)
         self._names(req.namespace, req.keys)
-        return pb.ContainsReply(present=self._present(tenant, req.namespace, list(req.keys))).SerializeToString()
+        keys = list(req.keys)
+        if req.each:
+            each = self._present_each(tenant, req.namespace, keys)
+            return pb.ContainsReply(present=each.index(0) if 0 in each else len(each),
+                                    present_each=each).SerializeToString()
+        return pb.ContainsReply(present=self._present(tenant, req.namespace, keys)).SerializeToString()
+
+    def _present_each(self, tenant: Tenant, namespace: bytes, keys: list[bytes]) -> bytes:
+        """One byte per key: 1 where some store the tenant reads holds it."""
+        each = bytearray(len(keys))
+        for store in self.tenancy.readable(tenant):
+            for i, there in enumerate(store.present_each(namespace, keys)):
+                each[i] |= there
+        return bytes(each)
 
     def _present(self, tenant: Tenant, namespace: bytes, keys: list[bytes]) -> int:
         """How many leading keys some store the tenant reads holds (a shared prefix may lie in a granted

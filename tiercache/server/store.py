@@ -154,6 +154,22 @@ class ChunkStore:
             self.counters["contains_hits"] += n
         return n
 
+    def present_each(self, namespace: bytes, keys: Sequence[bytes]) -> list[bool]:
+        """Whether memory or disk holds each key (counted as lookups of one key each)."""
+        with self._lock:
+            each = []
+            for key in keys:
+                k = store_key(namespace, key)
+                in_memory = self.memory.has(k)
+                there = in_memory or (self.disk is not None and self.disk.has(k))
+                self.memory.count_lookup(1, int(in_memory))
+                if self.disk is not None and not in_memory:
+                    self.disk.count_lookup(1, int(there))
+                each.append(there)
+            self.counters["contains_keys"] += len(keys)
+            self.counters["contains_hits"] += sum(each)
+        return each
+
     def scoped_namespaces(self) -> dict[bytes, bytes]:
         """Every scoped storage namespace and the namespace its chunks' headers name."""
         with self._lock:

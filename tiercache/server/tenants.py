@@ -193,6 +193,9 @@ class ScopedStore:
     def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         return self._pool.contains(self._ns(namespace), keys)
 
+    def present_each(self, namespace: bytes, keys: Sequence[bytes]) -> list[bool]:
+        return self._pool.present_each(self._ns(namespace), keys)
+
     def get(self, namespace: bytes, key: bytes) -> Messages | None:
         return self._pool.get(self._ns(namespace), key, header_ns=namespace)
 

@@ -21,7 +21,7 @@ from enum import Enum
 
 from tiercache.codecs import Buffer
 from tiercache.contracts.connector import RequestState
-from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.keys import BlockHash, tail_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.contracts.purge import PurgeOrder
@@ -42,6 +42,14 @@ LINK_NAMES = {
     frozenset((Medium.CPU, Medium.REMOTE)): "host_network",
 }
 DELETE_LINKS = {Medium.DISK: "host_disk", Medium.REMOTE: "host_network"}
+
+
+def first_held(candidates: Sequence[BlockHash], held) -> int:
+    """Blocks of the longest of ``candidates`` (`tail_keys`, longest first) that ``held(key)`` says is there."""
+    for i, key in enumerate(candidates):
+        if held(key):
+            return len(candidates) - i
+    return 0
 
 
 def link_name(src: Medium, dst: Medium | None) -> str:
@@ -66,11 +74,21 @@ class TierCounters:
     expired: int = 0             # past the tier's retention: never served, removed
     purged: int = 0              # taken out by a purge
     integrity_failures: int = 0
+    tail_hits: int = 0           # lookups that ended on a shorter chunk from here (`TierIndex.reach`)
     temp_removed: int = 0        # half-written files (a writer died mid-chunk) deleted at start
     errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """What a tier holds of a request from a chunk position on: ``chunks`` whole chunks in a row, then, where
+    that run ends inside the request, a shorter chunk of ``tail_blocks`` blocks some request stored when it
+    ended there (0: none)."""
+    chunks: int
+    tail_blocks: int = 0
 
 
 class TierIndex(ABC):
@@ -111,6 +129,20 @@ class TierIndex(ABC):
     @abstractmethod
     def contains(self, keys: Sequence[BlockHash]) -> int | None:
         """How many leading ``keys`` are present and readable; None while the answer is on its way."""
+
+    @abstractmethod
+    def has(self, key: BlockHash) -> bool:
+        """Whether ``key`` is stored and readable, without counting a lookup (local indexes only)."""
+
+    def reach(self, keys: Sequence[BlockHash], block_hashes: Sequence[BlockHash], blocks_per_chunk: int
+              ) -> Reach | None:
+        """Like `contains`, and past the run's end the longest shorter chunk held there (`tail_keys`);
+        ``block_hashes`` are the blocks ``keys`` cover (``keys[0]`` ends the first chunk of them). None while
+        the answer is on its way."""
+        n = self.contains(keys)
+        if n is None:
+            return None
+        return Reach(n, first_held(tail_keys(block_hashes, blocks_per_chunk, n), self.has) if n < len(keys) else 0)
 
     def held_keys(self) -> list[BlockHash]:
         """The keys this index holds, readable, when it keeps them itself (empty for a remote tier, whose
@@ -219,10 +251,6 @@ class LowerIndex(TierIndex):
     def complete_load(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure]) -> None:
         """Unpin ``keys``; a key that failed as `Failure.CORRUPT` is an integrity failure and its bytes are
         deleted, the other failures are counted for what they are."""
-
-    @abstractmethod
-    def has(self, key: BlockHash) -> bool:
-        """Whether ``key`` is stored and readable, without counting a lookup (local indexes only)."""
 
     def rebuild(self, per_rank: Sequence[ScanResult]) -> int:
         """Index what the writing ranks found at start (a persistent tier); how many chunks had to go."""

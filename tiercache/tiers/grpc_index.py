@@ -80,12 +80,26 @@ class GrpcIndex(RemoteIndex):
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
         """One ``Contains`` per rank's digest, all in flight at once."""
-        calls = [self._server.contains.future(pb.ContainsRequest(namespace=digest, keys=keys).SerializeToString(),
-                                              timeout=self.lookup_timeout_s, metadata=self._server.metadata)
+        return min((reply.present for reply in self._contains(keys, storage, each=False)), default=len(keys))
+
+    def _present_each(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> list[bool]:
+        """``Contains`` with ``each``, one per rank's digest, all in flight at once. A server from before
+        ``each`` answers the leading run alone: the keys in it are there, the others count as absent."""
+        present = [True] * len(keys)
+        for reply in self._contains(keys, storage, each=True):
+            flags = reply.present_each if len(reply.present_each) == len(keys) else \
+                bytes(i < reply.present for i in range(len(keys)))
+            present = [p and bool(f) for p, f in zip(present, flags)]
+        return present
+
+    def _contains(self, keys: Sequence[BlockHash], storage: Sequence[bytes], each: bool) -> list[pb.ContainsReply]:
+        calls = [self._server.contains.future(
+                     pb.ContainsRequest(namespace=digest, keys=keys, each=each).SerializeToString(),
+                     timeout=self.lookup_timeout_s, metadata=self._server.metadata)
                  for digest in storage]
-        n = len(keys)
+        replies = []
         for call in calls:
             reply = pb.ContainsReply()
             reply.ParseFromString(call.result())
-            n = min(n, reply.present)
-        return n
+            replies.append(reply)
+        return replies

@@ -112,16 +112,18 @@ class RedisIndex(RemoteIndex):
         self._client.ping()
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
+        each = self._present_each(keys, storage)
+        return each.index(False) if False in each else len(each)
+
+    def _present_each(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> list[bool]:
+        """One pipelined ``EXISTS`` per key and digest."""
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             for digest in storage:
                 pipe.exists(redis_key(digest, key))
         present = pipe.execute()
         per_key = len(storage)
-        n = 0
-        while n < len(keys) and all(present[n * per_key:(n + 1) * per_key]):
-            n += 1
-        return n
+        return [all(present[i * per_key:(i + 1) * per_key]) for i in range(len(keys))]
 
 
 class RedisTransport(RemoteTransport):

@@ -28,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.keys import BlockHash, tail_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure
-from tiercache.tiers.base import LowerIndex, Medium
+from tiercache.tiers.base import LowerIndex, Medium, Reach, first_held
 from tiercache.tiers.outage import Outage
 from tiercache.wire.chunk_format import ChunkFormat
 
@@ -56,7 +56,8 @@ class RemoteIndex(LowerIndex):
         self._outage = Outage(f"{name} (lookups)", retry_interval_s, probe=self._probe, tier=f"{name}@{where}")
         self._storage: tuple[bytes, ...] = ()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-lookup-{name}")
-        self._answers: OrderedDict[tuple[BlockHash, ...], tuple[Future[int], float]] = OrderedDict()
+        # a query (its keys; a reach's keys after a marker) → its answer on the way or in, and when it was asked
+        self._answers: OrderedDict[tuple, tuple[Future, float]] = OrderedDict()
         self._absent: OrderedDict[BlockHash, float] = OrderedDict()   # negative entries: key → until (monotonic)
         self._deletes: list[BlockHash] = []
         self.lookup_errors = 0      # written by the lookup thread only; `stats` adds it to the errors
@@ -105,6 +106,11 @@ class RemoteIndex(LowerIndex):
         """How many leading ``keys`` have a value under every digest in ``storage``; raises on a transport
         error. Runs on the lookup thread."""
 
+    @abstractmethod
+    def _present_each(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` has a value under every digest in ``storage``; raises on a transport
+        error. Runs on the lookup thread."""
+
     def close(self) -> None:
         self._outage.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -112,24 +118,37 @@ class RemoteIndex(LowerIndex):
     # -- lookups -------------------------------------------------------------
     def _query(self, keys: Sequence[BlockHash]) -> int:
         """One query (on the lookup thread); a failure marks the tier down and counts as a miss."""
+        return self._guarded(self._present, keys, 0)
+
+    def _query_reach(self, keys: tuple[BlockHash, ...], block_hashes: tuple[BlockHash, ...],
+                     blocks_per_chunk: int, num_keys: int) -> tuple[int, list[bool]]:
+        """`_query`, then — where the run ends before ``num_keys`` — which shorter chunks are there (one more
+        round trip, on the lookup thread still: the scheduler waits for one answer, not two)."""
+        n = self._query(keys) if keys else 0
+        if n >= num_keys or not self.available:
+            return n, []
+        candidates = tail_keys(block_hashes, blocks_per_chunk, n)
+        return n, self._guarded(self._present_each, candidates, []) if candidates else []
+
+    def _guarded(self, ask, keys: Sequence[BlockHash], miss):
         try:
-            n = self._present(keys, self._storage)
+            answer = ask(keys, self._storage)
         except Exception as err:   # whatever the client raises while the server is away or slow
             if self._busy(err):    # there, and refused this one for room: a miss, the tier stays up
                 self.lookups_busy += 1
-                return 0
+                return miss
             if self._slow(err):    # a miss; the tier is down only when lookups keep timing out (a hung server)
                 self.lookups_slow += 1
                 self._slow_in_row += 1
                 if self._slow_in_row < SLOW_LOOKUPS_DOWN:
-                    return 0
+                    return miss
             self._slow_in_row = 0
             self.lookup_errors += 1
             self._outage.failed("lookup", err)
-            return 0
+            return miss
         self._slow_in_row = 0
         self._outage.succeeded()
-        return n
+        return answer
 
     def present(self, keys: Sequence[BlockHash]) -> int:
         """One query, now, on the calling thread (what the lookup thread does); 0 while the tier is down."""
@@ -143,20 +162,43 @@ class RemoteIndex(LowerIndex):
         if not usable or not self._storage or not self.available:
             return self.count_lookup(len(keys), 0)
         query = tuple(keys[:usable])
+        n = self._answer(query, self._query, query)
+        return None if n is None else self.count_lookup(len(keys), n)
+
+    def reach(self, keys: Sequence[BlockHash], block_hashes: Sequence[BlockHash], blocks_per_chunk: int
+              ) -> Reach | None:
+        """`contains`, and the shorter chunks past the run asked in the same answer (`_query_reach`)."""
+        usable = self._before_absent(keys)
+        if not self._storage or not self.available:
+            return Reach(self.count_lookup(len(keys), 0))
+        query = tuple(keys[:usable])
+        blocks = tuple(block_hashes)
+        answer = self._answer(("reach", *query), self._query_reach, query, blocks, blocks_per_chunk, len(keys))
+        if answer is None:
+            return None
+        n, present = answer
+        n = self.count_lookup(len(keys), n)
+        if n >= len(keys) or not present:
+            return Reach(n)
+        candidates = tail_keys(blocks, blocks_per_chunk, n)
+        found = set(key for key, there in zip(candidates, present) if there)
+        return Reach(n, first_held(candidates, lambda k: k in found and not self._is_absent(k)))
+
+    def _answer(self, query: tuple, ask, *args):
+        """The answer to ``query`` (asked as ``ask(*args)`` on the lookup thread), or None while on its way;
+        an answer older than ``ANSWER_TTL_S`` is asked again."""
         asked = self._answers.get(query)
         now = time.monotonic()
         if asked is not None and asked[0].done() and now - asked[1] > ANSWER_TTL_S:
             del self._answers[query]
             asked = None
         if asked is None:
-            self._answers[query] = (self._pool.submit(self._query, query), now)
+            self._answers[query] = (self._pool.submit(ask, *args), now)
             while len(self._answers) > MAX_ANSWERS:
                 self._answers.popitem(last=False)
             return None
         future = asked[0]
-        if not future.done():
-            return None
-        return self.count_lookup(len(keys), future.result())
+        return future.result() if future.done() else None
 
     # -- negative entries (scheduler thread) ------------------------------------
     def _before_absent(self, keys: Sequence[BlockHash]) -> int:
@@ -171,6 +213,9 @@ class RemoteIndex(LowerIndex):
                     return i
                 del self._absent[key]
         return len(keys)
+
+    def _is_absent(self, key: BlockHash) -> bool:
+        return self._before_absent((key,)) == 0
 
     def _mark_absent(self, keys: Sequence[BlockHash]) -> None:
         until = time.monotonic() + ABSENT_TTL_S

@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ContainsRequest(_message.Message):
-    __slots__ = ("namespace", "keys")
+    __slots__ = ("namespace", "keys", "each")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    each: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class ContainsReply(_message.Message):
-    __slots__ = ("present",)
+    __slots__ = ("present", "present_each")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_EACH_FIELD_NUMBER: _ClassVar[int]
     present: int
-    def __init__(self, present: _Optional[int] = ...) -> None: ...
+    present_each: bytes
+    def __init__(self, present: _Optional[int] = ..., present_each: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "keys")
