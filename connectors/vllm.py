@@ -178,7 +178,7 @@ def write_router_descriptor(path: Path, hasher: BlockHasher, config: TierCacheCo
     tiers do and to tell its restarts: the chains' seed, block and chunk size, the tiers it publishes events
     for, the remote tiers it shares, a new ``instance`` per start. Written whole (a temporary file renamed)."""
     descriptor = {"key_scheme": "vllm", "instance": uuid.uuid4().hex, "block_size": hasher.block_size,
-                  "chunk_tokens": config.keys.chunk_tokens, "partial_chunks": config.keys.store_partial_chunks,
+                  "chunk_tokens": config.keys.chunk_tokens, "partial_chunks": config.keys.partial_chunks != "off",
                   "hash": hasher.hash_name, "seed": hasher.seed.hex(),
                   "media": ["GPU", *media], "shared_tiers": list(shared_tiers_of(config))}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,10 @@
-"""A request's partial last chunk (``keys.store_partial_chunks``): stored when it finishes, found by the next
-request that runs past it — from L1, Redis, or a shared `tiercache serve` — and loaded bit-exact.
+"""A request's partial last chunk (``keys.partial_chunks``): stored when it finishes (if it continues, by default),
+found by the next request that runs past it — from L1, Redis, or a shared `tiercache serve` — and loaded bit-exact.
 
 A conversation's next turn resends the history and the reply; the history ended inside a chunk, so without
 these the turn's lookup stops at the last whole chunk and a replica that did not serve the previous turn
 recomputes the rest of it (benchmarks/RESULTS.md, "What the engines spend with a shared server")."""
+import pytest
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
@@ -50,7 +51,7 @@ def _load(s: Stack, hashes, found):
 
 
 def _partial(**cfg) -> Stack:
-    return Stack(num_blocks=64, cpu_chunks=8, keys={"store_partial_chunks": True}, **cfg)
+    return Stack(num_blocks=64, cpu_chunks=8, **cfg)      # keys.partial_chunks: "continuing", the default
 
 
 def test_the_next_turn_finds_the_previous_turns_partial_chunk_in_l1_and_loads_it_bit_exact():
@@ -67,8 +68,8 @@ def test_the_next_turn_finds_the_previous_turns_partial_chunk_in_l1_and_loads_it
         s.close()
 
 
-def test_without_the_setting_the_lookup_stops_at_the_last_whole_chunk():
-    s = Stack(num_blocks=64, cpu_chunks=8)
+def test_with_partial_chunks_off_the_lookup_stops_at_the_last_whole_chunk():
+    s = Stack(num_blocks=64, cpu_chunks=8, keys={"partial_chunks": "off"})
     try:
         tokens, _ = _store_history(s, seed=1)
         assert lookup(s, _next_turn(s, tokens)).num_hit_blocks == BPC
@@ -113,12 +114,11 @@ def test_the_tail_comes_from_a_shared_server_and_contains_answers_each_key(cache
         s.close()
 
 
-def test_a_finished_request_stores_its_partial_chunk_and_another_engine_loads_it(cache_server):
-    from tests.support.engine_runs import offload
+def _turns(cfg, continues: bool):
+    """Engine one serves a conversation's first turn; engine two, sharing only the server, its second. The
+    second's sequence, and the tokens an engine without tiers produces for it."""
     from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
 
-    cfg = offload(grpc={"enabled": True, "address": cache_server.address, "retry_interval": 0.2, "timeout": 1.0})
-    cfg = cfg.replace(keys={"block_size": 16, "chunk_tokens": 64, "store_partial_chunks": True})
     history = [256] + [32 + (i * 7) % 90 for i in range(100)]        # 101 tokens: one 64-token chunk and 37
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False)) as plain:
@@ -128,13 +128,43 @@ def test_a_finished_request_stores_its_partial_chunk_and_another_engine_loads_it
         expect = plain.add_request(turn, params)
         plain.run()
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as one:
-        seq = one.add_request(history, params)
+        seq = one.add_request(history, params, continues=continues)
         one.run()
         assert seq.output_token_ids == first.output_token_ids
-        assert one.connector.scheduler.counters.tail_stores == 1
+        tail_stores = one.connector.scheduler.counters.tail_stores
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=cfg) as two:
         seq = two.add_request(turn, params)
         two.run()
         assert seq.output_token_ids == expect.output_token_ids
-        # history + 11 of its 12 output tokens were computed by engine one: 112 tokens, 7 whole blocks
-        assert seq.metrics.external_hit_tokens == 112
+    return seq, tail_stores
+
+
+def _shared(cache_server, partial_chunks="continuing"):
+    """Engines on the shared server; each setting's chunks under a namespace of its own (a fresh server)."""
+    from tests.support.engine_runs import offload
+
+    cfg = offload(grpc={"enabled": True, "address": cache_server.address, "retry_interval": 0.2, "timeout": 1.0})
+    return cfg.replace(keys={"block_size": 16, "chunk_tokens": 64, "partial_chunks": partial_chunks,
+                             "tenant_salt": partial_chunks})
+
+
+def test_a_finished_request_that_continues_stores_its_partial_chunk_and_another_engine_loads_it(cache_server):
+    seq, tail_stores = _turns(_shared(cache_server), continues=True)
+    assert tail_stores == 1
+    # history + 11 of its 12 output tokens were computed by engine one: 112 tokens, 7 whole blocks
+    assert seq.metrics.external_hit_tokens == 112
+
+
+def test_one_that_does_not_continue_stores_its_partial_chunk_only_when_every_request_does(cache_server):
+    seq, tail_stores = _turns(_shared(cache_server), continues=False)
+    assert tail_stores == 0 and seq.metrics.external_hit_tokens == 64      # the whole chunk only
+    seq, tail_stores = _turns(_shared(cache_server, "all"), continues=False)
+    assert tail_stores == 1 and seq.metrics.external_hit_tokens == 112
+
+
+def test_a_bad_partial_chunks_value_names_the_field():
+    from tiercache.config import TierCacheConfig
+    from tiercache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="partial_chunks"):
+        TierCacheConfig().replace(keys={"partial_chunks": "sometimes"})

@@ -403,7 +403,7 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
                     if config.cpu.admission != "always" else None)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
     manager = CacheManager(l1, config.keys.block_size, config.keys.blocks_per_chunk, block_bytes, lower=lower,
-                           store_partial_chunks=config.keys.store_partial_chunks,
+                           partial_chunks=config.keys.partial_chunks != "off",
                            write_mode=[getattr(config, t.name).write_mode for t in lower], admission=admission,
                            l1_admission=l1_admission,
                            promotion=getattr(getattr(config, guarded.name), "promotion", "copy") if guarded

@@ -63,15 +63,19 @@ def _check(cond: bool, name: str, value: object, reason: str) -> None:
         raise ConfigError(name, value, reason)
 
 
+PARTIAL_CHUNKS = ("continuing", "all", "off")
+
+
 @dataclass(frozen=True, slots=True)
 class KeysConfig:
     block_size: int = _opt(16, "tokens per L0 block (and per hash-chain link)")
     chunk_tokens: int = _opt(256, "tokens per offloaded chunk; a multiple of block_size")
     hash: str = _opt("sha256", "block hash function: sha256 | blake3 | xxh3_128 (unsafe for multi-tenant)")
     tenant_salt: str = _opt("", "mixed into the namespace digest so tenants never share keys")
-    store_partial_chunks: bool = _opt(False, "store a finished request's partial last chunk, and end lookups on the "
-                                             "longest such chunk where the whole ones stop (a conversation's next "
-                                             "turn on another replica loads its whole history)")
+    partial_chunks: str = _opt("continuing", "which finished requests store their partial last chunk, found by "
+                                              "the next request that runs past it (a conversation's next turn, on "
+                                              "any replica that reads the tier): continuing (those with a session "
+                                              "or said to continue) | all | off (lookups stop at whole chunks)")
 
     def __post_init__(self) -> None:
         from tiercache.contracts.keys import hash_functions
@@ -80,6 +84,8 @@ class KeysConfig:
         _check(self.chunk_tokens > 0 and self.chunk_tokens % self.block_size == 0, "chunk_tokens",
                self.chunk_tokens, f"must be a positive multiple of block_size ({self.block_size})")
         _check(self.hash in hash_functions, "hash", self.hash, f"expected one of {', '.join(hash_functions.names())}")
+        _check(self.partial_chunks in PARTIAL_CHUNKS, "partial_chunks", self.partial_chunks,
+               f"expected one of {', '.join(PARTIAL_CHUNKS)}")
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -45,20 +45,20 @@ class PrefixFinder:
     """Chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and is keyed by its last block's hash."""
 
     def __init__(self, tiers: Sequence[TierIndex], block_size: int, blocks_per_chunk: int,
-                 store_partial_chunks: bool = False) -> None:
+                 partial_chunks: bool = False) -> None:
         self.tiers = list(tiers)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
-        self.store_partial_chunks = store_partial_chunks
+        self.partial_chunks = partial_chunks
 
     def chunk_bounds(self, index: int, num_blocks: int) -> tuple[int, int]:
         start = index * self.blocks_per_chunk
         return start, min(start + self.blocks_per_chunk, num_blocks)
 
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
-        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
+        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.partial_chunks)
         return self.lookup_chunks(keys, len(block_hashes), num_computed_blocks,
-                                  block_hashes if self.store_partial_chunks else None)
+                                  block_hashes if self.partial_chunks else None)
 
     def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0,
                       block_hashes: Sequence[BlockHash] | None = None) -> PrefixLookup:

@@ -109,7 +109,7 @@ class CacheManager:
         blocks_per_chunk: int,
         block_bytes: int,
         lower: Sequence[LowerIndex] = (),
-        store_partial_chunks: bool = False,
+        partial_chunks: bool = False,
         write_mode: str | Sequence[str] = "write-back",
         admission: AdmissionPolicy | None = None,
         l1_admission: AdmissionPolicy | None = None,
@@ -131,13 +131,13 @@ class CacheManager:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
         self.by_name = {t.name: t for t in self.tiers}
-        self.finder = PrefixFinder(self.tiers, block_size, blocks_per_chunk, store_partial_chunks)
+        self.finder = PrefixFinder(self.tiers, block_size, blocks_per_chunk, partial_chunks)
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.block_bytes = block_bytes
         # dtype and shape of a one-block chunk: what a lower tier's codec makes of a chunk's bytes
         self.block_layout = block_layout or ChunkLayout("uint8", (1, 1, 1, block_bytes))
-        self.store_partial_chunks = store_partial_chunks
+        self.partial_chunks = partial_chunks     # a request's last chunk may be partial; lookups end on one
         self.write_modes = dict(zip(names[1:], modes))
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
         self._through = [t for t, m in zip(self.lower, modes) if m == "write-through"]
@@ -322,7 +322,7 @@ class CacheManager:
         ``block_ids`` its block table. Chunks already present or without room
         are skipped (stores are best effort); None when nothing is left.
         """
-        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.store_partial_chunks)
+        keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.partial_chunks)
         return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk)
 
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,

@@ -48,11 +48,13 @@ from prometheus_client.registry import Collector
 
 TIER_GAUGES = ("available", "capacity_bytes", "used_bytes", "chunks", "key_hit_ratio")
 TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "stored", "store_rejected", "loaded", "load_misses", "evicted",
-                 "deleted", "expired", "purged", "integrity_failures", "temp_removed", "errors", "outages")
+                 "deleted", "expired", "purged", "integrity_failures", "tail_hits", "temp_removed", "errors",
+                 "outages")
 LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_limit_gbps")
 LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
 CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
-                      "failed_loads", "stores_planned", "stores_cancelled", "delayed_frees", "swap_outs", "swap_ins")
+                      "failed_loads", "stores_planned", "stores_cancelled", "tail_stores", "delayed_frees", "swap_outs",
+                      "swap_ins")
 
 
 def _audited(counts: dict[str, dict[str, dict[str, int]]]) -> Iterator:

@@ -5,7 +5,10 @@ process; each picks one of a few long system prompts by a Zipf law (the
 popular one is most of the traffic) and runs its turns — each turn resends
 the whole history plus a new user message, and the next turn follows the
 answer after a think time. Every request is streamed, so the client sees its
-time to first token and the usage the replica reports.
+time to first token and the usage the replica reports, and carries its
+conversation's ``session_id``, as chat clients send one (the replicas keep a
+continuing request's chunks for its next turn, its partial last one
+included: ``keys.partial_chunks``).
 
 For each fleet (N replicas, with or without a shared `tiercache serve` under
 them) and each policy, a fresh fleet is started (cold caches, the same
@@ -127,9 +130,10 @@ class Request:
     reason: str = ""                  # the rule that chose it (X-Tiercache-Route-Reason), where the policy names one
 
 
-async def _ask(session, url: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str, dict, dict]:
+async def _ask(session, url: str, messages: list[dict], max_tokens: int, session_id: str
+               ) -> tuple[float, float, str, dict, dict]:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "session_id": session_id}
     start = time.perf_counter()
     first, text, usage = None, [], {}
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -163,7 +167,7 @@ async def replay(url: str, w: RouteWorkload, progress: Callable[[], None] | None
         for turn, (question, pause) in enumerate(zip(conv.questions, conv.pauses)):
             history.append({"role": "user", "content": question})
             sent = time.perf_counter() - origin
-            ttft, total, answer, usage, routed = await _ask(session, url, history, w.output_tokens)
+            ttft, total, answer, usage, routed = await _ask(session, url, history, w.output_tokens, f"conversation-{i}")
             details = usage.get("prompt_tokens_details") or {}
             records.append(Request(i, turn, sent, ttft, sent + total, usage.get("prompt_tokens", 0),
                                    details.get("cached_tokens", 0), **routed))

@@ -56,7 +56,7 @@ class ConnectorCounters:
     failed_loads: int = 0          # load jobs that failed on some rank (their tokens were recomputed)
     stores_planned: int = 0
     stores_cancelled: int = 0
-    tail_stores: int = 0           # finished requests whose partial last chunk was stored (store_partial_chunks)
+    tail_stores: int = 0           # finished requests whose partial last chunk was stored (keys.partial_chunks)
     delayed_frees: int = 0         # finished or preempted requests whose blocks waited for their stores
     swap_outs: int = 0
     swap_ins: int = 0
@@ -104,7 +104,8 @@ class OffloadScheduler(SchedulerConnector):
         self._owners: dict[JobId, str] = {}
         self._load_tokens: dict[JobId, int] = {}
         self._stored_chunks: dict[str, int] = {}
-        self._computed: dict[str, int] = {}     # tokens cached after a request's latest step (partial chunks only)
+        self._tails = config.keys.partial_chunks    # which finished requests store their partial last chunk
+        self._computed: dict[str, int] = {}     # tokens cached after a request's latest step (for those stores)
         self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
         self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
         self._delayed: list[str] = []
@@ -186,7 +187,7 @@ class OffloadScheduler(SchedulerConnector):
             self._hint(rid, RequestState.PREEMPTED)
         for s in step:
             rid = s.request.request_id
-            if manager.store_partial_chunks:
+            if self._tails != "off":
                 self._computed[rid] = s.num_computed_tokens
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
             done = self._stored_chunks.get(rid, 0)
@@ -276,18 +277,20 @@ class OffloadScheduler(SchedulerConnector):
         return self._keep_blocks(rid)
 
     def _store_tail(self, request: RequestView, block_ids: Sequence[int]) -> None:
-        """With ``keys.store_partial_chunks``: store what a finished request computed past its last whole chunk
-        — the next turn of a conversation, sent to any replica that reads the same tiers, finds it there
-        (`PrefixFinder.lookup_chunks`) rather than computing it again. Only blocks the engine has computed:
-        the last sampled token never was, and an aborted prefill stopped short."""
+        """Store what a finished request computed past its last whole chunk (``keys.partial_chunks``: every
+        request's, or only those that continue — a session's, or said to) — the next turn of a conversation,
+        sent to any replica that reads the same tiers, finds it there (`PrefixFinder.lookup_chunks`) rather
+        than computing it again. Only blocks the engine has computed: the last sampled token never was, and
+        an aborted prefill stopped short."""
+        if self._tails == "off" or (self._tails == "continuing" and not request.continues):
+            return
         rid = request.request_id
         computed = min(self._computed.get(rid, 0), request.num_tokens - 1)
         blocks = min(computed // self.block_size, len(request.block_hashes), len(block_ids))
         done = self._stored_chunks.get(rid, 0)
-        if not self.manager.store_partial_chunks or blocks <= done * self.bpc:
+        if blocks <= done * self.bpc:
             return
         plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done)
-        self._stored_chunks[rid] = -(-blocks // self.bpc)
         if plan is not None:
             self._add_store(rid, plan)
             self.counters.tail_stores += 1
@@ -297,7 +300,7 @@ class OffloadScheduler(SchedulerConnector):
         return self._keep_blocks(request_id)
 
     def _chunk_keys(self, request: RequestView) -> tuple[BlockHash, ...]:
-        return tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.store_partial_chunks))
+        return tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.partial_chunks))
 
     def _hint(self, request_id: str, state: RequestState) -> None:
         """Tell the policies where an admitted request stands (`RequestState`), by its chunk keys."""

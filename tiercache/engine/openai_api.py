@@ -576,7 +576,7 @@ def descriptor_for(engine: LLMEngine, model_name: str, tokenizer: str, events: E
     shared = shared_tiers_of(engine.connector.scheduler.config) if manager is not None else ()
     return ReplicaDescriptor(model=model_name, instance=uuid.uuid4().hex, key_scheme="tiercache",
                              block_size=engine.hasher.block_size, chunk_tokens=chunk_tokens,
-                             partial_chunks=manager is not None and manager.store_partial_chunks,
+                             partial_chunks=manager is not None and manager.partial_chunks,
                              hash=engine.hasher.hash_name, seed=engine.hasher.seed.hex(), tokenizer=tokenizer,
                              media=media, shared_tiers=shared, events=events,
                              prefill_tokens_per_s=round(prefill.tokens_per_s, 1) if prefill else 0.0,

@@ -30,7 +30,7 @@ class ReplicaDescriptor:
     key_scheme: str             # how the router hashes for it (a name in `fleet.key_schemes`)
     block_size: int             # tokens per block of the engine's pool
     chunk_tokens: int           # tokens per chunk of its tiers (0: no tiers)
-    partial_chunks: bool = False  # its lookups end on a shorter chunk some request stored (keys.store_partial_chunks)
+    partial_chunks: bool = False  # its lookups end on a shorter chunk some request stored (keys.partial_chunks)
     hash: str = "sha256"
     seed: str = ""              # hex: where the replica's chains start (before a request's cache_salt)
     tokenizer: str = "bytes"    # "bytes", or the tokenizer.json the replica loaded
