@@ -24,16 +24,16 @@ def test_store_then_load_is_bit_exact(stack):
     hashes, ids = run_request(stack, "a", tokens, seed=1)
     expect = stack.kv.kv[:, :, ids[:3 * BPC]].clone()
 
-    # Store: every full chunk goes to L1; the partial tail does not.
+    # Store: every full chunk goes to L1, and the partial one of the tail's full block (keys.partial_chunks).
     (result,) = stack.run(stack.manager.plan_store(hashes, ids))
-    assert result.ok and stack.cpu.num_chunks == 3
+    assert result.ok and stack.cpu.num_chunks == 4
     stack.blocks.free("a")
 
     # Wipe L0 so only L1 can bring the bytes back.
     stack.kv.kv.zero_()
     lookup = stack.manager.lookup(hashes)
-    assert lookup.num_hit_blocks == 3 * BPC and lookup.num_loadable_tokens == 3 * CHUNK
-    assert [(r.tier, r.first_chunk, len(r.keys)) for r in lookup.runs] == [("cpu", 0, 3)]
+    assert lookup.num_hit_blocks == 3 * BPC + 1 and lookup.num_loadable_tokens == 3 * CHUNK + BLOCK
+    assert [(r.tier, r.first_chunk, len(r.keys)) for r in lookup.runs] == [("cpu", 0, 4)]
 
     stack.blocks.allocate("b", len(tokens))
     new_ids = stack.blocks.block_ids("b")

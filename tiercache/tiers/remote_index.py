@@ -168,14 +168,15 @@ class RemoteIndex(LowerIndex):
     def reach(self, keys: Sequence[BlockHash], block_hashes: Sequence[BlockHash], blocks_per_chunk: int
               ) -> Reach | None:
         """`contains`, and the shorter chunks past the run asked in the same answer (`_query_reach`). The answer
-        is filed under all of ``keys``: the last one chains every block before it (a request's keys end with its
-        partial last chunk's), so two requests that share the keys asked share the blocks probed."""
+        is filed under all of ``keys`` — the last one chains every block before it (a request's keys end with
+        its partial last chunk's), so two requests that share the keys asked share the blocks probed — and
+        under how many lead up to the first known absent, as `contains` cuts its queries there."""
         usable = self._before_absent(keys)
         if not self._storage or not self.available:
             return Reach(self.count_lookup(len(keys), 0))
         query = tuple(keys[:usable])
         blocks = tuple(block_hashes)
-        answer = self._answer(("reach", *keys), self._query_reach, query, blocks, blocks_per_chunk, len(keys))
+        answer = self._answer(("reach", usable, *keys), self._query_reach, query, blocks, blocks_per_chunk, len(keys))
         if answer is None:
             return None
         n, present = answer
