@@ -12,9 +12,10 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
-                      "stores_cancelled", "delayed_frees")
+                      "stores_cancelled", "tail_stores", "delayed_frees")
 WORKER_COUNTERS = ("layerwise_loads",)
-TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "expired", "purged", "integrity_failures", "errors")
+TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "expired", "purged", "integrity_failures", "tail_hits",
+                 "errors")
 
 
 @dataclass

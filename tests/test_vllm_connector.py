@@ -280,14 +280,22 @@ def take_q_out_of_redis(tp: int) -> Callable[[Env], None]:
     return before
 
 
+REMOTE_PHASES, TAIL_PHASES = slice(0, 1), slice(1, None)
+
+
 def remote_spec(tp: int) -> Callable[[Env], dict]:
-    """At TP=2 rank 1's first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`)."""
+    """At TP=2 rank 1's first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`). At TP=1 the
+    partial-chunk phases ride on the same launch: p0, a conversation's turn (it continues), then p1, which
+    shares p0's first 700 tokens."""
     def spec(env: Env) -> dict:
         config = connector(**env.tiers("redis", "grpc"))
+        phases = [phase(env, "p2", "q1")]
         if tp == 2:
             config["kv_connector"] = "FaultyRankConnector"
             config["kv_connector_module_path"] = "tests.vllm_support.faulty"
-        return {"phases": [phase(env, "p2", "q1")], "kv_transfer_config": config}
+        else:
+            phases += [{"prompts": [{"ids": env.prompts["p0"], "continues": True}]}, phase(env, "p1")]
+        return {"phases": phases, "kv_transfer_config": config}
     return spec
 
 
@@ -407,7 +415,7 @@ def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
     """Q's values are taken out of Redis first, so P comes from Redis and Q from the server. At TP=2 rank 1's
     first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`): that request recomputes, outputs
     unchanged, and the failed load is counted."""
-    got = env.result(f"remote tp{tp}")
+    got = env.result(f"remote tp{tp}", REMOTE_PHASES)
     same_outputs(env, got, ["p2", "q1"])
     m = got["metrics"]
     assert m["tier/redis/loaded"] == 2 and m["tier/grpc/loaded"] == 2
@@ -415,6 +423,19 @@ def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
         assert got["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT] and m["loaded_tokens"] == 2 * PREFIX_HIT
     else:
         assert m["failed_loads"] == 1 and m["loaded_tokens"] == PREFIX_HIT and m["hit_tokens"] == 2 * PREFIX_HIT
+
+
+@pytest.mark.slow      # launches vLLM
+@pytest.mark.vllm_runs("remote tp1", "baseline")
+def test_a_continuing_requests_partial_last_chunk_is_stored_when_it_finishes_and_the_next_prompt_loads_it(env):
+    """p0 continues (a conversation's turn): its 740 prompt tokens and 7 of its 8 output tokens are computed, five
+    of vLLM's 128-token blocks whole — two 256-token chunks, and a chunk of one block stored when it finishes
+    (`keys.partial_chunks`). p1 shares p0's first 700 tokens: its lookup ends on that one-block chunk, so it
+    loads 640 tokens, not the 512 of the whole chunks; outputs unchanged."""
+    got = env.result("remote tp1", TAIL_PHASES)
+    same_outputs(env, got, ["p0", "p1"])
+    assert got["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT + 128]
+    assert got["metrics"]["tail_stores"] == 1 and got["metrics"]["tier/cpu/tail_hits"] == 1
 
 
 @pytest.mark.slow      # launches vLLM

@@ -8,11 +8,12 @@ request outputs, its Prometheus metrics (`LLM.get_metrics`, where the connector'
 ``vllm:tiercache_*``) and its KV-event publisher (ZMQ), as a router would see them.
 
 SPEC: {"model": dir, "tp": 1, "max_tokens": n, "prefix_caching": false, "kv_transfer_config": {...} or null,
-       "phases": [{"prompts": [[ids...] or {"ids": [...], "cache_salt": s}...], "together": false,
+       "phases": [{"prompts": [[ids...] or {"ids": [...], "cache_salt": s, "continues": b}...], "together": false,
                    "reset_prefix_cache": false, "pause_s": 0}...],
        "events_port": port or null}
 (``"prompts"`` alone is one phase of prompts sent one at a time). A phase with ``together`` sends its
-prompts as one batch; ``reset_prefix_cache`` drops vLLM's own L0 prefix cache before the phase; ``pause_s``
+prompts as one batch; a prompt with ``continues`` says so in its ``kv_transfer_params`` (a conversation's
+turn, whose next resends it); ``reset_prefix_cache`` drops vLLM's own L0 prefix cache before the phase; ``pause_s``
 waits that long before it (vLLM steps only while it has requests).
 OUT: {"outputs": [[ids...]], "logprobs": [[chosen token's logprob...]], "num_cached_tokens": [n...] (flat, in
 prompt order), "metrics": {"hit_tokens": n, "tier/disk/loaded": n, ...} or null, "kv_cache_usage": float,
@@ -90,6 +91,8 @@ def main(spec_path: str, out_path: str) -> None:
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=spec.get("prefix_caching", False),
               seed=0, max_num_seqs=8, tensor_parallel_size=spec.get("tp", 1), disable_log_stats=False, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=0)
+    continuing = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=0,
+                                extra_args={"kv_transfer_params": {"continues": True}})
     phases = spec.get("phases") or [{"prompts": spec["prompts"]}]
     outputs, logprobs, cached = [], [], []
     phase_ends, phase_metrics = [], []     # after each phase: outputs so far, the connector's counters so far
@@ -100,8 +103,10 @@ def main(spec_path: str, out_path: str) -> None:
         groups = [phase["prompts"]] if phase.get("together") else [[p] for p in phase["prompts"]]
         for group in groups:   # one at a time unless together: each may hit what the ones before stored
             prompts = [{"prompt_token_ids": p} if isinstance(p, list) else
-                       {"prompt_token_ids": p["ids"], "cache_salt": p["cache_salt"]} for p in group]
-            for out in llm.generate(prompts, params, use_tqdm=False):
+                       {"prompt_token_ids": p["ids"], **({"cache_salt": p["cache_salt"]} if "cache_salt" in p else {})}
+                       for p in group]
+            per_prompt = [continuing if isinstance(p, dict) and p.get("continues") else params for p in group]
+            for out in llm.generate(prompts, per_prompt, use_tqdm=False):
                 completion = out.outputs[0]
                 outputs.append(list(completion.token_ids))
                 logprobs.append([step[t].logprob for t, step in zip(completion.token_ids, completion.logprobs)])
