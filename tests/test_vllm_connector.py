@@ -87,6 +87,7 @@ class Env:
         self.prompts |= {f"q{i}": q + [rng.randrange(3, 150) for _ in range(40)] for i in range(2)}
         self.prompts["other"] = [rng.randrange(3, 150) for _ in range(740)]
         self.prompts["short"] = [rng.randrange(3, 150) for _ in range(20)]
+        self.prompts["p-long"] = p + [rng.randrange(3, 150) for _ in range(200)]   # p, then seven whole blocks
         self.disk = base / "l2"
         (base / "redis").mkdir()
         self.redis = RedisServer(base / "redis")
@@ -285,7 +286,7 @@ REMOTE_PHASES, TAIL_PHASES = slice(0, 1), slice(1, None)
 
 def remote_spec(tp: int) -> Callable[[Env], dict]:
     """At TP=2 rank 1's first load from L1 into vLLM's KV fails (`tests/vllm_support/faulty.py`). At TP=1 the
-    partial-chunk phases ride on the same launch: p0, a conversation's turn (it continues), then p1, which
+    partial-chunk phases ride on the same launch: p0, a conversation's turn (it continues), then p-long, which
     shares p0's first 700 tokens."""
     def spec(env: Env) -> dict:
         config = connector(**env.tiers("redis", "grpc"))
@@ -294,7 +295,7 @@ def remote_spec(tp: int) -> Callable[[Env], dict]:
             config["kv_connector"] = "FaultyRankConnector"
             config["kv_connector_module_path"] = "tests.vllm_support.faulty"
         else:
-            phases += [{"prompts": [{"ids": env.prompts["p0"], "continues": True}]}, phase(env, "p1")]
+            phases += [{"prompts": [{"ids": env.prompts["p0"], "continues": True}]}, phase(env, "p-long")]
         return {"phases": phases, "kv_transfer_config": config}
     return spec
 
@@ -430,12 +431,14 @@ def test_a_fresh_process_loads_from_redis_and_from_tiercache_serve(env, tp):
 def test_a_continuing_requests_partial_last_chunk_is_stored_when_it_finishes_and_the_next_prompt_loads_it(env):
     """p0 continues (a conversation's turn): its 740 prompt tokens and 7 of its 8 output tokens are computed, five
     of vLLM's 128-token blocks whole — two 256-token chunks, and a chunk of one block stored when it finishes
-    (`keys.partial_chunks`). p1 shares p0's first 700 tokens: its lookup ends on that one-block chunk, so it
-    loads 640 tokens, not the 512 of the whole chunks; outputs unchanged."""
+    (`keys.partial_chunks`). p-long shares p0's first 700 tokens and runs on for seven whole blocks: where its
+    third whole chunk is missing, its lookup ends on that one-block chunk, so it loads 640 tokens, not the 512
+    of the whole chunks; outputs unchanged."""
     got = env.result("remote tp1", TAIL_PHASES)
-    same_outputs(env, got, ["p0", "p1"])
+    same_outputs(env, got, ["p0", "p-long"])
     assert got["num_cached_tokens"] == [PREFIX_HIT, PREFIX_HIT + 128]
-    assert got["metrics"]["tail_stores"] == 1 and got["metrics"]["tier/cpu/tail_hits"] == 1
+    tails = {k: v for k, v in got["metrics"].items() if k.endswith("/tail_hits")}
+    assert got["metrics"]["tail_stores"] == 1 and sum(tails.values()) >= 1, tails   # (each lookup asked counts)
 
 
 @pytest.mark.slow      # launches vLLM
