@@ -168,3 +168,17 @@ def test_a_bad_partial_chunks_value_names_the_field():
 
     with pytest.raises(ConfigError, match="partial_chunks"):
         TierCacheConfig().replace(keys={"partial_chunks": "sometimes"})
+
+
+def test_a_server_from_before_each_is_read_as_its_leading_run_and_nothing_more(cache_server, monkeypatch):
+    """An older `tiercache serve` ignores ``each`` and answers the leading count alone (injected at the RPC
+    boundary): the keys in that run are there, the rest count as absent — a tail missed, never one invented."""
+    from tiercache.tiers.grpc_index import GrpcIndex
+    from tiercache.wire import tiercache_pb2 as pb
+
+    index = GrpcIndex(cache_server.address)
+    try:
+        monkeypatch.setattr(index, "_contains", lambda keys, storage, each: [pb.ContainsReply(present=2)])
+        assert index._present_each([bytes([i]) * 32 for i in range(4)], [b"n" * 16]) == [True, True, False, False]
+    finally:
+        index.close()
