@@ -187,7 +187,7 @@ class OffloadScheduler(SchedulerConnector):
             self._hint(rid, RequestState.PREEMPTED)
         for s in step:
             rid = s.request.request_id
-            if self._tails != "off":
+            if self._stores_tail(s.request):
                 self._computed[rid] = s.num_computed_tokens
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
             done = self._stored_chunks.get(rid, 0)
@@ -282,7 +282,7 @@ class OffloadScheduler(SchedulerConnector):
         sent to any replica that reads the same tiers, finds it there (`PrefixFinder.lookup_chunks`) rather
         than computing it again. Only blocks the engine has computed: the last sampled token never was, and
         an aborted prefill stopped short."""
-        if self._tails == "off" or (self._tails == "continuing" and not request.continues):
+        if not self._stores_tail(request):
             return
         rid = request.request_id
         computed = min(self._computed.get(rid, 0), request.num_tokens - 1)
@@ -294,6 +294,9 @@ class OffloadScheduler(SchedulerConnector):
         if plan is not None:
             self._add_store(rid, plan)
             self.counters.tail_stores += 1
+
+    def _stores_tail(self, request: RequestView) -> bool:
+        return self._tails == "all" or (self._tails == "continuing" and request.continues)
 
     def request_preempted(self, request_id: str) -> bool:
         self._hint(request_id, RequestState.PREEMPTED)

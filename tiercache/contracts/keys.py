@@ -214,3 +214,11 @@ def tail_keys(block_hashes: Sequence[BlockHash], blocks_per_chunk: int, chunk: i
     start = chunk * blocks_per_chunk
     longest = min(blocks_per_chunk, len(block_hashes) - start) - 1
     return [block_hashes[start + j - 1] for j in range(longest, 0, -1)]
+
+
+def first_held(candidates: Sequence[BlockHash], held: Callable[[BlockHash], object]) -> int:
+    """Blocks of the longest of ``candidates`` (`tail_keys`, longest first) that ``held(key)`` says is there."""
+    for i, key in enumerate(candidates):
+        if held(key):
+            return len(candidates) - i
+    return 0

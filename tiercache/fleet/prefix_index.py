@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.contracts.keys import BlockHasher, chunk_keys, tail_keys
+from tiercache.contracts.keys import BlockHasher, chunk_keys, first_held, tail_keys
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.kv_events import MEDIUM_ENGINE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tiercache.registry import Registry
@@ -193,11 +193,8 @@ def _fastest(sources: Sequence[tuple[str, set[bytes]]], key: bytes) -> str | Non
 
 def _longest_tail(sources, candidates: Sequence[bytes], start_block: int) -> list[tuple[str, int]]:
     """[(medium, blocks covered to)] for the longest of ``candidates`` (`tail_keys`) some source holds."""
-    for i, key in enumerate(candidates):
-        medium = _fastest(sources, key)
-        if medium is not None:
-            return [(medium, start_block + len(candidates) - i)]
-    return []
+    n = first_held(candidates, lambda key: _fastest(sources, key))
+    return [(_fastest(sources, candidates[len(candidates) - n]), start_block + n)] if n else []
 
 
 def event_key(value: object) -> bytes:

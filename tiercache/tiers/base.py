@@ -21,7 +21,7 @@ from enum import Enum
 
 from tiercache.codecs import Buffer
 from tiercache.contracts.connector import RequestState
-from tiercache.contracts.keys import BlockHash, tail_keys
+from tiercache.contracts.keys import BlockHash, first_held, tail_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.contracts.purge import PurgeOrder
@@ -42,14 +42,6 @@ LINK_NAMES = {
     frozenset((Medium.CPU, Medium.REMOTE)): "host_network",
 }
 DELETE_LINKS = {Medium.DISK: "host_disk", Medium.REMOTE: "host_network"}
-
-
-def first_held(candidates: Sequence[BlockHash], held) -> int:
-    """Blocks of the longest of ``candidates`` (`tail_keys`, longest first) that ``held(key)`` says is there."""
-    for i, key in enumerate(candidates):
-        if held(key):
-            return len(candidates) - i
-    return 0
 
 
 def link_name(src: Medium, dst: Medium | None) -> str:

@@ -28,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from tiercache.contracts.keys import BlockHash, tail_keys
+from tiercache.contracts.keys import BlockHash, first_held, tail_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import Failure
-from tiercache.tiers.base import LowerIndex, Medium, Reach, first_held
+from tiercache.tiers.base import LowerIndex, Medium, Reach
 from tiercache.tiers.outage import Outage
 from tiercache.wire.chunk_format import ChunkFormat
 
