@@ -155,19 +155,17 @@ class ChunkStore:
         return n
 
     def present_each(self, namespace: bytes, keys: Sequence[bytes]) -> list[bool]:
-        """Whether memory or disk holds each key (counted as lookups of one key each)."""
+        """Whether memory or disk holds each key; one lookup for each tier, as `contains` counts them."""
+        stored = [store_key(namespace, key) for key in keys]
         with self._lock:
-            each = []
-            for key in keys:
-                k = store_key(namespace, key)
-                in_memory = self.memory.has(k)
-                there = in_memory or (self.disk is not None and self.disk.has(k))
-                self.memory.count_lookup(1, int(in_memory))
-                if self.disk is not None and not in_memory:
-                    self.disk.count_lookup(1, int(there))
-                each.append(there)
+            in_memory = [self.memory.has(k) for k in stored]
+            each = [m or (self.disk is not None and self.disk.has(k)) for k, m in zip(stored, in_memory)]
+            hits, memory_hits = sum(each), sum(in_memory)
+            self.memory.count_lookup(len(keys), memory_hits)
+            if self.disk is not None:
+                self.disk.count_lookup(len(keys) - memory_hits, hits - memory_hits)
             self.counters["contains_keys"] += len(keys)
-            self.counters["contains_hits"] += sum(each)
+            self.counters["contains_hits"] += hits
         return each
 
     def scoped_namespaces(self) -> dict[bytes, bytes]:
