@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import BLOCK, CHUNK, Stack
-from tests.support.stack_ops import lookup
+from tests.support.stack_ops import lookup, put
 from tiercache.contracts.keys import tail_keys
 
 BPC = CHUNK // BLOCK                      # 4 blocks a chunk
@@ -24,15 +24,8 @@ def test_tail_keys_are_the_shorter_chunks_at_a_position_longest_first():
 
 def _store_history(s: Stack, seed: int):
     """A finished turn: its history's whole chunk and its partial one stored to L1; (tokens, kv of them)."""
-    tokens = [seed * 1000 + t for t in range(HISTORY)]
-    hashes = s.hasher.hash_blocks(tokens)
-    s.blocks.allocate("turn", HISTORY)
-    ids = s.blocks.block_ids("turn")
-    s.fill("turn", ids, seed)
-    s.run(s.manager.plan_store(hashes, ids))
-    kv = s.kv.kv[:, :, ids].clone()
-    s.blocks.free("turn")
-    return tokens, kv
+    _, kv = put(s, "turn", seed, num_tokens=HISTORY)
+    return [seed * 1000 + t for t in range(HISTORY)], kv
 
 
 def _next_turn(s: Stack, tokens: list[int]) -> list:

@@ -6,9 +6,10 @@ import torch
 from tests.conftest import BLOCK, CHUNK, Stack
 
 
-def put(s: Stack, req: str, seed: int, chunks: int = 2):
-    """Compute a request's KV (random by seed) and store its chunks to L1; returns (hashes, kv copy)."""
-    tokens = [seed * 1000 + t for t in range(chunks * CHUNK)]
+def put(s: Stack, req: str, seed: int, chunks: int = 2, num_tokens: int | None = None):
+    """Compute a request's KV (random by seed) over ``chunks`` chunks' tokens (or ``num_tokens``: a partial last
+    chunk too) and store its chunks to L1; returns (hashes, kv copy). Its tokens are ``seed * 1000 + t``."""
+    tokens = [seed * 1000 + t for t in range(num_tokens if num_tokens is not None else chunks * CHUNK)]
     hashes = s.hasher.hash_blocks(tokens)
     s.blocks.allocate(req, len(tokens))
     ids = s.blocks.block_ids(req)
