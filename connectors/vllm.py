@@ -382,7 +382,7 @@ class TierCacheConnector(KVConnectorBase_V1):
             parent = hashes[-1] if hashes else self._hasher.seed_for(
                 request.cache_salt or "", request.lora_request.lora_name if request.lora_request else "")
             hashes += self._hasher.hash_blocks(tokens[start:full * self.block_size], parent=parent)
-        return RequestView(rid, request.num_tokens, hashes, request_continues(request))
+        return RequestView(rid, request.num_tokens, hashes, request_continues(request), request.num_computed_tokens)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._requests[request.request_id] = request

@@ -105,7 +105,6 @@ class OffloadScheduler(SchedulerConnector):
         self._load_tokens: dict[JobId, int] = {}
         self._stored_chunks: dict[str, int] = {}
         self._tails = config.keys.partial_chunks    # which finished requests store their partial last chunk
-        self._computed: dict[str, int] = {}     # tokens cached after a request's latest step (for those stores)
         self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
         self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
         self._delayed: list[str] = []
@@ -187,8 +186,6 @@ class OffloadScheduler(SchedulerConnector):
             self._hint(rid, RequestState.PREEMPTED)
         for s in step:
             rid = s.request.request_id
-            if self._stores_tail(s.request):
-                self._computed[rid] = s.num_computed_tokens
             full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
             done = self._stored_chunks.get(rid, 0)
             if full_chunks <= done:
@@ -268,7 +265,6 @@ class OffloadScheduler(SchedulerConnector):
             self._hint(rid, RequestState.CONTINUES if request.continues else RequestState.FINISHED)
         self._chunks.pop(rid, None)
         self._stored_chunks.pop(rid, None)
-        self._computed.pop(rid, None)
         self._lookups.pop(rid, None)
         self._asking.pop(rid, None)
         swapped = self._swapped.pop(rid, None)
@@ -285,7 +281,7 @@ class OffloadScheduler(SchedulerConnector):
         if not self._stores_tail(request):
             return
         rid = request.request_id
-        computed = min(self._computed.get(rid, 0), request.num_tokens - 1)
+        computed = min(request.num_computed_tokens, request.num_tokens - 1)
         blocks = min(computed // self.block_size, len(request.block_hashes), len(block_ids))
         done = self._stored_chunks.get(rid, 0)
         if blocks <= done * self.bpc:
@@ -325,7 +321,6 @@ class OffloadScheduler(SchedulerConnector):
 
     def request_reset(self, request_id: str) -> None:
         self._stored_chunks.pop(request_id, None)
-        self._computed.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._asking.pop(request_id, None)
 

@@ -30,6 +30,7 @@ class RequestView:
     num_tokens: int                       # tokens the request holds (prompt + generated so far)
     block_hashes: Sequence[BlockHash]     # chained hashes of its full blocks
     continues: bool = False               # a later request resends its tokens (a session's, or the client said so)
+    num_computed_tokens: int = 0          # tokens whose KV the engine has computed, its latest scheduled step's too
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,4 +86,5 @@ class Sequence:
             self.block_hashes.extend(hasher.hash_blocks(self.token_ids[done * bs:full * bs], parent=parent))
 
     def view(self) -> RequestView:
-        return RequestView(self.seq_id, len(self.token_ids), self.block_hashes, self.continues)
+        return RequestView(self.seq_id, len(self.token_ids), self.block_hashes, self.continues,
+                           self.num_computed_tokens)
