@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from abc import abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tiercache.contracts.keys import BlockHash, first_held, tail_keys
@@ -162,7 +162,7 @@ class RemoteIndex(LowerIndex):
         if not usable or not self._storage or not self.available:
             return self.count_lookup(len(keys), 0)
         query = tuple(keys[:usable])
-        n = self._answer(query, self._query, query)
+        n = self._answer(query, self._query, lambda: (query,))
         return None if n is None else self.count_lookup(len(keys), n)
 
     def reach(self, keys: Sequence[BlockHash], block_hashes: Sequence[BlockHash], blocks_per_chunk: int
@@ -175,28 +175,31 @@ class RemoteIndex(LowerIndex):
         if not self._storage or not self.available:
             return Reach(self.count_lookup(len(keys), 0))
         query = tuple(keys[:usable])
-        blocks = tuple(block_hashes)
-        answer = self._answer(("reach", usable, *keys), self._query_reach, query, blocks, blocks_per_chunk, len(keys))
+        # the lookup thread gets its own copy of the request's blocks (the engine appends to the list), taken
+        # only when the question is put: while its answer is on the way, or filed, no copy is made
+        answer = self._answer(("reach", usable, *keys), self._query_reach,
+                              lambda: (query, tuple(block_hashes), blocks_per_chunk, len(keys)))
         if answer is None:
             return None
         n, present = answer
         n = self.count_lookup(len(keys), n)
         if n >= len(keys) or not present:
             return Reach(n)
-        candidates = tail_keys(blocks, blocks_per_chunk, n)
+        candidates = tail_keys(block_hashes, blocks_per_chunk, n)
         found = set(key for key, there in zip(candidates, present) if there)
         return Reach(n, first_held(candidates, lambda k: k in found and not self._is_absent(k)))
 
-    def _answer(self, query: tuple, ask, *args):
-        """The answer to ``query`` (asked as ``ask(*args)`` on the lookup thread), or None while on its way;
-        an answer older than ``ANSWER_TTL_S`` is asked again."""
+    def _answer(self, query: tuple, ask, args_of: Callable[[], tuple]):
+        """The answer to ``query`` (asked as ``ask(*args_of())`` on the lookup thread, ``args_of`` called here,
+        when the question is put), or None while on its way; an answer older than ``ANSWER_TTL_S`` is asked
+        again."""
         asked = self._answers.get(query)
         now = time.monotonic()
         if asked is not None and asked[0].done() and now - asked[1] > ANSWER_TTL_S:
             del self._answers[query]
             asked = None
         if asked is None:
-            self._answers[query] = (self._pool.submit(ask, *args), now)
+            self._answers[query] = (self._pool.submit(ask, *args_of()), now)
             while len(self._answers) > MAX_ANSWERS:
                 self._answers.popitem(last=False)
             return None
