@@ -1,5 +1,6 @@
 """What this machine (or the container it runs in) can give: memory, for the checks made before anything is
-allocated; and cores, for a thread whose torch ops should keep to one."""
+allocated; cores, for a thread whose torch ops should keep to one; and a core's own cache, which the reference
+engine's attention sizes its work by."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")      # cgroup v2: a container's memory limit
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")    # index*/ {level, type, size}: the first core's caches
+CORE_CACHE_BYTES = 1 << 20                                  # when the machine does not say: a common L2 size
 
 
 def physical_memory() -> int:
@@ -21,6 +24,26 @@ def physical_memory() -> int:
     except OSError:
         return total
     return min(total, int(limit)) if limit.isdigit() else total
+
+
+def core_cache_bytes(level: int = 2, caches: Path = CPU_CACHES) -> int:
+    """Bytes of one core's level-``level`` data cache (the first core's, from sysfs: ``1024K``), or
+    ``CORE_CACHE_BYTES`` where the machine does not say (not Linux, a container without sysfs)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        for index in sorted(caches.glob("index*")):
+            if (index / "level").read_text().strip() != str(level):
+                continue
+            if (index / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            size = (index / "size").read_text().strip()
+            if size[:-1].isdigit() and size[-1] in units:
+                return int(size[:-1]) * units[size[-1]]
+            if size.isdigit():
+                return int(size)
+    except OSError:
+        pass
+    return CORE_CACHE_BYTES
 
 
 def _openmp_runtime() -> ctypes.CDLL | None:

@@ -17,9 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiercache.engine.config import ModelConfig
+from tiercache.machine import core_cache_bytes
 from tiercache.pool.kv_cache import PagedKVCache
 
-ATTN_TILE_BYTES = 8 << 20
+# A tile of attention scores stays within one core's L2: 8 MiB tiles, which spill into the L3 that every core
+# shares, made a prefill's attention 1.3-1.9x slower on a 1 MiB-L2 machine, and slower still beside a second
+# engine on the other core (benchmarks/RESULTS.md, "Attention tiles that fit a core's cache").
+ATTN_TILE_BYTES = min(max(core_cache_bytes(2), 256 << 10), 4 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +120,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     Each KV head's query heads are stacked into one matrix product against its keys, so the keys are never
     repeated per query head, and a tile of query rows is scored only against the columns its last row sees (a
     fresh prompt's later keys are never multiplied by its earlier queries), the rest of them masked. Query rows
-    go in tiles that keep the score matrix under ``ATTN_TILE_BYTES``: a 2K-token prefill in one call page-faults
-    ~140 MB of fresh temporaries per layer (benchmarks/RESULTS.md, "Reference engine"). Against repeating the
+    go in tiles that keep the score matrix under ``ATTN_TILE_BYTES`` (a core's L2): a 2K-token prefill in one call
+    page-faults ~140 MB of fresh temporaries per layer (benchmarks/RESULTS.md, "Reference engine"), and tiles
+    larger than the core's own cache are paid for in the shared L3. Against repeating the
     keys and calling SDPA with a boolean mask over the whole context, a cold 2K-token prompt takes about half
     the time and a 330-token turn after a 2K-token hit three quarters (benchmarks/RESULTS.md, "Attention without
     repeated keys").
