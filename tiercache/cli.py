@@ -499,9 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--system-tokens", type=_positive, default=1200)
     rb.add_argument("--user-tokens", type=_positive, default=300)
     rb.add_argument("--output-tokens", type=_positive, default=8)
-    rb.add_argument("--rate", type=_positive_float, default=1.6,
-                    help="conversations started per second (1.6 was near two replicas' capacity on a 2-core machine "
-                         "until the reference engine's attention got faster; RESULTS.md has runs at 1.6 and 2.2)")
+    rb.add_argument("--rate", type=_positive_float, default=4.0,
+                    help="conversations started per second (the default keeps two reference-engine replicas on a "
+                         "2-core machine 80-90 %% busy; RESULTS.md has runs from 1.6 to 4.0)")
     rb.add_argument("--seed", type=int, default=0)
     rb.add_argument("--replica-set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
                     help="a config field for every replica (repeatable), e.g. keys.chunk_tokens=64: what a "

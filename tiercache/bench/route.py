@@ -73,7 +73,7 @@ class RouteWorkload:
     system_tokens: int = 1200
     user_tokens: int = 300
     output_tokens: int = 8
-    rate: float = 1.6                # conversations started per second (Poisson)
+    rate: float = 4.0                # conversations started per second (Poisson)
     think_s: float = 0.3             # mean pause between an answer and the next turn
     zipf: float = 1.2
     seed: int = 0
