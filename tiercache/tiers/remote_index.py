@@ -121,14 +121,16 @@ class RemoteIndex(LowerIndex):
         return self._guarded(self._present, keys, 0)
 
     def _query_reach(self, keys: tuple[BlockHash, ...], block_hashes: tuple[BlockHash, ...],
-                     blocks_per_chunk: int, num_keys: int) -> tuple[int, list[bool]]:
+                     blocks_per_chunk: int, num_keys: int) -> tuple[int, frozenset[BlockHash]]:
         """`_query`, then — where the run ends before ``num_keys`` — which shorter chunks are there (one more
-        round trip, on the lookup thread still: the scheduler waits for one answer, not two)."""
+        round trip, on the lookup thread still: the scheduler waits for one answer, not two): the run and the
+        keys of the shorter chunks found."""
         n = self._query(keys) if keys else 0
         if n >= num_keys or not self.available:
-            return n, []
+            return n, frozenset()
         candidates = tail_keys(block_hashes, blocks_per_chunk, n)
-        return n, self._guarded(self._present_each, candidates, []) if candidates else []
+        present = self._guarded(self._present_each, candidates, []) if candidates else []
+        return n, frozenset(key for key, there in zip(candidates, present) if there)
 
     def _guarded(self, ask, keys: Sequence[BlockHash], miss):
         try:
@@ -181,12 +183,12 @@ class RemoteIndex(LowerIndex):
                               lambda: (query, tuple(block_hashes), blocks_per_chunk, len(keys)))
         if answer is None:
             return None
-        n, present = answer
+        n, found = answer
         n = self.count_lookup(len(keys), n)
-        if n >= len(keys) or not present:
+        if n >= len(keys) or not found:
             return Reach(n)
+        # the answer names the keys it found, so it holds whatever this call's candidates are
         candidates = tail_keys(block_hashes, blocks_per_chunk, n)
-        found = set(key for key, there in zip(candidates, present) if there)
         return Reach(n, first_held(candidates, lambda k: k in found and not self._is_absent(k)))
 
     def _answer(self, query: tuple, ask, args_of: Callable[[], tuple]):
