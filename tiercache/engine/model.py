@@ -21,7 +21,7 @@ from tiercache.machine import core_cache_bytes
 from tiercache.pool.kv_cache import PagedKVCache
 
 # A tile of attention scores stays within one core's L2: 8 MiB tiles, which spill into the L3 that every core
-# shares, made a prefill's attention 1.3-1.9x slower on a 1 MiB-L2 machine, and slower still beside a second
+# shares, made attention 1.2-2.1x slower than 1 MiB tiles on a 1 MiB-L2 machine, and slower still beside a second
 # engine on the other core (benchmarks/RESULTS.md, "Attention tiles that fit a core's cache").
 ATTN_TILE_BYTES = min(max(core_cache_bytes(2), 256 << 10), 4 << 20)
 
