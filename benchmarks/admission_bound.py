@@ -6,7 +6,9 @@ One tier under LRU, replayed as `tiercache bench trace` replays it (a hit is a r
 chunks; its missing chunks are stored from the head of its chain until the admission refuses one). The admission
 is an oracle: it admits a chunk only if a later request asks for it again within ``H`` times the tier's chunks of
 requested chunks (``ever``: at all). Prints the token hit ratio of each against LRU's at 1M and 3M tokens, beside
-Belady's (`replay_belady`) — how much of the gap to the offline optimum is an admission question at all. Then,
+Belady's (`replay_belady`) — how much of the gap to the offline optimum is an admission question at all — and,
+after a slash, the same oracle that also evicts first the chunks it knows are not asked for again within ``H``
+(what a perfect prediction of dead chunks is worth; the rest of Belady's gain is ordering the live ones). Then,
 for every chunk a request asks for, how often it is asked for again within 400 requests, by how many requests had
 asked for it before (what frequency-based policies go by).
 """
@@ -30,28 +32,36 @@ def next_requests(trace) -> list[list[int | None]]:
     return out
 
 
-def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, clocks) -> float:
+def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, clocks,
+                    dead_first: bool = False) -> float:
+    """``dead_first``: chunks not asked for again within the horizon, as of their latest request, are evicted
+    before any other (oldest first)."""
     capacity = capacity_tokens // TRACE_BLOCK_TOKENS
-    tier: OrderedDict = OrderedDict()
+    tier: OrderedDict = OrderedDict()                   # live chunks, least recently used first
+    dead: OrderedDict = OrderedDict()                   # with ``dead_first``: the ones that will not be hit
     hit_tokens = input_tokens = 0
     for request, next_use, now in zip(trace, uses, clocks):       # ``next_use``: request indexes
         keys = request.keys
+
+        def comes_back(use: int | None) -> bool:
+            return use is not None and (horizon is None or clocks[use] - now <= horizon * capacity)
         hit = 0
-        while hit < len(keys) and keys[hit] in tier:
+        while hit < len(keys) and (keys[hit] in tier or keys[hit] in dead):
             hit += 1
         input_tokens += request.input_length
         hit_tokens += min(hit * TRACE_BLOCK_TOKENS, request.input_length)
-        for key in reversed(keys[:hit]):               # tail first, as tiers touch a chain
-            tier.move_to_end(key)
+        for key, use in zip(reversed(keys[:hit]), reversed(next_use[:hit])):   # tail first, as tiers touch a chain
+            tier.pop(key, None)
+            dead.pop(key, None)
+            (tier if not dead_first or comes_back(use) else dead)[key] = None
         for key, use in zip(keys[hit:], next_use[hit:]):
-            if key in tier:
-                tier.move_to_end(key)
-                continue
-            if use is None or (horizon is not None and clocks[use] - now > horizon * capacity):
+            if key in tier or key in dead:
+                continue                                # held past the miss: not a hit, and not stored again
+            if not comes_back(use):
                 break                                   # refused: the rest of the chain is useless without it
             tier[key] = None
-            if len(tier) > capacity:
-                tier.popitem(last=False)
+            if len(tier) + len(dead) > capacity:
+                (dead if dead else tier).popitem(last=False)
     return hit_tokens / input_tokens
 
 
@@ -70,9 +80,10 @@ def main() -> None:
     print("| ---: | ---: | " + " | ".join("---:" for _ in horizons) + " | ---: |")
     for capacity in (1_000_000, 3_000_000):
         lru = replay(trace, capacity, "lru").token_hit_ratio
-        cells = [lru_with_oracle(trace, capacity, h, uses, clocks) / lru for h in horizons]
+        cells = [f"{lru_with_oracle(trace, capacity, h, uses, clocks) / lru:.3f} / "
+                 f"{lru_with_oracle(trace, capacity, h, uses, clocks, dead_first=True) / lru:.3f}" for h in horizons]
         belady = replay_belady(trace, capacity).token_hit_ratio / lru
-        print(f"| {capacity // 1000}K | {lru:.4f} | " + " | ".join(f"{c:.3f}" for c in cells) + f" | {belady:.3f} |")
+        print(f"| {capacity // 1000}K | {lru:.4f} | " + " | ".join(cells) + f" | {belady:.3f} |")
 
     asked: Counter = Counter()
     back: Counter = Counter()

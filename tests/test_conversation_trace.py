@@ -54,6 +54,21 @@ def test_make_trace_writes_a_trace_bench_trace_reads_with_its_conversations(tmp_
                                                         for line in out.open()} - {None}
 
 
+def test_make_trace_takes_the_lengths_of_its_prompts(tmp_path):
+    """One system prompt of 1024 tokens (two blocks) and no one-offs: every request opens with the same two
+    blocks and its third is its conversation's own (the default, 2048 tokens, would share four)."""
+    out = tmp_path / "conv.jsonl"
+    done = subprocess.run([sys.executable, "-m", "tiercache.cli", "bench", "make-trace", "--out", str(out),
+                           "--conversations", "20", "--one-off-rate", "0", "--system-prompts", "1",
+                           "--system-tokens", "1024", "--question-tokens", "600", "--answer-tokens", "20"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trace = load_trace(out)
+    firsts = {r.conversation: r for r in reversed(trace)}       # each conversation's first request
+    assert len({r.keys[:2] for r in trace}) == 1
+    assert len({r.keys[2] for r in firsts.values()}) == len(firsts) == 20
+
+
 def test_lfu_da_state_keeps_more_than_lfu_da_and_lru_on_the_shared_trace_and_a_conversation_trace(shared_trace):
     """Measured in benchmarks/RESULTS.md ("Request-state hints"); here at one point each, where the gap is
     widest: the replays send every request's state as the connector does."""

@@ -341,9 +341,8 @@ BELADY_ROW = "belady (offline)"   # `replay_belady`: reads the trace's future; t
 def cmd_bench_make_trace(args: argparse.Namespace) -> int:
     from tiercache.bench.conversation_trace import ConversationTraceSpec, write
 
-    spec = ConversationTraceSpec(conversations=args.conversations, conversation_rate=args.conversation_rate,
-                                 mean_turns=args.mean_turns, think_s=args.think_s, one_off_rate=args.one_off_rate,
-                                 seed=args.seed)
+    spec = ConversationTraceSpec(**{name: getattr(args, name) for name in ConversationTraceSpec.__dataclass_fields__
+                                    if hasattr(args, name)})
     n = write(args.out, spec)
     print(f"wrote {n} requests to {args.out}")
     return 0
