@@ -40,11 +40,13 @@ def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, cl
     tier: OrderedDict = OrderedDict()                   # live chunks, least recently used first
     dead: OrderedDict = OrderedDict()                   # with ``dead_first``: the ones that will not be hit
     hit_tokens = input_tokens = 0
+
+    def comes_back(use: int | None, now: int) -> bool:
+        """Whether a chunk whose next request is ``use`` is asked for again within the horizon of ``now``."""
+        return use is not None and (horizon is None or clocks[use] - now <= horizon * capacity)
+
     for request, next_use, now in zip(trace, uses, clocks):       # ``next_use``: request indexes
         keys = request.keys
-
-        def comes_back(use: int | None) -> bool:
-            return use is not None and (horizon is None or clocks[use] - now <= horizon * capacity)
         hit = 0
         while hit < len(keys) and (keys[hit] in tier or keys[hit] in dead):
             hit += 1
@@ -53,11 +55,11 @@ def lru_with_oracle(trace, capacity_tokens: int, horizon: float | None, uses, cl
         for key, use in zip(reversed(keys[:hit]), reversed(next_use[:hit])):   # tail first, as tiers touch a chain
             tier.pop(key, None)
             dead.pop(key, None)
-            (tier if not dead_first or comes_back(use) else dead)[key] = None
+            (tier if not dead_first or comes_back(use, now) else dead)[key] = None
         for key, use in zip(keys[hit:], next_use[hit:]):
             if key in tier or key in dead:
                 continue                                # held past the miss: not a hit, and not stored again
-            if not comes_back(use):
+            if not comes_back(use, now):
                 break                                   # refused: the rest of the chain is useless without it
             tier[key] = None
             if len(tier) + len(dead) > capacity:
