@@ -440,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     mt.add_argument("--one-off-rate", type=float, default=0.5, help="one-off requests per second (0: none)")
     mt.add_argument("--system-prompts", type=_positive, default=12, help="system prompts, Zipf-popular")
     mt.add_argument("--system-tokens", type=_positive, default=2048)
-    mt.add_argument("--question-tokens", type=_positive, default=350, help="a turn's new question, mean tokens")
+    mt.add_argument("--question-tokens", type=_positive, default=350,
+                    help="a question (each turn's, each one-off's), mean tokens")
     mt.add_argument("--answer-tokens", type=_positive, default=250, help="an answer, mean tokens")
     mt.add_argument("--document-tokens", type=_positive, default=4000, help="a one-off's document, mean tokens")
     mt.add_argument("--seed", type=int, default=0)
