@@ -1,9 +1,12 @@
-"""`tiercache bench tiers` over links of a given speed: the network as a NIC of R bit/s, the disk's reads at B/s.
+"""`tiercache bench tiers` or `bench route` over links of a given speed: the network as a NIC of R bit/s, the
+disk's reads at B/s.
 
     sudo python benchmarks/shaped_links.py --rates 5gbit,10gbit,none --runs 3 --json out.json \
         -- --tiers redis,grpc --codecs raw,int8,fp8-e4m3 --total-mib 512 --reps 3
     sudo python benchmarks/shaped_links.py --rates none --disk-read-rate 1GB --runs 3 \
         -- --tiers disk --codecs raw,int8 --total-mib 512 --reps 3
+    sudo python benchmarks/shaped_links.py --bench route --rates 320mbit,none --runs 2 \
+        -- --replicas 2 --shared yes --overhead-pairs 0
 
 On one machine the "network" is loopback, which moves bytes as fast as the cores copy them, and a quantized
 chunk's gain depends on how the link compares with the codec. Each run here is a fresh `tiercache bench
@@ -15,7 +18,11 @@ loopback as it is. ``--disk-read-rate`` caps the reads of the benchmark's disk (
 throughput would; writes go through the page cache, so measure durable writes with ``--fsync``.
 
 Needs root (a network namespace, tc, a cgroup). Reports, per rate, tier and codec, the median over runs
-of tokens/s and of the gain against the first codec in the same run.
+of tokens/s and of the gain against the first codec in the same run; with ``--bench route`` (the router, its
+replicas and their shared server all inside the namespace, so the KV a replica loads from the server crosses
+the shaped loopback, and so do the router's requests, a few KB each), per rate, fleet and policy, the medians
+of time to first token, of its p50 against round-robin's in the same run, and of the turns moved between
+replicas.
 """
 from __future__ import annotations
 
@@ -84,15 +91,53 @@ def in_shaped_namespace(rate: str, command: list[str],
     return subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
 
 
-def run_once(rate: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
+def run_once(rate: str, name: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
+    """One fresh `tiercache bench NAME` at loopback ``rate``: its JSON report."""
     with tempfile.TemporaryDirectory(prefix="tiercache-shaped-") as tmp:
         out = Path(tmp) / "run.json"
-        bench = [sys.executable, "-m", "tiercache.cli", "bench", "tiers", *bench_args, "--quiet", "--json", str(out)]
+        bench = [sys.executable, "-m", "tiercache.cli", "bench", name, *bench_args, "--quiet", "--json", str(out)]
         done = in_shaped_namespace(rate, bench, throttle)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             fail(f"the run at rate {rate} failed: {tail[0]}")
         return json.loads(out.read_text())
+
+
+def summarize_route(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per rate, fleet (replicas, shared server) and policy: medians over the runs."""
+    rows = []
+    for rate, reports in runs.items():
+        fleets: dict[tuple, list[dict]] = {}
+        for report in reports:
+            by_fleet: dict[tuple, list[dict]] = {}
+            for run in report["runs"]:
+                by_fleet.setdefault((run["replicas"], run["shared_server"]), []).append(run)
+            for fleet, fleet_runs in by_fleet.items():
+                rr = next((r["ttft_ms_p50"] for r in fleet_runs if r["policy"] == "round-robin"), None)
+                for run in fleet_runs:
+                    fleets.setdefault((*fleet, run["policy"]), []).append(
+                        {**run, "p50_vs_rr": run["ttft_ms_p50"] / rr if rr else None})
+        for (replicas, shared, policy), per_run in fleets.items():
+            ratios = [r["p50_vs_rr"] for r in per_run if r["p50_vs_rr"] is not None]
+            rows.append({"rate": rate, "replicas": replicas, "shared_server": shared, "policy": policy,
+                         "runs": len(per_run),
+                         **{k: statistics.median(r[k] for r in per_run)
+                            for k in ("ttft_ms_p50", "ttft_ms_p99", "moved", "throughput_req_s")},
+                         "p50_vs_rr": statistics.median(ratios) if ratios else None,
+                         "ttft_ms_p50_runs": [r["ttft_ms_p50"] for r in per_run],
+                         "ttft_ms_p99_runs": [r["ttft_ms_p99"] for r in per_run]})
+    return rows
+
+
+def print_route(rows: list[dict]) -> None:
+    print("| link | replicas | shared server | policy | TTFT p50 ms | p50 / round-robin's | p99 ms | moved turns "
+          "| req/s |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ratio = f"{r['p50_vs_rr']:.2f}" if r["p50_vs_rr"] is not None else "–"
+        print(f"| {r['rate']} | {r['replicas']} | {'yes' if r['shared_server'] else 'no'} | {r['policy']} | "
+              f"{r['ttft_ms_p50']:.0f} | {ratio} | {r['ttft_ms_p99']:.0f} | {r['moved']:.0f} | "
+              f"{r['throughput_req_s']:.1f} |")
 
 
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
@@ -116,7 +161,8 @@ def main() -> None:
     p.add_argument("--disk-read-rate", help="cap the disk's reads at this many bytes/s (500MB, 1GiB, ...)")
     p.add_argument("--runs", type=int, default=3, help="fresh benchmark runs per rate (medians are reported)")
     p.add_argument("--json", help="write every run and the summary here")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `tiercache bench tiers` flags")
+    p.add_argument("--bench", choices=("tiers", "route"), default="tiers", help="which benchmark runs over the link")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then that `tiercache bench` command's flags")
     args = p.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
     if os.geteuid() != 0:
@@ -139,17 +185,21 @@ def main() -> None:
     try:
         for run in range(args.runs):
             for rate in args.rates.split(","):        # rates interleaved: drift hits them alike
-                runs.setdefault(rate, []).append(run_once(rate, bench_args, throttle))
+                runs.setdefault(rate, []).append(run_once(rate, args.bench, bench_args, throttle))
                 print(f"run {run + 1}/{args.runs} at {rate}: done", file=sys.stderr)
     finally:
         if throttle is not None:
             throttle.close()
-    rows = summarize(runs)
-    print("| link | tier | codec | put tokens/s | get tokens/s | put gain | get gain |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['rate']} | {r['tier']} | {r['codec']} | {r['put_tokens_per_s']:,.0f} | "
-              f"{r['get_tokens_per_s']:,.0f} | {r['put_gain']:.2f}× | {r['get_gain']:.2f}× |")
+    if args.bench == "route":
+        rows = summarize_route(runs)
+        print_route(rows)
+    else:
+        rows = summarize(runs)
+        print("| link | tier | codec | put tokens/s | get tokens/s | put gain | get gain |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['rate']} | {r['tier']} | {r['codec']} | {r['put_tokens_per_s']:,.0f} | "
+                  f"{r['get_tokens_per_s']:,.0f} | {r['put_gain']:.2f}× | {r['get_gain']:.2f}× |")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "disk_read_rate": args.disk_read_rate,
                                                "summary": rows, "runs": runs}, indent=1))

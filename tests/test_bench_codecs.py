@@ -5,6 +5,7 @@ import pytest
 
 from tests.conftest import SHARED_TRACE
 from tests.support.cli import tiercache
+from tests.support.shaping import why_no_shaped_loopback
 from tiercache.bench.codecs import accuracy_prompts, bench_accuracy
 from tiercache.engine import ModelConfig
 from tiercache.engine.weights import save_hf_model, seeded_model
@@ -64,20 +65,6 @@ def test_bad_codec_flags_are_one_line():
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def _can_shape_loopback() -> str | None:
-    """Why a network namespace with a shaped loopback cannot be made here (None: it can)."""
-    import os
-    import shutil
-    import subprocess
-    if os.geteuid() != 0:
-        return "needs root (a network namespace and tc)"
-    if not all(shutil.which(t) for t in ("unshare", "tc", "ip")):
-        return "unshare, tc or ip is not installed"
-    probe = subprocess.run(["unshare", "--net", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate "
-                            "1gbit burst 1mb latency 20ms"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"cannot shape a namespace's loopback: {probe.stderr.strip()}"
-
-
 @pytest.mark.slow
 def test_shaped_links_runs_the_tiers_over_a_loopback_at_the_rate_asked(tmp_path):
     """benchmarks/shaped_links.py: a raw chunk moves at the shaped rate, not at loopback's, and a quantized one
@@ -86,7 +73,7 @@ def test_shaped_links_runs_the_tiers_over_a_loopback_at_the_rate_asked(tmp_path)
     import sys
 
     import pytest
-    why = _can_shape_loopback()
+    why = why_no_shaped_loopback()
     if why:
         pytest.skip(why)
     out = tmp_path / "shaped.json"

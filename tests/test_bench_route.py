@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.shaping import why_no_shaped_loopback
+
 pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install 'tiercache[fleet]')")
 pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'tiercache[fleet]')")
 pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'tiercache[fleet]')")
@@ -134,3 +136,28 @@ def test_replica_settings_reach_every_replica_of_the_fleet():
                 assert json.loads(resp.read())["chunk_tokens"] == 64
     finally:
         fleet.stop()
+
+
+@pytest.mark.slow
+def test_shaped_links_runs_the_fleet_and_its_shared_server_behind_a_shaped_loopback(tmp_path):
+    """benchmarks/shaped_links.py --bench route: the router, the replicas and their shared server in a network
+    namespace whose loopback is shaped; the summary has each policy of the fleet, its p50 against round-robin's
+    in the same run, and the KV the replicas loaded from the server crossed that loopback."""
+    why = why_no_shaped_loopback()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "shaped.json"
+    proc = subprocess.run([sys.executable, "benchmarks/shaped_links.py", "--bench", "route", "--rates", "320mbit",
+                           "--runs", "1", "--json", str(out), "--", "--replicas", "2", "--shared", "yes",
+                           "--policies", "round-robin,expected-ttft", "--conversations", "6", "--max-turns", "2",
+                           "--rate", "2", "--overhead-pairs", "0"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]["320mbit"]
+    assert {r["policy"] for r in run["runs"]} == {"round-robin", "expected-ttft"}
+    assert all(r["shared_server"] for r in run["runs"])
+    assert any(r["loaded_chunks_per_request"].get("grpc", 0) > 0 for r in run["runs"])
+    rows = {r["policy"]: r for r in report["summary"]}
+    assert rows["round-robin"]["p50_vs_rr"] == 1.0 and rows["expected-ttft"]["runs"] == 1
+    assert rows["expected-ttft"]["p50_vs_rr"] > 0
+    assert "| 320mbit | 2 | yes | expected-ttft |" in proc.stdout
