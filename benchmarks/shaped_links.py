@@ -42,6 +42,10 @@ from tiercache.errors import ConfigError
 
 BURST = "4mb"       # the token bucket's depth: a few 64 KiB loopback packets beyond one 4 MiB send
 LATENCY = "20ms"    # how long a packet may queue for tokens before tbf drops it
+# A send smaller than the bucket passes at loopback's speed: for `bench tiers`' multi-MiB transfers the 4 MiB
+# bucket is a rounding, for a router's fleet whose moved turns load 0.5-1.5 MiB it is the whole link (RESULTS.md,
+# "A shared server behind a slower link"): give that one --burst 256kb (a few loopback packets) to make every
+# load pay for its bytes, and --latency 200ms so that the queue it builds is delayed rather than dropped.
 
 
 def fail(message: str) -> None:
@@ -78,25 +82,27 @@ class ReadThrottle:
             self.dir.rmdir()
 
 
-def in_shaped_namespace(rate: str, command: list[str],
-                        throttle: ReadThrottle | None = None) -> subprocess.CompletedProcess:
+def in_shaped_namespace(rate: str, command: list[str], throttle: ReadThrottle | None = None,
+                        burst: str = BURST, latency: str = LATENCY) -> subprocess.CompletedProcess:
     """Run ``command`` in a network namespace of its own whose loopback moves ``rate`` (tc's units, or
-    ``none``), its disk reads capped by ``throttle`` if given; output captured."""
+    ``none``) through a token bucket of ``burst``, its disk reads capped by ``throttle`` if given; output
+    captured."""
     steps = ["ip link set lo up"]
     if rate != "none":
-        steps.append(f"tc qdisc add dev lo root tbf rate {rate} burst {BURST} latency {LATENCY}")
+        steps.append(f"tc qdisc add dev lo root tbf rate {rate} burst {burst} latency {latency}")
     if throttle is not None:
         steps.append(throttle.enter_command())
     steps.append("exec " + " ".join(f"'{a}'" for a in command))
     return subprocess.run(["unshare", "--net", "sh", "-c", " && ".join(steps)], capture_output=True, text=True)
 
 
-def run_once(rate: str, name: str, bench_args: list[str], throttle: ReadThrottle | None) -> dict:
+def run_once(rate: str, name: str, bench_args: list[str], throttle: ReadThrottle | None, burst: str,
+             latency: str) -> dict:
     """One fresh `tiercache bench NAME` at loopback ``rate``: its JSON report."""
     with tempfile.TemporaryDirectory(prefix="tiercache-shaped-") as tmp:
         out = Path(tmp) / "run.json"
         bench = [sys.executable, "-m", "tiercache.cli", "bench", name, *bench_args, "--quiet", "--json", str(out)]
-        done = in_shaped_namespace(rate, bench, throttle)
+        done = in_shaped_namespace(rate, bench, throttle, burst, latency)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
             fail(f"the run at rate {rate} failed: {tail[0]}")
@@ -162,6 +168,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="fresh benchmark runs per rate (medians are reported)")
     p.add_argument("--json", help="write every run and the summary here")
     p.add_argument("--bench", choices=("tiers", "route"), default="tiers", help="which benchmark runs over the link")
+    p.add_argument("--burst", default=BURST, help=f"the link's token bucket, in tc's units (default {BURST})")
+    p.add_argument("--latency", default=LATENCY,
+                   help=f"how long a packet may wait for tokens before it is dropped (default {LATENCY})")
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then that `tiercache bench` command's flags")
     args = p.parse_args()
     bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -185,7 +194,8 @@ def main() -> None:
     try:
         for run in range(args.runs):
             for rate in args.rates.split(","):        # rates interleaved: drift hits them alike
-                runs.setdefault(rate, []).append(run_once(rate, args.bench, bench_args, throttle))
+                runs.setdefault(rate, []).append(run_once(rate, args.bench, bench_args, throttle, args.burst,
+                                                          args.latency))
                 print(f"run {run + 1}/{args.runs} at {rate}: done", file=sys.stderr)
     finally:
         if throttle is not None:
@@ -202,6 +212,7 @@ def main() -> None:
                   f"{r['get_tokens_per_s']:,.0f} | {r['put_gain']:.2f}× | {r['get_gain']:.2f}× |")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "disk_read_rate": args.disk_read_rate,
+                                               "burst": args.burst, "latency": args.latency,
                                                "summary": rows, "runs": runs}, indent=1))
 
 
