@@ -5,8 +5,8 @@ disk's reads at B/s.
         -- --tiers redis,grpc --codecs raw,int8,fp8-e4m3 --total-mib 512 --reps 3
     sudo python benchmarks/shaped_links.py --rates none --disk-read-rate 1GB --runs 3 \
         -- --tiers disk --codecs raw,int8 --total-mib 512 --reps 3
-    sudo python benchmarks/shaped_links.py --bench route --rates 320mbit,none --runs 2 \
-        -- --replicas 2 --shared yes --overhead-pairs 0
+    sudo python benchmarks/shaped_links.py --bench route --rates 320mbit,none --burst 256kb --latency 200ms \
+        --runs 2 -- --replicas 2 --shared yes --overhead-pairs 0
 
 On one machine the "network" is loopback, which moves bytes as fast as the cores copy them, and a quantized
 chunk's gain depends on how the link compares with the codec. Each run here is a fresh `tiercache bench

@@ -148,11 +148,13 @@ def test_shaped_links_runs_the_fleet_and_its_shared_server_behind_a_shaped_loopb
         pytest.skip(why)
     out = tmp_path / "shaped.json"
     proc = subprocess.run([sys.executable, "benchmarks/shaped_links.py", "--bench", "route", "--rates", "320mbit",
-                           "--runs", "1", "--json", str(out), "--", "--replicas", "2", "--shared", "yes",
-                           "--policies", "round-robin,expected-ttft", "--conversations", "6", "--max-turns", "2",
-                           "--rate", "2", "--overhead-pairs", "0"], capture_output=True, text=True, timeout=600)
+                           "--burst", "256kb", "--latency", "200ms", "--runs", "1", "--json", str(out),
+                           "--", "--replicas", "2", "--shared", "yes", "--policies", "round-robin,expected-ttft",
+                           "--conversations", "6", "--max-turns", "2", "--rate", "2", "--overhead-pairs", "0"],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
+    assert (report["burst"], report["latency"]) == ("256kb", "200ms")
     (run,) = report["runs"]["320mbit"]
     assert {r["policy"] for r in run["runs"]} == {"round-robin", "expected-ttft"}
     assert all(r["shared_server"] for r in run["runs"])
