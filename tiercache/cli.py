@@ -507,7 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--output-tokens", type=_positive, default=8)
     rb.add_argument("--rate", type=_positive_float, default=4.0,
                     help="conversations started per second (the default keeps two reference-engine replicas on a "
-                         "2-core machine 80-90 %% busy; RESULTS.md has runs from 1.6 to 4.0)")
+                         "2-core machine 65-90 %% busy, as fast as the machine runs that day; RESULTS.md has "
+                         "runs from 1.6 to 4.0)")
     rb.add_argument("--seed", type=int, default=0)
     rb.add_argument("--replica-set", metavar="SECTION.FIELD=VALUE", action="append", default=[],
                     help="a config field for every replica (repeatable), e.g. keys.chunk_tokens=64: what a "
