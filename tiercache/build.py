@@ -42,6 +42,7 @@ from tiercache.policies import (
     eviction_policies,
     guards_entry,
 )
+from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.registry import Registry
@@ -49,7 +50,7 @@ from tiercache.tiers.base import LowerIndex, Transport
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.slab import HostSlab
 from tiercache.transfer.engine import TransferEngine
-from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, LayerTensorsHandlers
+from tiercache.transfer.handlers import CpuLowerHandlers, DeviceCpuHandlers, GroupPagesHandlers, LayerTensorsHandlers
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta, ChunkSealer, ChunkSigner
 from tiercache.wire.codec_pipeline import CodecThreads
 
@@ -180,6 +181,7 @@ class RedisTierBuilder(LowerTier):
                 lookup_timeout_s=min(r.lookup_timeout, r.timeout),
                 retry_interval_s=r.retry_interval,
                 cluster=r.cluster,
+                admission=r.admission,
             ),
         )
 
@@ -192,7 +194,7 @@ class RedisTierBuilder(LowerTier):
                                                                ttl_s=r.expiry, renew_on_read=not r.retention,
                                                                timeout_s=r.timeout, retry_interval_s=r.retry_interval,
                                                                cluster=r.cluster, writer=writer,
-                                                               codec_threads=codec))
+                                                               codec_threads=codec, admission=r.admission))
         transport.check_health()
         return transport
 
@@ -292,13 +294,30 @@ def l1_slot_bytes(config: TierCacheConfig, block_bytes: int) -> int:
     return config.keys.blocks_per_chunk * block_bytes
 
 
-def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV, namespace: Namespace,
-                      shard: KVShard, copies_in_step: bool) -> WorkerStack:
-    """This rank's stack over its L0 ``kv``: tiercache's own paged pool, or an engine's per-layer tensors."""
+def _chunk_layouts(kv: PagedKVCache | LayerTensorsKV | GroupPagesKV):
+    """How a chunk of ``n`` blocks of ``kv`` is laid out, as a function of ``n``."""
+    if isinstance(kv, GroupPagesKV):
+        return kv.groups.layout
+    return lambda n: ChunkLayout(kv.geometry.dtype, kv.chunk_shape(n))
+
+
+_HANDLERS = {PagedKVCache: DeviceCpuHandlers, LayerTensorsKV: LayerTensorsHandlers, GroupPagesKV: GroupPagesHandlers}
+
+
+def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV | GroupPagesKV,
+                      namespace: Namespace, shard: KVShard, copies_in_step: bool) -> WorkerStack:
+    """This rank's stack over its L0 ``kv``: tiercache's own paged pool, an engine's per-layer tensors, or the
+    pages of an engine's KV-cache groups."""
     check_config(config)
     if kv.block_size != config.keys.block_size:
         raise ConfigError("keys.block_size", config.keys.block_size, f"the KV pool uses blocks of {kv.block_size}")
-    slot_bytes = l1_slot_bytes(config, kv.block_bytes)
+    groups = kv.groups if isinstance(kv, GroupPagesKV) else None
+    if groups is not None and lossy_codec(config):
+        raise ConfigError("format.codec", config.format.codec, "is lossy; a model with KV-cache groups of several "
+                          "kinds is stored raw (a lossless codec works)")
+    layout_of = _chunk_layouts(kv)
+    block_bytes = layout_of(1).raw_len
+    slot_bytes = layout_of(config.keys.blocks_per_chunk).raw_len
     if config.cpu.capacity > physical_memory():
         raise ConfigError("cpu.capacity", config.cpu.capacity,
                           f"is more than this machine's memory ({physical_memory()} B); L1 is allocated up front")
@@ -325,13 +344,12 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits(),
                             name=f"tiercache-xfer-r{shard.rank}")
     bpc = config.keys.blocks_per_chunk
-    handlers = LayerTensorsHandlers if isinstance(kv, LayerTensorsKV) else DeviceCpuHandlers
-    handlers(kv, slab, bpc, L1).register(engine)
+    _HANDLERS[type(kv)](kv, slab, bpc, L1).register(engine)
 
     def chunk_meta(key: BlockHash, chunk_blocks: int, parent: BlockHash | None = None,
                    stored_at: float = 0.0) -> ChunkMeta:
-        return ChunkMeta(storage, key, chunk_blocks * kv.block_size, kv.geometry.dtype, kv.chunk_shape(chunk_blocks),
-                         parent, stored_at)
+        layout = layout_of(chunk_blocks)
+        return ChunkMeta(storage, key, chunk_blocks * kv.block_size, layout.dtype, layout.shape, parent, stored_at)
 
     for transport in transports.values():
         CpuLowerHandlers(slab, transport, chunk_meta, L1).register(engine)
@@ -340,8 +358,8 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
         scan = transport.scan() if shard.writer else None
         if scan is not None:
             stored[name] = scan
-    handshake = WorkerHandshake(shard.rank, shard.num_ranks, kv.block_bytes, num_slots, storage, shard.writer,
-                                stored, copies_in_step, ChunkLayout(kv.geometry.dtype, kv.chunk_shape(1)))
+    handshake = WorkerHandshake(shard.rank, shard.num_ranks, block_bytes, num_slots, storage, shard.writer,
+                                stored, copies_in_step, layout_of(1), groups)
     log.info("tiercache rank %d/%d: L1 %d slots of %d B (%d B of cpu.capacity %d B), tiers %s", shard.rank,
              shard.num_ranks, num_slots, slot_bytes, num_slots * slot_bytes, config.cpu.capacity,
              [L1, *transports])
@@ -372,9 +390,11 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
     if not handshakes or len({h.num_ranks for h in handshakes}) != 1 or len(handshakes) != handshakes[0].num_ranks:
         raise ValueError(f"expected one handshake from each rank, got ranks {sorted(h.rank for h in handshakes)}")
     block_bytes = max(h.block_bytes for h in handshakes)
+    widest = max(handshakes, key=lambda h: h.chunk_bytes(config.keys.blocks_per_chunk))
+    slot_bytes = widest.chunk_bytes(config.keys.blocks_per_chunk)
     writers = [h for h in handshakes if h.writer]
     l1 = CpuIndex(
-        min(h.num_slots for h in handshakes), l1_slot_bytes(config, block_bytes), eviction=config.cpu.eviction,
+        min(h.num_slots for h in handshakes), slot_bytes, eviction=config.cpu.eviction,
         retention_s=config.cpu.retention,
     )
     lower: list[LowerIndex] = []
@@ -394,11 +414,13 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
             index.close()
         audit.close()
         raise
-    # it guards the first tier written back to (what L1 spills into)
+    # it guards the first tier written back to (what L1 spills into); a remote one guards its own door, by what
+    # every replica asked of it (the server's store, Redis's sightings)
     guarded = next((t for t in lower if getattr(config, t.name).write_mode == "write-back"), None)
-    shape = (GuardedTier(guarded.capacity_bytes // l1_slot_bytes(config, block_bytes), l1.slots.num_slots)
+    shape = (GuardedTier(guarded.capacity_bytes // slot_bytes, l1.slots.num_slots)
              if guarded else GuardedTier(1))
-    admission = admission_for(config.disk.admission, config.disk.min_hits, shape)
+    admission = (admission_for(config.disk.admission, config.disk.min_hits, shape)
+                 if guarded is None or guarded.indexed else None)
     l1_admission = (admission_for(config.cpu.admission, config.cpu.min_hits, GuardedTier(l1.slots.num_slots))
                     if config.cpu.admission != "always" else None)
     layout = max(handshakes, key=lambda h: h.block_bytes).block_layout
@@ -409,7 +431,7 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
                            promotion=getattr(getattr(config, guarded.name), "promotion", "copy") if guarded
                            else "copy",
                            transfer_workers=config.transfer.workers, block_layout=layout, audit=audit,
-                           chores=chores)
+                           chores=chores, groups=widest.groups)
     log.info("tiercache scheduler: %d ranks, L1 %d slots per rank, tiers %s%s", len(handshakes), l1.slots.num_slots,
              [t.name for t in manager.tiers],
              "".join(f", {t.name} {t.capacity_bytes} B per rank" for t in lower if t.capacity_bytes))

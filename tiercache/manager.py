@@ -54,6 +54,7 @@ from enum import Enum, auto
 from tiercache.audit import AuditTrail
 from tiercache.config import PROMOTIONS
 from tiercache.contracts.connector import RequestState
+from tiercache.contracts.groups import KVGroups, UniformChunks
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import (
@@ -118,6 +119,7 @@ class CacheManager:
         audit: AuditTrail | None = None,
         chores: Sequence[Callable[[], None]] = (),
         promotion: str = "copy",
+        groups: KVGroups | None = None,
     ) -> None:
         modes = [write_mode] * len(lower) if isinstance(write_mode, str) else list(write_mode)
         if len(modes) != len(lower) or any(m not in ("write-back", "write-through") for m in modes):
@@ -137,6 +139,10 @@ class CacheManager:
         self.block_bytes = block_bytes
         # dtype and shape of a one-block chunk: what a lower tier's codec makes of a chunk's bytes
         self.block_layout = block_layout or ChunkLayout("uint8", (1, 1, 1, block_bytes))
+        # an engine's KV-cache groups, when it has several (or one that is not full attention): what a chunk
+        # stores per group, and so its size; else every block of a chunk stores ``block_bytes``
+        self.groups = groups
+        self.sizes = groups or UniformChunks(self.block_layout, blocks_per_chunk)
         self.partial_chunks = partial_chunks     # a request's last chunk may be partial; lookups end on one
         self.write_modes = dict(zip(names[1:], modes))
         self._spill_to = next((t for t, m in zip(self.lower, modes) if m == "write-back"), None)
@@ -243,7 +249,7 @@ class CacheManager:
                 if key in todo:
                     start, end = self.finder.chunk_bounds(run.first_chunk + i, lookup.num_blocks)
                     sizes.append((key, end - start))
-            slots = self.l1.prepare_store([k for k, _ in sizes], [n * self.block_bytes for _, n in sizes])
+            slots = self.l1.prepare_store([k for k, _ in sizes], [self.sizes.nbytes(n) for _, n in sizes])
             born = lower.stored_times([k for k, _ in sizes])      # unknown for a remote tier: 0
             chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k), stored_at=born.get(k, 0.0))
                       for (k, n), slot in zip(sizes, slots) if slot is not None]
@@ -267,9 +273,9 @@ class CacheManager:
         """A plan between two tiers (None: L0) — or, for a delete, from ``src`` to nowhere. Its bytes are what
         crosses the link: a lower tier's stored bytes (its codec's, headers included), else the raw ones."""
         if lower is not None and kind is not JobKind.DELETE:
-            nbytes = sum(lower.reserve_bytes(self.block_layout.blocks(c.chunk_blocks)) for c in chunks)
+            nbytes = sum(lower.reserve_bytes(self.sizes.layout(c.chunk_blocks)) for c in chunks)
         else:
-            nbytes = sum(len(c.block_ids) or c.chunk_blocks for c in chunks) * self.block_bytes
+            nbytes = sum(self.sizes.nbytes(c.num_blocks or c.chunk_blocks) for c in chunks)
         src_medium = Medium.DEVICE if src is None else src.medium
         if kind is JobKind.DELETE:
             link, dst_name = link_name(src_medium, None), None
@@ -282,17 +288,20 @@ class CacheManager:
         return plan
 
     def plan_load(
-        self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None
+        self, lookup: PrefixLookup, block_ids: Sequence[int], upto_blocks: int | None = None,
+        group_tables: Sequence[Sequence[int]] = (),
     ) -> list[TransferPlan]:
-        """Plans that load ``lookup``'s hit (all of it in L1: see `in_l1`) into the request's table ``block_ids``.
+        """Plans that load ``lookup``'s hit (all of it in L1: see `in_l1`) into the request's table ``block_ids``
+        (with KV-cache groups: its table per group, ``group_tables``).
 
         Loads blocks ``lookup.num_computed_blocks .. upto_blocks`` (default:
         the whole hit); the chunks involved are pinned in L1 until the result
         is applied.
         """
         limit = lookup.num_hit_blocks if upto_blocks is None else min(upto_blocks, lookup.num_hit_blocks)
-        if len(block_ids) < limit:
-            raise ValueError(f"{len(block_ids)} block ids for a load of {limit} blocks")
+        tables = self._tables(block_ids, group_tables)
+        if any(len(table) < limit for table in tables):
+            raise ValueError(f"{[len(t) for t in tables]} block ids for a load of {limit} blocks")
         plans = []
         for run in lookup.runs:
             if run.tier != self.l1.name:
@@ -309,24 +318,42 @@ class CacheManager:
             chunks = []
             for (key, start, end), slot in zip(wanted, slots):
                 skip = max(0, lookup.num_computed_blocks - start)
-                chunks.append(ChunkCopy(key, slot, tuple(block_ids[start + skip:min(end, limit)]), end - start, skip))
+                if self.groups is None:
+                    chunks.append(ChunkCopy(key, slot, tuple(block_ids[start + skip:min(end, limit)]), end - start,
+                                            skip))
+                    continue
+                parts = self.groups.load_copy(tables, start, end, start + skip, limit)
+                chunks.append(ChunkCopy(key, slot, (), end - start, skip, groups=parts,
+                                        span=min(end, limit) - start - skip))
             plans.append(self._plan(JobKind.LOAD, self.l1, None, Priority.LOAD, chunks))
         return plans
 
     def plan_store(
-        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0,
+        group_tables: Sequence[Sequence[int]] = (),
     ) -> TransferPlan | None:
         """Plan storing a request's chunks (from ``first_chunk`` on) that L1 lacks.
 
         ``block_hashes`` are the hashes of the request's full blocks and
-        ``block_ids`` its block table. Chunks already present or without room
-        are skipped (stores are best effort); None when nothing is left.
+        ``block_ids`` its block table (with KV-cache groups: its table per
+        group, ``group_tables``). Chunks already present, without room, or
+        whose blocks the engine no longer holds are skipped (stores are best
+        effort); None when nothing is left.
         """
         keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.partial_chunks)
-        return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk)
+        return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk, group_tables=group_tables)
+
+    def _tables(self, block_ids: Sequence[int], group_tables: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+        """The request's block table per group (one group: ``block_ids``)."""
+        if self.groups is None:
+            return (block_ids,)
+        if len(group_tables) != len(self.groups.groups):
+            raise ValueError(f"{len(group_tables)} block tables for {len(self.groups.groups)} KV-cache groups")
+        return group_tables
 
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
-                          first_chunk: int = 0, private: bool = False) -> TransferPlan | None:
+                          first_chunk: int = 0, private: bool = False,
+                          group_tables: Sequence[Sequence[int]] = ()) -> TransferPlan | None:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks; ``private``
         chunks (a swap copy) stay in L1. An L1 admission policy cuts the chain at its first refused chunk (a
         swap copy is not asked: its request is coming back)."""
@@ -335,14 +362,20 @@ class CacheManager:
             end = first_chunk + admitted_prefix(self.l1_admission, keys[first_chunk:], room=self.l1.slots.num_free)
         if first_chunk >= end:
             return None
-        bounds = [self.finder.chunk_bounds(i, num_blocks) for i in range(first_chunk, end)]
-        slots = self.l1.prepare_store(keys[first_chunk:end], [(b - a) * self.block_bytes for a, b in bounds],
-                                      private=private)
-        parents = [keys[i - 1] if i else None for i in range(first_chunk, end)]
+        tables = self._tables(block_ids, group_tables)
+        wanted = []    # (key, start, stop, parent, groups)
+        for i in range(first_chunk, end):
+            start, stop = self.finder.chunk_bounds(i, num_blocks)
+            parts = () if self.groups is None else self.groups.store_copy(tables, start, stop)
+            if parts is not None:
+                wanted.append((keys[i], start, stop, keys[i - 1] if i else None, parts))
+        slots = self.l1.prepare_store([w[0] for w in wanted], [self.sizes.nbytes(stop - start)
+                                                               for _, start, stop, _, _ in wanted], private=private)
         now = time.time()                     # what the chunks' headers below L1 will say they were stored at
         chunks = [
-            ChunkCopy(key, slot, tuple(block_ids[start:stop]), stop - start, parent=parent, stored_at=now)
-            for key, slot, (start, stop), parent in zip(keys[first_chunk:end], slots, bounds, parents)
+            ChunkCopy(key, slot, () if parts else tuple(block_ids[start:stop]), stop - start, parent=parent,
+                      stored_at=now, groups=parts, span=stop - start if parts else 0)
+            for (key, start, stop, parent, parts), slot in zip(wanted, slots)
             if slot is not None
         ]
         self.l1.link([(c.key, c.parent) for c in chunks])     # a purge meanwhile finds them by their chain
@@ -352,7 +385,7 @@ class CacheManager:
 
     def _plan_down(self, kind: JobKind, chunks: list[ChunkCopy], lower: LowerIndex) -> list[ChunkCopy]:
         """Reserve ``lower`` for ``chunks`` (L1 slots) and plan the copy; returns the chunks refused."""
-        sizes = [lower.reserve_bytes(self.block_layout.blocks(c.chunk_blocks)) for c in chunks]
+        sizes = [lower.reserve_bytes(self.sizes.layout(c.chunk_blocks)) for c in chunks]
         ok = lower.prepare_store([c.key for c in chunks], sizes)
         taken = [c for c, good in zip(chunks, ok) if good]
         lower.link([(c.key, c.parent) for c in taken])
@@ -415,8 +448,8 @@ class CacheManager:
             self.l1.keep_free(self.spill_reserve)
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
-            chunks = [ChunkCopy(s.key, s.slot, (), s.nbytes // self.block_bytes, parent=s.parent, stored_at=s.stored_at)
-                      for s in spills]
+            chunks = [ChunkCopy(s.key, s.slot, (), self.sizes.blocks_of(s.nbytes), parent=s.parent,
+                                stored_at=s.stored_at) for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
         deletes += self._plan_deletes()   # the spills may have evicted from the tier they went to
@@ -498,7 +531,7 @@ class CacheManager:
         if not chunks:
             return
         slots = [entry.slot for entry in self.l1.pin([c.key for c in chunks])]
-        pinned = [replace(c, slot=slot, block_ids=()) for c, slot in zip(chunks, slots)]
+        pinned = [replace(c, slot=slot, block_ids=(), groups=(), span=0) for c, slot in zip(chunks, slots)]
         refused = self._plan_down(JobKind.COPY_DOWN, pinned, lower)
         self.l1.unpin([c.key for c in refused])
 
@@ -530,7 +563,7 @@ class CacheManager:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
                  if e.ready and e.pins == 0 and not e.private and self._worth_spilling(key, e.hits)]
-        self._copy_down([ChunkCopy(key, e.slot, (), e.nbytes // self.block_bytes, parent=e.parent,
+        self._copy_down([ChunkCopy(key, e.slot, (), self.sizes.blocks_of(e.nbytes), parent=e.parent,
                                    stored_at=e.stored_at) for key, e in dirty], self._spill_to)
         return self.take_background()
 

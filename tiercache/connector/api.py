@@ -36,9 +36,11 @@ class SchedulerConnector(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Blocks are allocated: plan loading ``num_external_tokens`` tokens into them."""
+        """Blocks are allocated: plan loading ``num_external_tokens`` tokens into them (an engine whose KV has
+        several groups gives each group's table in ``group_block_ids``, `NO_BLOCK` where it holds none)."""
 
     @abstractmethod
     def build_connector_meta(self, step: Sequence[StepRequest], preempted: Sequence[str] = ()) -> ConnectorMetadata:
@@ -50,7 +52,8 @@ class SchedulerConnector(ABC):
         the outcomes of the jobs that completed."""
 
     @abstractmethod
-    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: Sequence[int],
+                         group_block_ids: Sequence[Sequence[int]] = ()) -> bool:
         """The request ended; True if its blocks must stay allocated until every rank reports it in
         `WorkerReport.finished_sending`."""
 

@@ -142,7 +142,7 @@ class OffloadScheduler(SchedulerConnector):
         lookup = manager.in_l1(lookup)
         available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
         # At least one token is computed, so the request gets logits.
-        num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
+        num_new = max(0, self._resume_point(min(available, request.num_tokens - 1), lookup) - num_computed_tokens)
         self.counters.lookups += 1
         if num_new:
             self._lookups[rid] = (lookup, swapped)
@@ -150,8 +150,17 @@ class OffloadScheduler(SchedulerConnector):
             self._lookups.pop(rid, None)
         return num_new
 
+    def _resume_point(self, tokens: int, lookup: PrefixLookup) -> int:
+        """Where a hit that could reach ``tokens`` may end: anywhere, unless a KV-cache group stores only what a
+        resume at a chunk's end needs (a window) — then at the last chunk boundary within it."""
+        if not self.manager.sizes.whole_chunks_only or tokens == lookup.num_hit_tokens:
+            return tokens
+        chunk_tokens = self.bpc * self.block_size
+        return tokens // chunk_tokens * chunk_tokens
+
     def update_state_after_alloc(
-        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         manager = self.manager
         if manager is None:
@@ -168,10 +177,10 @@ class OffloadScheduler(SchedulerConnector):
         self.counters.hit_requests += 1
         self.counters.hit_tokens += num_external_tokens
         upto = -(-(lookup.num_computed_blocks * self.block_size + num_external_tokens) // self.block_size)
-        for plan in manager.plan_load(lookup, block_ids, upto_blocks=upto):
+        for plan in manager.plan_load(lookup, block_ids, upto_blocks=upto, group_tables=group_block_ids):
             self._pending_loads.append(plan)
             self._owners[plan.job_id] = rid
-            self._load_tokens[plan.job_id] = sum(len(c.block_ids) for c in plan.chunks) * self.block_size
+            self._load_tokens[plan.job_id] = sum(c.num_blocks for c in plan.chunks) * self.block_size
         if swapped is not None:
             self.counters.swap_ins += 1
 
@@ -190,7 +199,8 @@ class OffloadScheduler(SchedulerConnector):
             done = self._stored_chunks.get(rid, 0)
             if full_chunks <= done:
                 continue
-            plan = manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done)
+            plan = manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done,
+                                      group_tables=s.group_block_ids)
             self._stored_chunks[rid] = full_chunks
             if plan is not None:
                 self._add_store(rid, plan)
@@ -257,10 +267,11 @@ class OffloadScheduler(SchedulerConnector):
                     self.counters.stores_cancelled += 1
         return outcomes
 
-    def request_finished(self, request: RequestView, block_ids: Sequence[int]) -> bool:
+    def request_finished(self, request: RequestView, block_ids: Sequence[int],
+                         group_block_ids: Sequence[Sequence[int]] = ()) -> bool:
         rid = request.request_id
         if self.manager is not None and rid in self._chunks:
-            self._store_tail(request, block_ids)
+            self._store_tail(request, block_ids, group_block_ids)
             self._chunks[rid] = self._chunk_keys(request)         # its generated tokens' chunks too
             self._hint(rid, RequestState.CONTINUES if request.continues else RequestState.FINISHED)
         self._chunks.pop(rid, None)
@@ -272,7 +283,8 @@ class OffloadScheduler(SchedulerConnector):
             self._drop_swap(swapped)
         return self._keep_blocks(rid)
 
-    def _store_tail(self, request: RequestView, block_ids: Sequence[int]) -> None:
+    def _store_tail(self, request: RequestView, block_ids: Sequence[int],
+                    group_block_ids: Sequence[Sequence[int]]) -> None:
         """Store what a finished request computed past its last whole chunk (``keys.partial_chunks``: every
         request's, or only those that continue — a session's, or said to) — the next turn of a conversation,
         sent to any replica that reads the same tiers, finds it there (`PrefixFinder.lookup_chunks`) rather
@@ -282,11 +294,13 @@ class OffloadScheduler(SchedulerConnector):
             return
         rid = request.request_id
         computed = min(request.num_computed_tokens, request.num_tokens - 1)
-        blocks = min(computed // self.block_size, len(request.block_hashes), len(block_ids))
+        blocks = min(computed // self.block_size, len(request.block_hashes),
+                     *(len(table) for table in (group_block_ids or (block_ids,))))
         done = self._stored_chunks.get(rid, 0)
         if blocks <= done * self.bpc:
             return
-        plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done)
+        plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done,
+                                       group_tables=group_block_ids)
         if plan is not None:
             self._add_store(rid, plan)
             self.counters.tail_stores += 1

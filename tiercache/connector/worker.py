@@ -34,6 +34,7 @@ from tiercache.connector.api import WorkerConnector
 from tiercache.contracts.connector import ConnectorMetadata, WorkerHandshake, WorkerReport
 from tiercache.contracts.keys import BlockHash, KVShard, Namespace
 from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, JobId, Priority, TransferPlan, TransferResult
+from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.transfer.engine import LayerProgress
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class OffloadWorker(WorkerConnector):
         self.stack: WorkerStack | None = None
         self.layerwise = False
         self.inline = False
+        self.stores_in_step = False   # stores run on the engine's thread within their step
         self._progress: list[LayerProgress] = []
         self._meta = ConnectorMetadata()
         self._owners: dict[JobId, str] = {}
@@ -80,6 +82,8 @@ class OffloadWorker(WorkerConnector):
         inline = self.config.transfer.inline_host_copies
         self.inline = inline == "on" or (inline == "auto" and kv.device.type == "cpu")
         self.layerwise = self.config.transfer.layerwise and not self.inline
+        # a window group's blocks are the engine's again once its window slides past them (at the next step)
+        self.stores_in_step = self.inline or (isinstance(kv, GroupPagesKV) and kv.groups.whole_chunks_only)
         if self.stack is not None:
             self.stack.close()
         self.stack = build_worker_side(self.config, kv, self.namespace, self.shard, copies_in_step=self.inline)
@@ -181,7 +185,7 @@ class OffloadWorker(WorkerConnector):
                 self._results.append(TransferResult(plan, 0.0, tuple((k, Failure.CANCELLED) for k in plan.keys),
                                                     "cancelled: the request's load failed"))
                 continue
-            if self.inline:
+            if self.stores_in_step:
                 engine.run_inline(plan)
             else:
                 engine.submit(plan)
@@ -210,7 +214,7 @@ class OffloadWorker(WorkerConnector):
                 if not r.ok:
                     failed_loads.add(owner)
                     bad = {key for key, _ in r.failed}
-                    failed_blocks.update(b for c in r.plan.chunks if c.key in bad for b in c.block_ids)
+                    failed_blocks.update(b for c in r.plan.chunks if c.key in bad for b in c.engine_blocks())
             else:
                 jobs = self._stores_in_flight.get(owner)
                 if jobs is not None:
@@ -279,7 +283,7 @@ class OffloadWorker(WorkerConnector):
         parts = [chunks[i::self.config.transfer.workers] for i in range(min(self.config.transfer.workers,
                                                                               len(chunks)))]
         plans = [TransferPlan(JobId(WRITE_DOWN_JOB - i), L1, tier, link, Priority.STORE, tuple(part),
-                              sum(c.chunk_blocks for c in part) * stack.handshake.block_bytes) for i, part in
+                              sum(stack.handshake.chunk_bytes(c.chunk_blocks) for c in part)) for i, part in
                  enumerate(parts)]
         start = time.monotonic()
         for plan in plans:

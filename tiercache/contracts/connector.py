@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from tiercache.contracts.groups import KVGroups
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import JobId, JobReport, TransferPlan, WriteBackOrder
@@ -35,10 +36,13 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class StepRequest:
-    """One request in a scheduled step: its table and how many tokens will be cached after the step."""
+    """One request in a scheduled step: its table and how many tokens will be cached after the step. An engine
+    whose KV has several groups gives its table per group in ``group_block_ids`` (`NO_BLOCK` where it holds
+    none) and its first group's in ``block_ids``."""
     request: RequestView
     block_ids: Sequence[int]
     num_computed_tokens: int
+    group_block_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,11 @@ class WorkerHandshake:
     stored: Mapping[str, ScanResult] = field(default_factory=dict)   # what persistent tiers hold, per tier
     copies_in_step: bool = False          # L0 ↔ L1 copies complete within the step that asked for them
     block_layout: ChunkLayout | None = None   # dtype and shape of a one-block chunk (sizes quantized chunks)
+    groups: KVGroups | None = None        # the KV-cache groups, when the engine's KV has them (`contracts.groups`)
+
+    def chunk_bytes(self, chunk_blocks: int) -> int:
+        """This rank's bytes of a stored chunk of ``chunk_blocks`` blocks."""
+        return self.groups.nbytes(chunk_blocks) if self.groups is not None else chunk_blocks * self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import NewType
 
+from tiercache.contracts.groups import GroupBlocks
 from tiercache.contracts.keys import BlockHash
 
 JobId = NewType("JobId", int)
@@ -70,6 +71,11 @@ class ChunkCopy:
     ``slot`` addresses the chunk in L1 (the same slot on every rank), when L1
     is involved; ``chunk_blocks`` is how many blocks the stored chunk holds
     (fewer than a full chunk only for a partial trailing chunk).
+
+    An engine whose KV has several groups (`tiercache.contracts.groups`)
+    names its blocks per group in ``groups`` instead of ``block_ids``;
+    ``first_block`` and ``span`` are then the table positions the copy
+    covers.
     """
     key: BlockHash
     slot: int | None
@@ -78,6 +84,17 @@ class ChunkCopy:
     first_block: int = 0
     parent: BlockHash | None = None   # the request's previous chunk (chain-aware eviction, purges by prompt)
     stored_at: float = 0.0            # when the chunk was first stored (what a lower tier's header says; 0: unknown)
+    groups: tuple[GroupBlocks, ...] = ()
+    span: int = 0                     # with ``groups``: table positions covered, from ``first_block``
+
+    @property
+    def num_blocks(self) -> int:
+        """Table positions the copy covers (the engine's tokens it stores or loads, in blocks)."""
+        return self.span if self.groups else len(self.block_ids)
+
+    def engine_blocks(self) -> tuple[int, ...]:
+        """Every engine block the copy reads or writes, across groups."""
+        return tuple(b for g in self.groups for b in g.block_ids) if self.groups else self.block_ids
 
 
 @dataclass(frozen=True, slots=True)

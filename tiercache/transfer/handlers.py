@@ -20,6 +20,7 @@ import torch
 from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, KeyFailures, TransferPlan
 from tiercache.kernels import chunk_view, gather_blocks, gather_chunks, scatter_blocks, scatter_chunks
 from tiercache.kernels.cuda import make_copier
+from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 from tiercache.tiers.base import Transport
@@ -134,6 +135,35 @@ class LayerTensorsHandlers:
         for layer in range(self.kv.num_layers):
             self._move(plan, store=False, layers=range(layer, layer + 1))
             progress.mark(layer)
+
+
+class GroupPagesHandlers:
+    """L0 ↔ L1 for an engine whose KV has KV-cache groups (`GroupPagesKV`): each chunk's groups' pages, whole
+    (a load marks every layer at once: its groups' layers are not in one order)."""
+
+    def __init__(self, kv: GroupPagesKV, slab: HostSlab, blocks_per_chunk: int, l1: str = "cpu") -> None:
+        self.kv = kv
+        self.slab = slab
+        self.l1 = l1
+
+    def register(self, engine: TransferEngine) -> None:
+        engine.register(DEVICE, self.l1, self.store)
+        engine.register(self.l1, DEVICE, self.load)
+
+    def _move(self, plan: TransferPlan, store: bool) -> None:
+        for c in plan.chunks:
+            slot = self.slab.view(c.slot)  # type: ignore[arg-type]
+            (self.kv.gather if store else self.kv.scatter)(c.groups, slot, c.chunk_blocks)
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()
+
+    def store(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
+        self._move(plan, store=True)
+
+    def load(self, plan: TransferPlan, progress: LayerProgress | None = None) -> None:
+        self._move(plan, store=False)
+        if progress is not None:
+            progress.end()
 
 
 class CpuLowerHandlers:

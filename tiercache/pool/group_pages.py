@@ -1,0 +1,79 @@
+"""L0 owned by an engine whose KV has KV-cache groups (vLLM's hybrid allocator), addressed by block id.
+
+Worker side, one per rank. Every layer of every group is seen as its pages: a ``[num_blocks, page_bytes]``
+uint8 view of the memory the engine placed it in, whatever the tensor shapes the engine's attention or
+state kernels read. Groups share one pool of block ids (a block belongs to one group at a time), so a
+group's pages are moved by its own block ids, as opaque bytes.
+
+A stored chunk is group-major (`tiercache.contracts.groups`): for each group, ``[num_layers, stored_blocks,
+page_bytes]``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tiercache.contracts.groups import GroupBlocks, KVGroups
+
+
+def page_view(backing: torch.Tensor, num_blocks: int, page_bytes: int, block_stride: int, offset: int) -> torch.Tensor:
+    """``[num_blocks, page_bytes]`` uint8 view of one layer's pages: block ``b``'s page starts at
+    ``offset + b * block_stride`` bytes into ``backing`` (a flat uint8 tensor over the engine's allocation)."""
+    if page_bytes > block_stride or offset + (num_blocks - 1) * block_stride + page_bytes > backing.numel():
+        raise ValueError(f"{num_blocks} pages of {page_bytes} B every {block_stride} B from byte {offset} do not "
+                         f"fit an allocation of {backing.numel()} B")
+    return backing.as_strided((num_blocks, page_bytes), (block_stride, 1), backing.storage_offset() + offset)
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole allocation ``tensor`` views."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),))
+
+
+class GroupPagesKV:
+    """An engine's KV as each group's layers' pages."""
+
+    def __init__(self, groups: KVGroups, pages: Sequence[Sequence[torch.Tensor]], num_blocks: int) -> None:
+        if len(pages) != len(groups.groups):
+            raise ValueError(f"pages for {len(pages)} groups, the KV has {len(groups.groups)}")
+        for g, (group, layers) in enumerate(zip(groups.groups, pages)):
+            if len(layers) != group.num_layers:
+                raise ValueError(f"group {g}: {len(layers)} layers' pages, the group has {group.num_layers}")
+            for layer in layers:
+                if layer.dtype != torch.uint8 or tuple(layer.shape) != (num_blocks, group.page_bytes):
+                    raise ValueError(f"group {g}: a layer's pages are {layer.dtype} {tuple(layer.shape)}, not "
+                                     f"uint8 ({num_blocks}, {group.page_bytes})")
+        self.groups = groups
+        self.pages = [list(layers) for layers in pages]
+        self.num_blocks = num_blocks
+        self.block_size = groups.block_size
+        self.device = pages[0][0].device
+
+    def segment(self, chunk: torch.Tensor, chunk_blocks: int, g: int) -> torch.Tensor:
+        """Group ``g``'s part of a stored chunk (a flat uint8 buffer) as ``[num_layers, stored_blocks, page]``."""
+        group = self.groups.groups[g]
+        start = self.groups.offsets(chunk_blocks)[g]
+        n = self.groups.stored_blocks(group, chunk_blocks)
+        return chunk[start:start + group.num_layers * n * group.page_bytes].view(group.num_layers, n, group.page_bytes)
+
+    def gather(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
+        """Copy each group's named blocks from the engine's pages into a stored chunk."""
+        for g, part in enumerate(parts):
+            if not part.block_ids:
+                continue
+            ids = torch.as_tensor(part.block_ids, device=self.device)
+            out = self.segment(chunk, chunk_blocks, g)[:, part.first:part.first + len(part.block_ids)]
+            for layer, pages in enumerate(self.pages[g]):
+                out[layer].copy_(pages.index_select(0, ids))
+
+    def scatter(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
+        """Copy each group's named blocks from a stored chunk into the engine's pages."""
+        for g, part in enumerate(parts):
+            if not part.block_ids:
+                continue
+            ids = torch.as_tensor(part.block_ids, device=self.device)
+            src = self.segment(chunk, chunk_blocks, g)[:, part.first:part.first + len(part.block_ids)]
+            for layer, pages in enumerate(self.pages[g]):
+                pages.index_copy_(0, ids, src[layer].to(self.device, non_blocking=True))
