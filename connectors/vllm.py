@@ -43,9 +43,17 @@ the answer is "ask again" (``None``). Loads land layer by layer when
 on a CPU pool they run inline on vLLM's thread unless
 ``transfer.inline_host_copies`` is ``off``). KV events: ``BlockStored`` when
 chunks reach a tier and ``BlockRemoved`` when they leave one, in order, with
-the tier's medium. A model with more than one KV-cache group (hybrid
-attention that vLLM could not unify) is refused at start: the connector does
-not declare ``SupportsHMA``, so vLLM gives sliding-window models one group.
+the tier's medium.
+
+KV-cache groups: the connector declares ``SupportsHMA``, so vLLM keeps its
+hybrid KV-cache manager on. A model whose KV is one group of full attention
+(or MLA) moves its layers' blocks as before; one with several groups, or a
+sliding-window group, moves each group's pages by that group's block table
+(`GroupPagesKV`), storing with each chunk what each group needs to resume at
+its end (`tiercache.contracts.groups`): every block for full attention, the
+window behind the chunk's end for sliding-window layers. A group of a kind
+tiercache cannot resume (Mamba / linear-attention state) is refused at start,
+in one line naming it.
 """
 from __future__ import annotations
 
@@ -66,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -75,9 +84,11 @@ from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
 from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
+from tiercache.contracts.groups import NO_BLOCK, KVGroup, KVGroups
 from tiercache.contracts.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import shared_tiers_of
+from tiercache.pool.group_pages import GroupPagesKV, flat_bytes, page_view
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
 if TYPE_CHECKING:
@@ -214,27 +225,75 @@ def request_continues(request: "Request") -> bool:
     return bool(getattr(request, "session_id", None)) or (isinstance(params, dict) and params.get("continues") is True)
 
 
-def _check_kv_cache_groups(kv_cache_config: "KVCacheConfig | None") -> None:
-    """One KV-cache group of full attention, or a clear refusal at start (never group 0 silently)."""
+# vLLM's KV-cache spec classes (by exact name: subclasses may hold other things) → tiercache's group kinds
+VLLM_GROUP_KINDS = {"FullAttentionSpec": "full-attention", "MLAAttentionSpec": "mla",
+                    "SlidingWindowSpec": "sliding-window", "SlidingWindowMLASpec": "sliding-window"}
+
+
+def _group_of(index: int, group: Any) -> KVGroup:
+    """tiercache's description of one of vLLM's KV-cache groups (this rank's pages), or a one-line refusal."""
+    spec = group.kv_cache_spec
+    kind = VLLM_GROUP_KINDS.get(type(spec).__name__)
+    if kind is None:
+        layers = ", ".join(group.layer_names[:3]) + (", …" if len(group.layer_names) > 3 else "")
+        raise ValueError(f"TierCacheConnector: KV-cache group {index} ({layers}) is a {type(spec).__name__}, a kind "
+                         f"tiercache cannot resume; it resumes {', '.join(sorted(VLLM_GROUP_KINDS))}")
+    window = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0) if kind == "sliding-window" else 0
+    return KVGroup(kind, len(group.layer_names), spec.page_size_bytes, window)
+
+
+def kv_groups_of(kv_cache_config: "KVCacheConfig | None", blocks_per_chunk: int) -> KVGroups | None:
+    """The model's KV-cache groups when they need moving group by group — several groups, or one that is not
+    full attention — else None (one group of full attention or MLA: its layers' blocks move as tensors)."""
     if kv_cache_config is None:
-        return
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+        return None
+    vllm_groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    groups = tuple(_group_of(i, g) for i, g in enumerate(vllm_groups))
+    if len(groups) == 1 and groups[0].kind != "sliding-window":
+        return None
+    block_sizes = {g.kv_cache_spec.block_size for g in vllm_groups}
+    if len(block_sizes) != 1:
+        raise ValueError(f"TierCacheConnector: the model's KV-cache groups use blocks of {sorted(block_sizes)} "
+                         "tokens; tiercache chunks groups that share one block size")
+    return KVGroups(groups, block_sizes.pop(), blocks_per_chunk)
 
-    groups = kv_cache_config.kv_cache_groups
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        raise ValueError(f"TierCacheConnector: the model has {len(groups)} KV-cache group(s) of {', '.join(kinds)}; "
-                         "tiercache offloads one group of full attention (vLLM gives sliding-window models one "
-                         "when the hybrid KV-cache manager is off, as it is with this connector)")
+
+def group_pages(kv_cache_config: "KVCacheConfig", groups: KVGroups,
+                kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> GroupPagesKV:
+    """Each group's layers' pages, where vLLM placed them (`KVCacheTensor`: layer ``l``'s page of block ``b``
+    at ``offset + l * layer_stride + b * block_stride`` bytes into its allocation), whatever the tensors'
+    shapes; the allocation is found through the registered tensor of the placement's first layer."""
+    placed: dict[str, tuple[Any, int]] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(tensor.layers):
+            placed[name] = (tensor, i)
+    num_blocks = kv_cache_config.num_blocks
+    vllm_groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    pages = []
+    for group, spec in zip(groups.groups, vllm_groups):
+        layers = []
+        for name in spec.layer_names:
+            tensor, i = placed[name]
+            first = kv_caches[tensor.layers[0]]
+            backing = flat_bytes(first[0] if isinstance(first, (list, tuple)) else first)
+            layers.append(page_view(backing, num_blocks, group.page_bytes, tensor.block_stride,
+                                    tensor.offset + i * tensor.layer_stride))
+        pages.append(layers)
+    return GroupPagesKV(groups, pages, num_blocks)
 
 
-class TierCacheConnector(KVConnectorBase_V1):
+def group_tables(block_ids: "tuple[list[int], ...] | list[list[int]]") -> tuple[tuple[int, ...], ...]:
+    """vLLM's block table per group, with its null block (id 0: a position outside a window) as `NO_BLOCK`."""
+    return tuple(tuple(NO_BLOCK if b == 0 else b for b in table) for table in block_ids)
+
+
+class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _check_kv_cache_groups(kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config = offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config, self.block_size)
+        self.groups = kv_groups_of(kv_cache_config, self.config.keys.blocks_per_chunk)
         self.namespace = vllm_namespace(vllm_config, self.config.keys.tenant_salt)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
@@ -273,11 +332,15 @@ class TierCacheConnector(KVConnectorBase_V1):
 
         tp_size, pp_size = self._tp
         replicas = getattr(self._kv_cache_config, "kv_tp_replicas", 1)
-        replicated = tp_size > 1 and (self._vllm_config.model_config.use_mla or replicas >= tp_size)
+        # MLA's chunks are the same at any TP size, so they are filed under one label (a TP=1 run's serve TP=2)
+        replicated = self._vllm_config.model_config.use_mla or (tp_size > 1 and replicas >= tp_size)
         return KVShard(get_tp_group().rank_in_group, tp_size, get_pp_group().rank_in_group, pp_size,
                        replicated=replicated, layout=layout)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.groups is not None:
+            self._register_groups(kv_caches)
+            return
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
         if any(not isinstance(t, torch.Tensor) for t in tensors):
@@ -298,6 +361,20 @@ class TierCacheConnector(KVConnectorBase_V1):
         log.info("tiercache rank %d (tp %d/%d, pp %d/%d): %d layers, %d blocks of %d tokens, chunks of %d tokens",
                  shard.rank, shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size, len(tensors), num_blocks,
                  self.block_size, self.config.keys.chunk_tokens)
+
+    def _register_groups(self, kv_caches: dict[str, Any]) -> None:
+        """A model with KV-cache groups: every group's pages, moved by each group's own block table."""
+        kv = group_pages(self._kv_cache_config, self.groups, kv_caches)
+        self._layer_index = {}    # no layer-by-layer loads: a chunk's groups land whole
+        shard = self._shard(f"vllm-pages:{self.groups.describe()}")
+        if self._worker is not None:
+            self._worker.close()
+        self._worker = OffloadWorker(self.config, self.namespace, shard)
+        self._worker.register_kv_caches(kv)
+        log.info("tiercache rank %d (tp %d/%d, pp %d/%d): KV-cache groups %s, %d blocks of %d tokens, chunks of %d "
+                 "tokens (%d B each)", shard.rank, shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size,
+                 self.groups.describe(), kv.num_blocks, self.block_size, self.config.keys.chunk_tokens,
+                 self.groups.nbytes(self.config.keys.blocks_per_chunk))
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.stack is None:
@@ -389,9 +466,14 @@ class TierCacheConnector(KVConnectorBase_V1):
         n = self.offload_scheduler.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
         return (None, False) if n is None else (n, False)
 
+    def _tables(self, block_ids: "tuple[list[int], ...]") -> tuple[tuple[int, ...], ...]:
+        """Every group's table, when the model's KV is moved group by group (else none: group 0's is enough)."""
+        return group_tables(block_ids) if self.groups is not None else ()
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0]
-        self.offload_scheduler.update_state_after_alloc(self._view(request), block_ids, num_external_tokens)
+        block_ids = blocks.get_block_ids()
+        self.offload_scheduler.update_state_after_alloc(self._view(request), block_ids[0], num_external_tokens,
+                                                        self._tables(block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         steps = []
@@ -399,8 +481,9 @@ class TierCacheConnector(KVConnectorBase_V1):
             request = self._requests.get(rid)
             if request is None or self._kv_cache_manager is None:
                 continue
-            block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
-            steps.append(StepRequest(self._view(request), block_ids, request.num_computed_tokens + num_scheduled))
+            block_ids = self._kv_cache_manager.get_block_ids(rid)
+            steps.append(StepRequest(self._view(request), block_ids[0], request.num_computed_tokens + num_scheduled,
+                                     self._tables(block_ids)))
         preempted = tuple(scheduler_output.preempted_req_ids or ())
         return TierCacheMetadata(self.offload_scheduler.build_connector_meta(steps, preempted))
 
@@ -410,8 +493,13 @@ class TierCacheConnector(KVConnectorBase_V1):
             self.offload_scheduler.update_connector_output([job for r in meta.reports for job in r.jobs])
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call (``SupportsHMA``) once a request has finished, with its block table per group."""
         rid = request.request_id
-        delay = self.offload_scheduler.request_finished(self._view(request), block_ids)
+        delay = self.offload_scheduler.request_finished(self._view(request), block_ids[0], self._tables(block_ids))
         self._requests.pop(rid, None)
         self._hashes.pop(rid, None)
         return delay, None   # True: a store still reads the blocks on some rank; every rank says when it ends

