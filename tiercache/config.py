@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiercache.errors import ConfigError
-from tiercache.policies.admission import admission_policies, guards_entry
+from tiercache.policies.admission import DEFAULT_ADMISSION, admission_policies, guards_entry
 from tiercache.policies.eviction import DEFAULT_EVICTION, eviction_policies
 
 if TYPE_CHECKING:
@@ -142,8 +142,9 @@ class DiskTierConfig:
     fsync: bool = _opt(False, "fdatasync each chunk before it becomes visible (durability across power loss)")
     o_direct: bool = _opt(False, "read and write chunk files with O_DIRECT (bypass the page cache)")
     write_mode: str = _opt("write-back", "write-back (spill what L1 evicts) | write-through (copy every store down)")
-    admission: str = _opt("always", "which chunks leaving L1 are written down: "
-                          + " | ".join(admission_policies.names()))
+    admission: str = _opt(DEFAULT_ADMISSION, "which chunks leaving L1 are written down: "
+                          + " | ".join(admission_policies.names())
+                          + " (the sighting rules take anything while the tier has room)")
     promotion: str = _opt("copy", "under write-back, a chunk promoted from here into L1: copy (it stays here too) | "
                                   "move (it leaves; written again when L1 evicts it: more hits from the same disk, "
                                   "more writes)")

@@ -11,8 +11,8 @@ length; then it touches what it hit and stores what it missed.
   never keeps one nobody asks for again (Belady's MIN with bypass).
 - `replay_hierarchy`: L1 (`CpuIndex`, with 1-byte slots) over L2
   (`MetadataIndex`) driven by the real `CacheManager` — promotions, spills and
-  the admission policy included — with every planned transfer completing at
-  once.
+  the admission policy (the engine's default, unless named) included — with
+  every planned transfer completing at once.
 
 The replays tell the policies each request's state as an engine's connector
 does (`RequestState`; policies without ``retain`` ignore it): running when
@@ -37,7 +37,7 @@ from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import JobOutcome, TransferPlan
 from tiercache.manager import CacheManager
-from tiercache.policies import DEFAULT_EVICTION, GuardedTier, admission_for, admitted_prefix
+from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, GuardedTier, admission_for, admitted_prefix
 from tiercache.tiers.cpu import CpuIndex
 from tiercache.tiers.metadata import MetadataIndex
 
@@ -112,7 +112,8 @@ def unique_chunks(trace: Iterable[TraceRequest]) -> int:
 
 
 def split_policy(name: str) -> tuple[str, str]:
-    """A row's policy name: ``EVICTION`` or ``EVICTION+ADMISSION`` (admission ``always`` when not named)."""
+    """A row's policy name: ``EVICTION`` or ``EVICTION+ADMISSION`` (admission ``always`` when not named, so that
+    a row of ``lru`` is the baseline whatever the default)."""
     eviction, _, admission = name.partition("+")
     return eviction, admission or "always"
 
@@ -223,7 +224,7 @@ def _complete(manager: CacheManager, plans: Iterable[TransferPlan | None]) -> No
     manager.apply([JobOutcome(p.job_id) for p in plans if p is not None])
 
 
-def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = "always",
+def replay_hierarchy(trace: Sequence[TraceRequest], l1_tokens: int, l2_tokens: int, admission: str = DEFAULT_ADMISSION,
                      min_hits: int = 1, write_mode: str = "write-back",
                      eviction: str = DEFAULT_EVICTION, l1_admission: str = "always",
                      promotion: str = "copy") -> HierarchyResult:

@@ -1,5 +1,6 @@
 """Pluggable cache policies, each chosen by name from a registry."""
 from tiercache.policies.admission import (
+    DEFAULT_ADMISSION,
     NOT_AN_ENTRY_GUARD,
     AdmissionPolicy,
     GuardedTier,
@@ -10,5 +11,5 @@ from tiercache.policies.admission import (
 )
 from tiercache.policies.eviction import DEFAULT_EVICTION, EvictionPolicy, eviction_policies
 
-__all__ = ["DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy", "GuardedTier",
-           "admission_for", "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]
+__all__ = ["DEFAULT_ADMISSION", "DEFAULT_EVICTION", "NOT_AN_ENTRY_GUARD", "AdmissionPolicy", "EvictionPolicy",
+           "GuardedTier", "admission_for", "admission_policies", "admitted_prefix", "eviction_policies", "guards_entry"]

@@ -45,6 +45,11 @@ class AdmissionPolicy(Protocol):
 
 admission_policies: Registry[type[AdmissionPolicy]] = Registry("admission policy")
 
+# What the tiers below L1 admit by default (disk, the server's store, `bench trace`'s hierarchy): never below LRU at
+# any trace or size measured, where second-sighting falls under it near a tier's ceiling (RESULTS.md, "Sighting
+# admission by default"). L1's own door (`cpu.admission`) admits everything.
+DEFAULT_ADMISSION = "adaptive-sighting"
+
 
 @admission_policies.register("always")
 class AlwaysAdmit:
