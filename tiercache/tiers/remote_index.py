@@ -277,8 +277,12 @@ class RemoteIndex(LowerIndex):
 
     def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {},
                        stored_at: Mapping[BlockHash, float] | None = None) -> None:
+        """A write the store declined (`Failure.IO`: its admission refused it, or it had no room) is a rejected
+        store, not an error."""
+        declined = sum(why is Failure.IO for why in failed.values())
         self.counters.stored += len(keys) - len(failed)
-        self.counters.errors += len(failed)
+        self.counters.store_rejected += declined
+        self.counters.errors += len(failed) - declined
         if self._absent:
             for key in keys:
                 if key not in failed:
