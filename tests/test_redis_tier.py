@@ -451,7 +451,7 @@ def test_a_chunk_already_there_is_kept_not_rewritten(redis_server):
 
 def test_a_set_the_server_refuses_fails_that_chunk_only(redis_server):
     ns = b"o" * 16
-    tier = RedisTransport(redis_server.url, ns)
+    tier = RedisTransport(redis_server.url, ns, admission="always")     # every chunk sent: Redis refuses some
     client = redis.Redis.from_url(redis_server.url)
     used = int(client.info("memory")["used_memory"])
     client.config_set("maxmemory-policy", "noeviction")

@@ -162,6 +162,9 @@ class DiskTierConfig:
         _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 
 
+REDIS_ADMISSIONS = ("second-sighting", "always")     # `redis.admission`: its history is kept in Redis
+
+
 @dataclass(frozen=True, slots=True)
 class RedisTierConfig:
     enabled: bool = _opt(False, "keep an L3 tier in Redis / Valkey, shared by every replica")
@@ -176,6 +179,9 @@ class RedisTierConfig:
                                        "tier counts as down")
     retry_interval: float = _opt(1.0, "seconds between background probes of a down tier")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
+    admission: str = _opt("second-sighting", "which chunks Redis takes: second-sighting (those lookups asked for "
+                                             "twice, any replica's, counted in Redis itself; anything while Redis "
+                                             "is under its maxmemory) | always")
 
     @property
     def expiry(self) -> int:
@@ -187,6 +193,8 @@ class RedisTierConfig:
                "expected a redis://, rediss:// or unix:// URL")
         _check(0 <= self.ttl < 1 << 31, "ttl", self.ttl, "must be 0..2147483647 seconds")
         _check(0 <= self.retention < 1 << 31, "retention", self.retention, "must be 0..2147483647 seconds")
+        _check(self.admission in REDIS_ADMISSIONS, "admission", self.admission,
+               "expected " + " or ".join(REDIS_ADMISSIONS))
         _remote_checks(self)
 
 

@@ -16,6 +16,10 @@ and Redis's own ``maxmemory`` policy bounds their size.
   on transfer threads, through one value channel: a raw socket borrowed from
   redis-py's pool for a standalone server, redis-py's cluster pipeline for a
   cluster (`tiercache.tiers.redis_channels`).
+- With ``admission="second-sighting"`` (the default), the lookups' runs are
+  counted in a history kept in Redis, and a store takes a chunk only while
+  Redis has room or once lookups — any replica's — asked for it twice
+  (`tiercache.tiers.redis_sightings`).
 
 A Redis that does not answer turns into misses, never into errors in the
 engine (`tiercache.tiers.remote`).
@@ -25,15 +29,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.contracts.purge import PurgeOrder
 from tiercache.tiers.channels import ValueChannel
 from tiercache.tiers.purge_watch import RedisPurges
 from tiercache.tiers.redis_channels import PipelinedValues, RawSocketValues
+from tiercache.tiers.redis_sightings import Sightings
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.remote_index import RemoteIndex
 from tiercache.tiers.resp import ProtocolError
-from tiercache.wire.chunk_format import ChunkFormat
+from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecThreads
 
 log = logging.getLogger(__name__)
@@ -82,13 +89,15 @@ class RedisIndex(RemoteIndex):
     """Scheduler side: lookups on Redis, off the scheduler's thread."""
 
     def __init__(self, url: str, fmt: ChunkFormat | None = None, lookup_timeout_s: float = 0.25,
-                 retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis") -> None:
+                 retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
+                 admission: str = "second-sighting") -> None:
         super().__init__(name, fmt, retry_interval_s, where=url)
         # lookups hold the request they serve for at most lookup_timeout_s (then the tier is down)
         self._client = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                    socket_connect_timeout=lookup_timeout_s)
         self.parallel_jobs = cluster   # one redis-server is one thread; a cluster's nodes work side by side
         self._purges: RedisPurges | None = None
+        self._sightings = Sightings(self._client) if admission == "second-sighting" else None
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         super().attach(storage_digests)
@@ -112,7 +121,11 @@ class RedisIndex(RemoteIndex):
         self._client.ping()
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
+        """The run, and one sighting of each key asked (`Sightings`): before the answer, so a store that follows
+        it finds the lookup counted."""
         each = self._present_each(keys, storage)
+        if self._sightings is not None:
+            self._sightings.sight(keys)
         return each.index(False) if False in each else len(each)
 
     def _present_each(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> list[bool]:
@@ -133,7 +146,7 @@ class RedisTransport(RemoteTransport):
     def __init__(self, url: str, storage: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  renew_on_read: bool = True, timeout_s: float = 2.0, retry_interval_s: float = 1.0,
                  cluster: bool = False, name: str = "redis", writer: bool = True,
-                 codec_threads: CodecThreads | None = None) -> None:
+                 codec_threads: CodecThreads | None = None, admission: str = "second-sighting") -> None:
         super().__init__(name, storage, fmt, retry_interval_s, writer, where=url, codec_threads=codec_threads)
         self.ttl_s = ttl_s
         self.renew_on_read = renew_on_read      # False under a retention: a read must not extend a chunk's life
@@ -142,9 +155,24 @@ class RedisTransport(RemoteTransport):
         channel = PipelinedValues(self._client, self._rkey, ttl_s) if cluster else \
             RawSocketValues(self._client, self._rkey, ttl_s, self._warn, name)
         self._values: tuple[ValueChannel, ...] = (channel,)
+        self._door = Sightings(self._client) if admission == "second-sighting" else None
 
     def _channels(self) -> Sequence[ValueChannel]:
         return self._values
+
+    def write_chunks(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> KeyFailures:
+        """Each chunk Redis's door takes (`Sightings.admitted`) stored; those it refuses are not sent, and fail
+        as refused writes (`Failure.IO`: the tier declined them)."""
+        if self._door is None or not items or not self.writer or not self.available:
+            return super().write_chunks(items)
+        chunks = [meta for meta, _ in items]
+        try:
+            taken = self._door.admitted(chunks)
+        except self.transport_errors as err:
+            self._failed("store", err)
+            return tuple((c.key, Failure.UNAVAILABLE) for c in chunks)
+        refused = tuple((c.key, Failure.IO) for c, ok in zip(chunks, taken) if not ok)
+        return tuple(super().write_chunks([item for item, ok in zip(items, taken) if ok])) + refused
 
     def close(self) -> None:
         super().close()
