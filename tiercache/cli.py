@@ -623,6 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "advertised in Health; -1: none, bytes go over gRPC)")
     v.add_argument("--capacity", type=_size, default=8 << 30, help="memory for chunks, e.g. 8GiB")
     v.add_argument("--eviction", default=None, help="eviction policy of memory and disk (default: lfu-da)")
+    v.add_argument("--admission", default=None,
+                   help="which chunks a full store takes, by what every client asked for: adaptive-sighting "
+                        "(default), second-sighting, frequency or always (anything while there is room)")
     v.add_argument("--retention", type=float, default=0.0, metavar="SECONDS",
                    help="keep a chunk at most this long after it came, in memory and on disk (0: no limit); "
                         "a tenant with its own store may set its own (retention in the tenants file)")
@@ -718,11 +721,12 @@ def _size(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tiercache.policies import DEFAULT_EVICTION
+    from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION
     from tiercache.server.app import ServeConfig, run
 
     config = ServeConfig(host=args.host, port=args.port, data_port=args.data_port, capacity=args.capacity,
-                         eviction=args.eviction or DEFAULT_EVICTION, retention=args.retention,
+                         eviction=args.eviction or DEFAULT_EVICTION, admission=args.admission or DEFAULT_ADMISSION,
+                         retention=args.retention,
                          namespace_retention=tuple(args.namespace_retention),
                          disk=args.disk, disk_capacity=_disk_capacity(args), shm_dir=args.shm_dir,
                          auth_token_file=args.auth_token_file,

@@ -25,7 +25,8 @@ import grpc
 from tiercache.audit import AuditTrail
 from tiercache.errors import ConfigError, RegistryError
 from tiercache.machine import physical_memory
-from tiercache.policies import DEFAULT_EVICTION, eviction_policies
+from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, eviction_policies
+from tiercache.server.admission import check_admission
 from tiercache.server.collector import Collector
 from tiercache.server.data_server import DataServer
 from tiercache.server.fair import InflightBytes
@@ -52,6 +53,7 @@ class ServeConfig:
     port: int = 7070
     capacity: int = 8 << 30
     eviction: str = DEFAULT_EVICTION
+    admission: str = DEFAULT_ADMISSION
     disk: str = ""
     disk_capacity: int = 100 << 30
     shm_dir: str = ""
@@ -122,6 +124,7 @@ class ServeConfig:
             eviction_policies.get(self.eviction)
         except RegistryError as err:
             raise ConfigError("--eviction", self.eviction, str(err)) from None
+        check_admission(self.admission)
 
     def limits(self) -> ServerLimits:
         return ServerLimits.for_server(self.capacity, self.workers, self.max_value, self.max_inflight,
@@ -175,7 +178,7 @@ class CacheServer:
         try:
             self.tenancy = Tenancy(tenants, StoreConfig(config.capacity, config.eviction, config.disk,
                                                         config.disk_capacity, config.shm_dir, config.retention,
-                                                        config.namespace_retentions()))
+                                                        config.namespace_retentions(), config.admission))
         except StoreDirectoryError as err:
             flag = {"shm": "--shm-dir", "disk": "--disk"}[err.tier]
             raise ConfigError(flag, err.path, f"cannot use directory: {err.reason}") from None
@@ -252,7 +255,7 @@ class CacheServer:
         self._collector.start()
         log.info("serving on %s:%d", self.config.host, self.port,
                  extra={"event": "started", "port": self.port, "data_port": self.service.data_port or None,
-                        "capacity": self.config.capacity,
+                        "capacity": self.config.capacity, "admission": self.config.admission,
                         "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
                         "auth": self.config.auth_token_file != "",
                         "memory_bound": memory_bound(self.service.limits, self.config.capacity,

@@ -23,6 +23,10 @@ survive a restart of the server.
   tier is chunk files in the same layout under a tmpfs directory, so clients
   on the same host read them directly and hand in new ones through
   ``Adopt`` (see `ShmChunks`); gRPC clients are served from the same files.
+- Admission (``admission``): every key a client looks up is a sighting, and a
+  chunk being stored goes in while the store has room or when the policy
+  admits it (`StoreDoor`: what every replica asked for counts); one refused
+  is answered as rejected, and counted as ``put_refused``.
 
 Thread safety: gRPC runs handlers on a thread pool; one lock guards both
 indexes, and file I/O happens outside it — a key being written is invisible
@@ -44,7 +48,8 @@ from tiercache.contracts.purge import PurgeOrder, PurgeReport
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
 from tiercache.log_limits import ThrottledLog
-from tiercache.policies import DEFAULT_EVICTION
+from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION
+from tiercache.server.admission import StoreDoor
 from tiercache.server.tiers import DiskChunks, MemoryChunks, ShmChunks
 from tiercache.server.values import (
     BufferPool,
@@ -89,6 +94,7 @@ class StoreConfig:
     shm_path: str = ""
     retention_s: float = 0.0       # seconds a chunk is kept after it came (0: no limit), memory and disk
     namespace_retention: Mapping[bytes, float] = field(default_factory=dict)   # a namespace's own (storage digest)
+    admission: str = DEFAULT_ADMISSION    # which chunks a full store takes (`StoreDoor`)
 
 
 class ChunkStore:
@@ -115,6 +121,7 @@ class ChunkStore:
         if self.disk is not None:
             self.memory.spill = []
         self._lock = threading.Lock()
+        self.door = StoreDoor(config.admission)     # under the lock
         self._namespaces: set[bytes] = {k[:NAMESPACE_DIGEST_BYTES] for t in self._file_tiers for k in t.entries}
         self.counters: Counter[str] = Counter()
         self.hot = HotChunks()      # store keys (namespace + key) by reads served
@@ -138,9 +145,10 @@ class ChunkStore:
     def contains(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """How many leading keys memory or disk holds; each tier counts the keys asked of it and found."""
         n = in_memory = 0
+        stored = [store_key(namespace, key) for key in keys]
         with self._lock:
-            for key in keys:
-                k = store_key(namespace, key)
+            self.door.sight(stored)
+            for k in stored:
                 if self.memory.has(k):
                     in_memory += 1
                 elif self.disk is None or not self.disk.has(k):
@@ -269,17 +277,31 @@ class ChunkStore:
             if self.memory.has(k) or k in self.memory.entries or (self.disk is not None and self.disk.has(k)):
                 self.counters["put_present"] += 1
                 return PutOutcome.PRESENT
+            parent = header_parent(value_pieces(stored)[0][:HEADER_BYTES])
+            if not self._admits(namespace, k, parent, value_size(stored)):
+                return PutOutcome.REJECTED
             reserved = self._reserve_in_memory(k, stored)
             if not reserved:
                 self.counters["put_rejected"] += 1
                 return PutOutcome.REJECTED
-            self.memory.link([(k, header_parent(value_pieces(stored)[0][:HEADER_BYTES]))])
+            self.memory.link([(k, parent)])
             spills = self._take_spills()
         ok = self._finish_memory_write(k, stored, reserved)
         self._write_spills(spills)
         with self._lock:
             self.counters["put_stored" if ok else "put_rejected"] += 1
         return PutOutcome.STORED if ok else PutOutcome.REJECTED
+
+    def _admits(self, namespace: bytes, k: StoreKey, parent: bytes | None, nbytes: int) -> bool:
+        """Under the lock: whether the door takes chunk ``k`` of ``nbytes`` — with room in memory, or on the disk
+        its victim would spill to, it evicts nothing (`StoreDoor`); a refusal is counted."""
+        tiers = self.tiers
+        room = any(t.capacity_bytes - t.used_bytes >= nbytes for t in tiers)
+        taken = self.door.admits(k, None if parent is None else store_key(namespace, parent), room,
+                                 sum(t.num_chunks for t in tiers), lambda p: any(p in t.entries for t in tiers))
+        if not taken:
+            self.counters["put_refused"] += 1
+        return taken
 
     def _reserve_in_memory(self, k: StoreKey, stored: Stored, stored_at: float | None = None) -> bool:
         """Under the lock: room in memory (taken at once in process memory; reserved for
@@ -328,6 +350,9 @@ class ChunkStore:
                 src.unlink(missing_ok=True)
                 self.counters["put_present"] += 1
                 return PutOutcome.PRESENT
+            if not self._admits(namespace, k, header_parent(header), size):
+                src.unlink(missing_ok=True)
+                return PutOutcome.REJECTED
             if not shm.reserve(k, size):
                 src.unlink(missing_ok=True)
                 self.counters["put_rejected"] += 1

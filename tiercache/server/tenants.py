@@ -266,13 +266,15 @@ class Tenancy:
             pool_kept = {scoped_namespace(t.name, ns) if named else ns: secs
                          for t in pooled for ns, secs in kept(t).items()}
             self.stores["pool"] = ChunkStore(StoreConfig(pool_memory, store.eviction, store.disk_path, pool_disk,
-                                                         store.shm_path, store.retention_s, pool_kept))
+                                                         store.shm_path, store.retention_s, pool_kept,
+                                                         store.admission))
         for t in tenants:
             if t.memory:
                 root = str(Path(store.disk_path) / "tenants" / t.name) if store.disk_path and t.disk else ""
                 retention = store.retention_s if t.retention is None else t.retention
                 self.stores[t.name] = ChunkStore(StoreConfig(t.memory, store.eviction, root, t.disk,
-                                                             retention_s=retention, namespace_retention=kept(t)))
+                                                             retention_s=retention, namespace_retention=kept(t),
+                                                             admission=store.admission))
                 self._views[t.name] = self.stores[t.name]
             else:   # a server without named tenants keeps the unscoped layout of before
                 self._views[t.name] = ScopedStore(self.stores["pool"], t.name) if named else self.stores["pool"]
