@@ -411,10 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--codecs", type=_codec_list, default=["raw"], help="with --capacity-bytes, e.g. raw,int8")
     t.add_argument("--shape", choices=["llama-8b", "small"], default="llama-8b",
                    help="with --capacity-bytes: the KV geometry whose chunks fill the bytes")
-    t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo"],
+    t.add_argument("--policy", type=_policy_list, default=["lru", "lfu-da", "s3-fifo", "lfu-da+adaptive-sighting"],
                    help="comma-separated eviction policies, each optionally with an admission policy "
-                        "(lfu-da+second-sighting; with --l1-tokens it guards L2) and, with --l1-tokens, L1's and "
-                        "L2's apart (lfu-da/reuse-model) (default: lru,lfu-da,s3-fifo)")
+                        "(lfu-da+second-sighting; with --l1-tokens it guards L2; none named: always) and, with "
+                        "--l1-tokens, L1's and L2's apart (lfu-da/reuse-model) (default: lru,lfu-da,s3-fifo,"
+                        "lfu-da+adaptive-sighting: the tiers' defaults last)")
     t.add_argument("--l1-tokens", type=_size_list("--l1-tokens", "1M"), default=None,
                    help="replay L1 of this many tokens over an L2 of each capacity through the real cache manager "
                         "(promotions, write-back spills; the policy in both tiers unless given as L1/L2) instead "

@@ -307,14 +307,14 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
             r["capacity_tokens"],
             r["token_hit_ratio"],
             r.get("vs_lru", "-"),
-            r["request_hit_ratio"],
             r["written_chunks"],
+            r["request_hit_ratio"],
         )
         for r in results
     ]
     capacity = "capacity (tokens)" if l1 is None else f"L2 tokens (L1 {l1})"
-    headers = (*lead, "policy", capacity, "token hit ratio", "vs lru", "request hit ratio",
-               "chunk writes" if l1 is None else "L2 chunk writes")
+    writes = "chunk writes" if l1 is None else "L2 chunk writes"
+    headers = (*lead, "policy", capacity, "token hit ratio", "vs lru", writes, "request hit ratio")
     if args.out:
         out = Path(args.out)
         write_json(out / "trace.json", report)
@@ -322,11 +322,14 @@ def cmd_bench_trace(args: argparse.Namespace) -> int:
                                       f"{report['ceiling_token_hit_ratio']}\n\n" + markdown_table(headers, rows))
         x, label = ("capacity_bytes", "capacity (bytes)") if by_bytes else ("capacity_tokens", "capacity (tokens)")
         keys = list(dict.fromkeys((r["policy"], r.get("codec", "")) for r in results))
-        series = {" ".join(filter(None, k)): ([r[x] for r in results if (r["policy"], r.get("codec", "")) == k],
-                                              [r["token_hit_ratio"] for r in results
-                                               if (r["policy"], r.get("codec", "")) == k]) for k in keys}
-        plot_lines(out / "trace.png", f"Token hit ratio vs capacity ({Path(args.trace).name})", label,
-                   "token hit ratio", series, ("infinite capacity", report["ceiling_token_hit_ratio"]))
+
+        def series(y: str) -> dict[str, tuple[list, list]]:
+            return {" ".join(filter(None, k)): ([r[x] for r in results if (r["policy"], r.get("codec", "")) == k],
+                                                [r[y] for r in results if (r["policy"], r.get("codec", "")) == k])
+                    for k in keys}
+        plot_lines(out / "trace.png", f"Hits and writes vs capacity ({Path(args.trace).name})", label,
+                   "token hit ratio", series("token_hit_ratio"),
+                   ("infinite capacity", report["ceiling_token_hit_ratio"]), beside=(writes, series("written_chunks")))
     if args.json:
         write_json(args.json, report)
     where = "one tier" if l1 is None else f"L1 of {l1} tokens over L2"

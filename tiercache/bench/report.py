@@ -31,24 +31,28 @@ def plot_lines(
     ylabel: str,
     series: dict[str, tuple[Sequence[float], Sequence[float]]],
     hline: tuple[str, float] | None = None,
+    beside: tuple[str, dict[str, tuple[Sequence[float], Sequence[float]]]] | None = None,
 ) -> bool:
-    """One line per series; False when matplotlib is missing (the JSON and Markdown still tell everything)."""
+    """One line per series; ``beside``: a second panel on the right over the same x (its y label, its series).
+    False when matplotlib is missing (the JSON and Markdown still tell everything)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+    panels = [(ylabel, series)] + ([beside] if beside else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (label, lines) in zip(axes[0], panels):
+        for name, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
     if hline is not None:
-        ax.axhline(hline[1], linestyle="--", color="grey", label=hline[0])
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        axes[0][0].axhline(hline[1], linestyle="--", color="grey", label=hline[0])
+    axes[0][0].legend()
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
