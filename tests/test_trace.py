@@ -116,7 +116,7 @@ def test_bench_trace_writes_json_markdown_and_png(tmp_path):
         ("lru", 1024), ("lru", 4000), ("fifo", 1024), ("fifo", 4000),   # 4K = 4000 tokens
         ("belady (offline)", 1024), ("belady (offline)", 4000)}         # the reference row, always
     assert all(r["vs_lru"] >= 1.0 for r in report["results"] if r["policy"] == "belady (offline)")
-    assert "token hit ratio" in (out / "trace.md").read_text()
+    assert "| token hit ratio | vs lru | chunk writes |" in (out / "trace.md").read_text()     # writes beside hits
     assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
 
 
