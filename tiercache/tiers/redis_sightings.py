@@ -16,7 +16,7 @@ consult it, one script call each:
   chunks are never sent.
 
 On a cluster both hashes share one hash tag (one slot, so one node), and that node's memory and key count stand
-for the cluster's. A Redis that refuses scripts leaves the door open: everything is admitted, with a warning.
+for the cluster's. A Redis that refuses scripts leaves the door open (everything admitted), with a warning.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class Sightings:
             try:
                 self._sight(keys=GENERATIONS, args=list(dict.fromkeys(map(field, keys))))
             except self._refused_scripts as err:
-                self._warn.warning("sight", "redis tier: sightings not counted (%s); every chunk is admitted", err)
+                self._warn.warning("sight", "redis tier: sightings not counted (%s)", err)
 
     def admitted(self, chunks: Sequence[ChunkMeta]) -> list[bool]:
         """Whether each of a batch's chunks goes in (see the module's docstring). Transport errors propagate."""
