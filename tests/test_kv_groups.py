@@ -4,7 +4,7 @@ exactly — told step by step on a tiny pool."""
 import pytest
 import torch
 
-from tiercache.contracts.groups import NO_BLOCK, GroupBlocks, KVGroup, KVGroups
+from tiercache.contracts.groups import NO_BLOCK, RESUME_POINT, GroupBlocks, KVGroup, KVGroups
 from tiercache.pool.group_pages import GroupPagesKV, flat_bytes, page_view
 
 BLOCK = 16
@@ -16,31 +16,32 @@ def gemma_like(bpc: int = 4) -> KVGroups:
     return KVGroups((WINDOW, FULL), BLOCK, bpc)
 
 
-def test_a_chunk_stores_every_block_of_full_attention_and_the_window_behind_its_end():
+def test_a_chunk_stores_full_attention_and_its_resume_point_the_window_behind_its_end():
     groups = gemma_like()
-    assert groups.stored_blocks(FULL, 4) == 4
-    assert groups.stored_blocks(WINDOW, 4) == 2       # tokens end-17 .. end-1: two blocks
-    assert groups.stored_blocks(WINDOW, 1) == 1       # a one-block tail stores what it has
-    assert groups.nbytes(4) == 2 * 2 * 64 + 4 * 64
-    assert groups.offsets(4) == [0, 2 * 2 * 64]
-    assert groups.whole_chunks_only
+    assert groups.chunk_groups == (1,) and groups.point_groups == (0,)
+    assert groups.nbytes(4) == 4 * 64                     # the full-attention group's four blocks
+    assert groups.nbytes(RESUME_POINT) == 2 * 2 * 64      # two window blocks of both sliding layers
+    assert groups.slot_bytes == 4 * 64
+    assert groups.has_resume_points and not groups.exact_points
 
 
 def test_a_window_of_one_token_needs_one_block():
     one = KVGroup("sliding-window", 1, 64, window_tokens=1)
-    assert KVGroups((one,), BLOCK, 4).stored_blocks(one, 4) == 1
+    assert KVGroups((one,), BLOCK, 4).resume_blocks(one) == 1
 
 
-def test_chunk_sizes_are_found_back_from_bytes():
-    groups = gemma_like()
-    for n in range(1, 5):
-        assert groups.blocks_of(groups.nbytes(n)) == n
-    with pytest.raises(ValueError):
-        groups.blocks_of(7)
+def test_a_recurrent_state_is_the_one_block_at_the_boundary_written_where_a_step_ended():
+    state = KVGroup("state", 2, 256)
+    groups = KVGroups((state, FULL), BLOCK, 4)
+    assert groups.nbytes(RESUME_POINT) == 2 * 256 and groups.slot_bytes == 2 * 256
+    assert groups.exact_points
+    tables = ([NO_BLOCK, NO_BLOCK, NO_BLOCK, 9], list(range(20, 24)))
+    assert groups.point_copy(tables, 4) == (GroupBlocks(0, (9,)),)
+    assert groups.point_copy(tables, 3) is None           # no state kept at position 2
 
 
 def test_full_attention_alone_resumes_anywhere():
-    assert not KVGroups((FULL, FULL), BLOCK, 4).whole_chunks_only
+    assert not KVGroups((FULL, FULL), BLOCK, 4).has_resume_points
 
 
 def test_a_group_of_an_unknown_kind_is_refused():
@@ -48,43 +49,42 @@ def test_a_group_of_an_unknown_kind_is_refused():
         KVGroup("mamba", 1, 64)
 
 
-def test_a_store_reads_each_groups_blocks_and_skips_a_chunk_whose_window_slid_away():
+def test_a_store_reads_every_full_block_and_its_resume_point_the_window_behind_its_end():
     groups = gemma_like()
     window_table = [NO_BLOCK, NO_BLOCK, 7, 8, 9, 10, 11, 12]
     full_table = [20, 21, 22, 23, 24, 25, 26, 27]
-    # chunk 1 (positions 4..8): the window's last two blocks, every full block
-    assert groups.store_copy((window_table, full_table), 4, 8) == (GroupBlocks(0, (11, 12)),
-                                                                   GroupBlocks(0, (24, 25, 26, 27)))
-    # chunk 0 (positions 0..4): the window behind its end (positions 2, 3) is still held
-    assert groups.store_copy((window_table, full_table), 0, 4) == (GroupBlocks(0, (7, 8)),
-                                                                   GroupBlocks(0, (20, 21, 22, 23)))
-    # once the engine let positions 2, 3 go, chunk 0 can no longer be stored whole
-    assert groups.store_copy(([NO_BLOCK] * 4 + window_table[4:], full_table), 0, 4) is None
+    tables = (window_table, full_table)
+    assert groups.store_copy(tables, 4, 8) == (GroupBlocks(0, (24, 25, 26, 27)),)
+    assert groups.point_copy(tables, 8) == (GroupBlocks(0, (11, 12)),)
+    assert groups.point_copy(tables, 4) == (GroupBlocks(0, (7, 8)),)
+    # once the engine let positions 2, 3 go, the resume point at 4 cannot be stored; the chunk still can
+    slid = ([NO_BLOCK] * 4 + window_table[4:], full_table)
+    assert groups.point_copy(slid, 4) is None
+    assert groups.store_copy(slid, 0, 4) == (GroupBlocks(0, (20, 21, 22, 23)),)
+    # a resume point at the request's first block holds what there is, at the end of its blocks
+    assert groups.point_copy(([5] + [NO_BLOCK] * 7, full_table), 1) == (GroupBlocks(1, (5,)),)
 
 
-def test_a_load_writes_every_full_block_and_only_the_window_behind_the_resume_point():
+def test_a_load_writes_the_chunks_full_blocks_and_the_window_behind_the_resume_point():
     groups = gemma_like()
-    window_table = [NO_BLOCK] * 6 + [30, 31]        # the engine holds blocks only for the window of position 8
-    full_table = list(range(40, 48))
-    # chunk 0 of a hit ending at position 8: full blocks 0..4, nothing of the window
-    assert groups.load_copy((window_table, full_table), 0, 4, 0, 8) == (GroupBlocks(0, ()),
-                                                                       GroupBlocks(0, (40, 41, 42, 43)))
-    # chunk 1: the window's two stored blocks, every full block
-    assert groups.load_copy((window_table, full_table), 4, 8, 4, 8) == (GroupBlocks(0, (30, 31)),
-                                                                       GroupBlocks(0, (44, 45, 46, 47)))
+    tables = ([NO_BLOCK] * 6 + [30, 31], list(range(40, 48)))
+    assert groups.load_copy(tables, 0, 4, 0, 8) == (GroupBlocks(0, (40, 41, 42, 43)),)
+    assert groups.load_copy(tables, 4, 8, 4, 8) == (GroupBlocks(0, (44, 45, 46, 47)),)
+    assert groups.point_load(tables, 8, 0) == (GroupBlocks(0, (30, 31)),)
 
 
 def test_a_load_after_blocks_the_engine_has_skips_them_in_every_group():
     groups = gemma_like()
     tables = ([NO_BLOCK] * 6 + [30, 31], list(range(40, 48)))
-    # the engine computed positions 4..6 itself: the full group loads 6..8 (stored blocks 2, 3)
-    assert groups.load_copy(tables, 4, 8, 6, 8) == (GroupBlocks(0, (30, 31)), GroupBlocks(2, (46, 47)))
+    # the engine computed positions 0..7 itself but for the last: only block 7 of each group comes in
+    assert groups.load_copy(tables, 4, 8, 7, 8) == (GroupBlocks(3, (47,)),)
+    assert groups.point_load(tables, 8, 7) == (GroupBlocks(1, (31,)),)
 
 
 def test_a_load_into_a_block_the_engine_does_not_hold_is_an_error():
     groups = gemma_like()
     with pytest.raises(ValueError, match="holds no block"):
-        groups.load_copy(([NO_BLOCK] * 8, list(range(8))), 4, 8, 4, 8)
+        groups.point_load(([NO_BLOCK] * 8, list(range(8))), 8, 0)
 
 
 def pool(num_blocks: int, groups: KVGroups, seed: int) -> tuple[torch.Tensor, GroupPagesKV]:
@@ -109,10 +109,11 @@ def test_pages_go_out_and_come_back_exactly_into_other_blocks():
     target_memory, target = pool(16, groups, seed=2)
     before = target_memory.clone()
     chunk = torch.zeros(groups.nbytes(4), dtype=torch.uint8)
-    stored = (GroupBlocks(0, (5, 9)), GroupBlocks(0, (1, 2, 3, 4)))
-    source.gather(stored, chunk, 4)
-    loaded = (GroupBlocks(0, (12, 13)), GroupBlocks(2, (14, 15)))    # the engine has full positions 0, 1
-    target.scatter(loaded, chunk, 4)
+    point = torch.zeros(groups.nbytes(RESUME_POINT), dtype=torch.uint8)
+    source.gather((GroupBlocks(0, (1, 2, 3, 4)),), chunk, 4)
+    source.gather((GroupBlocks(0, (5, 9)),), point, RESUME_POINT)
+    target.scatter((GroupBlocks(2, (14, 15)),), chunk, 4)            # the engine has full positions 0, 1
+    target.scatter((GroupBlocks(0, (12, 13)),), point, RESUME_POINT)
     for layer in range(2):
         assert torch.equal(target.pages[0][layer][[12, 13]], source.pages[0][layer][[5, 9]])
     assert torch.equal(target.pages[1][0][[14, 15]], source.pages[1][0][[3, 4]])
@@ -127,3 +128,58 @@ def test_a_page_view_that_does_not_fit_its_allocation_is_refused():
         page_view(backing, 10, 64, 128, 0)
     with pytest.raises(ValueError, match="do not fit"):
         page_view(backing, 2, 256, 128, 0)
+
+
+def block_hashes(num_tokens: int) -> list:
+    from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
+
+    return BlockHasher(Namespace("m", KVGeometry(2, 1, 8, "float32"), BLOCK)).hash_blocks(list(range(num_tokens)))
+
+
+def manager_over(groups: KVGroups):
+    from tiercache.manager import CacheManager
+    from tiercache.tiers.cpu import CpuIndex
+
+    return CacheManager(CpuIndex(32, groups.slot_bytes), BLOCK, groups.blocks_per_chunk, 64, groups=groups)
+
+
+def store(manager, hashes, tables, points) -> None:
+    from tiercache.contracts.plan import JobOutcome
+
+    plan = manager.plan_store(hashes, tables[-1], group_tables=tables, points=points)
+    manager.apply([JobOutcome(plan.job_id)])
+
+
+def test_a_hit_ends_at_the_last_boundary_every_group_can_resume_from():
+    """Three chunks stored, a resume point only at the second one's end: the hit is two chunks, never three
+    (the third chunk's attention KV is there, but not the window a resume after it needs) — and with no
+    resume point at all there is no hit."""
+    groups = gemma_like(bpc=2)
+    manager = manager_over(groups)
+    hashes = block_hashes(6 * BLOCK + 1)
+    tables = (list(range(100, 106)), list(range(200, 206)))
+    store(manager, hashes, tables, points=(1,))
+    lookup = manager.in_l1(manager.lookup(hashes))
+    assert lookup.num_hit_blocks == 4 and lookup.point is not None and lookup.point.first_chunk == 1
+    plans = manager.plan_load(lookup, [0] * 6, group_tables=([NO_BLOCK] * 2 + [300, 301, 302, 303], list(range(6))))
+    point_copy, = [c for p in plans for c in p.chunks if c.chunk_blocks == RESUME_POINT]
+    assert point_copy.groups == (GroupBlocks(0, (300, 301)),)      # the window behind position 4: 2, 3
+    for p in plans:
+        manager.cancel(p)
+
+    other = manager_over(groups)
+    store(other, hashes, tables, points=())
+    assert other.lookup(hashes).num_hit_blocks == 0
+
+
+def test_a_resume_point_that_left_l1_takes_the_hit_back_to_the_one_before():
+    from tiercache.contracts.groups import resume_key
+    from tiercache.contracts.keys import chunk_keys
+
+    groups = gemma_like(bpc=2)
+    manager = manager_over(groups)
+    hashes = block_hashes(6 * BLOCK)
+    store(manager, hashes, (list(range(100, 106)), list(range(200, 206))), points=(0, 1, 2))
+    assert manager.lookup(hashes).num_hit_blocks == 6
+    manager.l1.delete([resume_key(chunk_keys(hashes, 2)[2])])
+    assert manager.lookup(hashes).num_hit_blocks == 4

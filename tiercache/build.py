@@ -317,7 +317,7 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
                           "kinds is stored raw (a lossless codec works)")
     layout_of = _chunk_layouts(kv)
     block_bytes = layout_of(1).raw_len
-    slot_bytes = layout_of(config.keys.blocks_per_chunk).raw_len
+    slot_bytes = groups.slot_bytes if groups is not None else layout_of(config.keys.blocks_per_chunk).raw_len
     if config.cpu.capacity > physical_memory():
         raise ConfigError("cpu.capacity", config.cpu.capacity,
                           f"is more than this machine's memory ({physical_memory()} B); L1 is allocated up front")
@@ -390,8 +390,8 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
     if not handshakes or len({h.num_ranks for h in handshakes}) != 1 or len(handshakes) != handshakes[0].num_ranks:
         raise ValueError(f"expected one handshake from each rank, got ranks {sorted(h.rank for h in handshakes)}")
     block_bytes = max(h.block_bytes for h in handshakes)
-    widest = max(handshakes, key=lambda h: h.chunk_bytes(config.keys.blocks_per_chunk))
-    slot_bytes = widest.chunk_bytes(config.keys.blocks_per_chunk)
+    widest = max(handshakes, key=lambda h: h.slot_bytes(config.keys.blocks_per_chunk))
+    slot_bytes = widest.slot_bytes(config.keys.blocks_per_chunk)
     writers = [h for h in handshakes if h.writer]
     l1 = CpuIndex(
         min(h.num_slots for h in handshakes), slot_bytes, eviction=config.cpu.eviction,

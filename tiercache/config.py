@@ -64,6 +64,7 @@ def _check(cond: bool, name: str, value: object, reason: str) -> None:
 
 
 PARTIAL_CHUNKS = ("continuing", "all", "off")
+RESUME_POINTS = ("junctions", "every-chunk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,10 @@ class KeysConfig:
                                               "the next request that runs past it (a conversation's next turn, on "
                                               "any replica that reads the tier): continuing (those with a session "
                                               "or said to continue) | all | off (lookups stop at whole chunks)")
+    resume_points: str = _opt("junctions", "where a model with sliding-window or recurrent-state layers stores what "
+                                           "a resume needs beside its chunks: junctions (the last chunk each step "
+                                           "stores, and the end of the prefix the tiers held when the request "
+                                           "looked up) | every-chunk; a recurrent state only where a step ended")
 
     def __post_init__(self) -> None:
         from tiercache.contracts.keys import hash_functions
@@ -86,6 +91,8 @@ class KeysConfig:
         _check(self.hash in hash_functions, "hash", self.hash, f"expected one of {', '.join(hash_functions.names())}")
         _check(self.partial_chunks in PARTIAL_CHUNKS, "partial_chunks", self.partial_chunks,
                f"expected one of {', '.join(PARTIAL_CHUNKS)}")
+        _check(self.resume_points in RESUME_POINTS, "resume_points", self.resume_points,
+               f"expected one of {', '.join(RESUME_POINTS)}")
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -31,6 +31,10 @@ class PrefixLookup:
     block_size: int
     num_blocks: int                   # blocks the looked-up chunks cover (bounds a partial last chunk)
     pending: bool = False             # a tier's answer for the chunks after ``runs`` is still on its way
+    point: TierRun | None = None      # the resume point the hit ends at (`contracts.groups`), where it lies:
+                                      # ``first_chunk`` the chunk it ends, ``keys`` its one key
+    found_blocks: int = 0             # with resume points: leading blocks whose chunks the tiers hold, before
+                                      # the hit was cut to the last resume point among them
 
     @property
     def num_loadable_tokens(self) -> int:

@@ -54,7 +54,7 @@ from enum import Enum, auto
 from tiercache.audit import AuditTrail
 from tiercache.config import PROMOTIONS
 from tiercache.contracts.connector import RequestState
-from tiercache.contracts.groups import KVGroups, UniformChunks
+from tiercache.contracts.groups import RESUME_POINT, KVGroups, UniformChunks, resume_key
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.contracts.plan import (
@@ -69,7 +69,7 @@ from tiercache.contracts.plan import (
 )
 from tiercache.contracts.purge import PurgeOrder, PurgeReport, order_selectors
 from tiercache.hot_chunks import HotChunks
-from tiercache.lookup import PrefixFinder, PrefixLookup
+from tiercache.lookup import PrefixFinder, PrefixLookup, TierRun
 from tiercache.policies import AdmissionPolicy, admitted_prefix
 from tiercache.tier_events import EventJournal, TierEvent
 from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
@@ -183,22 +183,63 @@ class CacheManager:
             return True
         # a policy that guards hits, not writes, lets a victim into room that evicts nothing
         return bool(getattr(self.admission, "admits_into_room", False) and target.indexed and target.used_bytes
-                    + target.reserve_bytes(self.block_layout.blocks(self.blocks_per_chunk)) <= target.capacity_bytes)
+                    + target.reserve_bytes(self.sizes.layout(self.blocks_per_chunk)) <= target.capacity_bytes)
 
     # -- lookup (PrefixFinder) -------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_computed_blocks: int = 0) -> PrefixLookup:
-        """Longest run of chunks of a request, after the blocks already in L0, found in any tier."""
+        """Longest run of chunks of a request, after the blocks already in L0, found in any tier (with resume
+        points: cut to the last boundary that has one)."""
         self.apply_purges()
-        return self.finder.lookup(block_hashes, num_computed_blocks)
+        return self._to_resume_point(self.finder.lookup(block_hashes, num_computed_blocks))
 
     def lookup_chunks(self, keys: Sequence[BlockHash], num_blocks: int, num_computed_blocks: int = 0) -> PrefixLookup:
         """Like `lookup`, for explicit chunk keys covering ``num_blocks`` blocks (e.g. a swapped-out request)."""
         self.apply_purges()
-        return self.finder.lookup_chunks(keys, num_blocks, num_computed_blocks)
+        return self._to_resume_point(self.finder.lookup_chunks(keys, num_blocks, num_computed_blocks))
+
+    def _to_resume_point(self, lookup: PrefixLookup) -> PrefixLookup:
+        """A hit of a layout with resume points ends at the last chunk boundary whose resume point some tier
+        holds (asked of every tier at once, fastest first); none: no hit. While a tier's answer is on its way
+        the lookup is pending, its chunk runs kept so their promotions can start."""
+        if not self.sizes.has_resume_points or lookup.num_hit_blocks <= lookup.num_computed_blocks:
+            return lookup
+        ends = [(run.first_chunk + i, key) for run in lookup.runs for i, key in enumerate(run.keys)]
+        ends.reverse()                                         # the longest hit first
+        points = [resume_key(key) for _, key in ends]
+        answers = []
+        for tier in self.tiers:
+            held = tier.present_each(points)
+            if held is None:
+                return replace(lookup, pending=True)
+            answers.append(held)
+        for j, (chunk, _) in enumerate(ends):
+            tier = next((t for t, held in zip(self.tiers, answers) if held[j]), None)
+            if tier is not None:
+                return self._cut_to(lookup, chunk, TierRun(tier.name, chunk, (points[j],)))
+        return self._cut_to(lookup, -1, None)
+
+    def _cut_to(self, lookup: PrefixLookup, last_chunk: int, point: TierRun | None) -> PrefixLookup:
+        """``lookup`` with its runs cut after chunk ``last_chunk`` (-1: none), ending at ``point``."""
+        runs = []
+        for run in lookup.runs:
+            keep = last_chunk + 1 - run.first_chunk
+            if keep <= 0:
+                break
+            runs.append(run if keep >= len(run.keys) else TierRun(run.tier, run.first_chunk, run.keys[:keep]))
+        hit = self.finder.chunk_bounds(last_chunk, lookup.num_blocks)[1] if point else lookup.num_computed_blocks
+        return replace(lookup, runs=tuple(runs), num_hit_blocks=max(hit, lookup.num_computed_blocks), point=point,
+                       found_blocks=max(lookup.found_blocks, lookup.num_hit_blocks))
 
     def in_l1(self, lookup: PrefixLookup) -> PrefixLookup:
-        """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now."""
-        return self.finder.cut(lookup, self.l1.name)
+        """``lookup`` cut to its leading runs in L1: the part `plan_load` can serve now (with resume points:
+        all of it, its resume point included, or nothing)."""
+        cut = self.finder.cut(lookup, self.l1.name)
+        if not self.sizes.has_resume_points:
+            return cut
+        point = lookup.point
+        if point is None or point.tier != self.l1.name or cut.num_hit_blocks < lookup.num_hit_blocks:
+            return self._cut_to(lookup, -1, None)
+        return replace(cut, point=point)
 
     def record_request(self, keys: Sequence[BlockHash]) -> None:
         """The engine admitted a request wanting chunks ``keys``: tell the eviction and admission policies that
@@ -221,22 +262,27 @@ class CacheManager:
                 retain(keys, state)
 
     def promote(self, lookup: PrefixLookup) -> bool:
-        """Start copying the lookup's lower-tier chunks up into L1; True while any of them is on its way.
+        """Start copying the lookup's lower-tier chunks (and its resume point) up into L1; True while any of
+        them is on its way.
 
         Chunks L1 has no room for are not promoted, so a caller that waits
         for True to turn False never waits forever.
         """
         chain = [k for run in lookup.runs for k in run.keys]   # runs are consecutive: one chain
-        in_l1 = [k for run in lookup.runs if run.tier == self.l1.name for k in run.keys if self.l1.has(k)]
+        runs = [*lookup.runs, lookup.point] if lookup.point is not None else list(lookup.runs)
+        in_l1 = [k for run in runs if run.tier == self.l1.name for k in run.keys if self.l1.has(k)]
         self.l1.pin(in_l1)          # room made for the chain's tail never evicts its head
         try:
-            return self._promote(lookup, dict(zip(chain[1:], chain)))
+            parent_of = dict(zip(chain[1:], chain))
+            if lookup.point is not None:
+                parent_of[lookup.point.keys[0]] = chain[lookup.point.first_chunk - lookup.runs[0].first_chunk]
+            return self._promote(lookup, parent_of)
         finally:
             self.l1.unpin(in_l1)
 
     def _promote(self, lookup: PrefixLookup, parent_of: dict[BlockHash, BlockHash]) -> bool:
         pending = False
-        for run in lookup.runs:
+        for run in (*lookup.runs, *((lookup.point,) if lookup.point is not None else ())):
             if run.tier == self.l1.name:
                 continue
             lower = self.by_name[run.tier]
@@ -248,8 +294,9 @@ class CacheManager:
             for i, key in enumerate(run.keys):
                 if key in todo:
                     start, end = self.finder.chunk_bounds(run.first_chunk + i, lookup.num_blocks)
-                    sizes.append((key, end - start))
-            slots = self.l1.prepare_store([k for k, _ in sizes], [self.sizes.nbytes(n) for _, n in sizes])
+                    sizes.append((key, RESUME_POINT if run is lookup.point else end - start))
+            slots = self.l1.prepare_store([k for k, _ in sizes], [self.sizes.nbytes(n) for _, n in sizes],
+                                          chunk_blocks=[n for _, n in sizes])
             born = lower.stored_times([k for k, _ in sizes])      # unknown for a remote tier: 0
             chunks = [ChunkCopy(k, slot, (), n, parent=parent_of.get(k), stored_at=born.get(k, 0.0))
                       for (k, n), slot in zip(sizes, slots) if slot is not None]
@@ -326,11 +373,21 @@ class CacheManager:
                 chunks.append(ChunkCopy(key, slot, (), end - start, skip, groups=parts,
                                         span=min(end, limit) - start - skip))
             plans.append(self._plan(JobKind.LOAD, self.l1, None, Priority.LOAD, chunks))
+        if lookup.point is not None and plans:
+            plans.append(self._plan_point_load(lookup, tables, limit))
         return plans
+
+    def _plan_point_load(self, lookup: PrefixLookup, tables: Sequence[Sequence[int]], limit: int) -> TransferPlan:
+        """The load of the resume point the hit ends at (in L1, as `in_l1` left it): the blocks behind it."""
+        key = lookup.point.keys[0]
+        slot, = self.l1.prepare_load([key])
+        parts = self.groups.point_load(tables, limit, lookup.num_computed_blocks)
+        return self._plan(JobKind.LOAD, self.l1, None, Priority.LOAD,
+                          [ChunkCopy(key, slot, (), RESUME_POINT, groups=parts)])
 
     def plan_store(
         self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], first_chunk: int = 0,
-        group_tables: Sequence[Sequence[int]] = (),
+        group_tables: Sequence[Sequence[int]] = (), points: Sequence[int] = (),
     ) -> TransferPlan | None:
         """Plan storing a request's chunks (from ``first_chunk`` on) that L1 lacks.
 
@@ -338,10 +395,12 @@ class CacheManager:
         ``block_ids`` its block table (with KV-cache groups: its table per
         group, ``group_tables``). Chunks already present, without room, or
         whose blocks the engine no longer holds are skipped (stores are best
-        effort); None when nothing is left.
+        effort); None when nothing is left. With resume points, ``points``
+        are the chunks (by index) whose resume point is stored too.
         """
         keys = chunk_keys(block_hashes, self.blocks_per_chunk, self.partial_chunks)
-        return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk, group_tables=group_tables)
+        return self.plan_store_chunks(keys, block_ids, len(block_hashes), first_chunk, group_tables=group_tables,
+                                      points=points)
 
     def _tables(self, block_ids: Sequence[int], group_tables: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
         """The request's block table per group (one group: ``block_ids``)."""
@@ -353,7 +412,8 @@ class CacheManager:
 
     def plan_store_chunks(self, keys: Sequence[BlockHash], block_ids: Sequence[int], num_blocks: int,
                           first_chunk: int = 0, private: bool = False,
-                          group_tables: Sequence[Sequence[int]] = ()) -> TransferPlan | None:
+                          group_tables: Sequence[Sequence[int]] = (), points: Sequence[int] = ()
+                          ) -> TransferPlan | None:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks; ``private``
         chunks (a swap copy) stay in L1. An L1 admission policy cuts the chain at its first refused chunk (a
         swap copy is not asked: its request is coming back)."""
@@ -363,19 +423,22 @@ class CacheManager:
         if first_chunk >= end:
             return None
         tables = self._tables(block_ids, group_tables)
-        wanted = []    # (key, start, stop, parent, groups)
+        wanted = []    # (key, first block, blocks, parent, groups): chunks, and resume points (no blocks)
         for i in range(first_chunk, end):
             start, stop = self.finder.chunk_bounds(i, num_blocks)
             parts = () if self.groups is None else self.groups.store_copy(tables, start, stop)
             if parts is not None:
-                wanted.append((keys[i], start, stop, keys[i - 1] if i else None, parts))
-        slots = self.l1.prepare_store([w[0] for w in wanted], [self.sizes.nbytes(stop - start)
-                                                               for _, start, stop, _, _ in wanted], private=private)
+                wanted.append((keys[i], start, stop - start, keys[i - 1] if i else None, parts))
+            point = self.groups.point_copy(tables, stop) if i in points else None
+            if point is not None:
+                wanted.append((resume_key(keys[i]), stop, RESUME_POINT, keys[i], point))
+        slots = self.l1.prepare_store([w[0] for w in wanted], [self.sizes.nbytes(w[2]) for w in wanted],
+                                      private=private, chunk_blocks=[w[2] for w in wanted])
         now = time.time()                     # what the chunks' headers below L1 will say they were stored at
         chunks = [
-            ChunkCopy(key, slot, () if parts else tuple(block_ids[start:stop]), stop - start, parent=parent,
-                      stored_at=now, groups=parts, span=stop - start if parts else 0)
-            for (key, start, stop, parent, parts), slot in zip(wanted, slots)
+            ChunkCopy(key, slot, () if parts else tuple(block_ids[start:start + n]), n, parent=parent,
+                      stored_at=now, groups=parts, span=n if parts else 0)
+            for (key, start, n, parent, parts), slot in zip(wanted, slots)
             if slot is not None
         ]
         self.l1.link([(c.key, c.parent) for c in chunks])     # a purge meanwhile finds them by their chain
@@ -448,7 +511,7 @@ class CacheManager:
             self.l1.keep_free(self.spill_reserve)
         spills = self.l1.take_spills()
         if spills and self._spill_to is not None:
-            chunks = [ChunkCopy(s.key, s.slot, (), self.sizes.blocks_of(s.nbytes), parent=s.parent,
+            chunks = [ChunkCopy(s.key, s.slot, (), s.chunk_blocks, parent=s.parent,
                                 stored_at=s.stored_at) for s in spills]
             refused = self._plan_down(JobKind.SPILL, chunks, self._spill_to)
             self.l1.finish_spills([c.key for c in refused])
@@ -563,7 +626,7 @@ class CacheManager:
             return []
         dirty = [(key, e) for key, e in self.l1.entries.items()
                  if e.ready and e.pins == 0 and not e.private and self._worth_spilling(key, e.hits)]
-        self._copy_down([ChunkCopy(key, e.slot, (), self.sizes.blocks_of(e.nbytes), parent=e.parent,
+        self._copy_down([ChunkCopy(key, e.slot, (), e.chunk_blocks, parent=e.parent,
                                    stored_at=e.stored_at) for key, e in dirty], self._spill_to)
         return self.take_background()
 

@@ -106,6 +106,7 @@ class OffloadScheduler(SchedulerConnector):
         self._stored_chunks: dict[str, int] = {}
         self._tails = config.keys.partial_chunks    # which finished requests store their partial last chunk
         self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
+        self._junctions: dict[str, int] = {}   # chunks the tiers held of a request when it looked up
         self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
         self._delayed: list[str] = []
         self._swapped: dict[str, _Swapped] = {}
@@ -139,24 +140,17 @@ class OffloadScheduler(SchedulerConnector):
             self._asking[rid] = (request, num_computed_tokens)
             return None   # part of the hit is on its way up from a lower tier, or still being looked up
         self._asking.pop(rid, None)
+        self._junctions[rid] = max(lookup.found_blocks, lookup.num_hit_blocks) // self.bpc
         lookup = manager.in_l1(lookup)
         available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
         # At least one token is computed, so the request gets logits.
-        num_new = max(0, self._resume_point(min(available, request.num_tokens - 1), lookup) - num_computed_tokens)
+        num_new = max(0, min(available, request.num_tokens - 1) - num_computed_tokens)
         self.counters.lookups += 1
         if num_new:
             self._lookups[rid] = (lookup, swapped)
         else:
             self._lookups.pop(rid, None)
         return num_new
-
-    def _resume_point(self, tokens: int, lookup: PrefixLookup) -> int:
-        """Where a hit that could reach ``tokens`` may end: anywhere, unless a KV-cache group stores only what a
-        resume at a chunk's end needs (a window) — then at the last chunk boundary within it."""
-        if not self.manager.sizes.whole_chunks_only or tokens == lookup.num_hit_tokens:
-            return tokens
-        chunk_tokens = self.bpc * self.block_size
-        return tokens // chunk_tokens * chunk_tokens
 
     def update_state_after_alloc(
         self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int,
@@ -200,7 +194,9 @@ class OffloadScheduler(SchedulerConnector):
             if full_chunks <= done:
                 continue
             plan = manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done,
-                                      group_tables=s.group_block_ids)
+                                      group_tables=s.group_block_ids,
+                                      points=self._resume_points(rid, done, full_chunks, full_chunks * self.bpc,
+                                                                 s.num_computed_tokens))
             self._stored_chunks[rid] = full_chunks
             if plan is not None:
                 self._add_store(rid, plan)
@@ -223,12 +219,32 @@ class OffloadScheduler(SchedulerConnector):
             manager.promote(self._lookup(request, num_computed_tokens)[0])
 
     def _lookup(self, request: RequestView, num_computed_tokens: int) -> tuple[PrefixLookup, _Swapped | None]:
-        """The request's chunks after the blocks it has, found in any tier (a swapped-out request's swap copy)."""
+        """The request's chunks after the blocks it has, found in any tier (a swapped-out request's swap copy).
+        A hit that must end at a resume point is looked up short of the last token, which is computed."""
         computed_blocks = num_computed_tokens // self.block_size
         swapped = self._swapped.get(request.request_id)
         if swapped is not None:
             return self.manager.lookup_chunks(swapped.keys, swapped.num_blocks, computed_blocks), swapped
-        return self.manager.lookup(request.block_hashes, computed_blocks), None
+        hashes = request.block_hashes
+        if self.manager.sizes.has_resume_points:
+            hashes = hashes[:(request.num_tokens - 1) // self.block_size]
+        return self.manager.lookup(hashes, computed_blocks), None
+
+    def _resume_points(self, request_id: str, first_chunk: int, end_chunk: int, end_blocks: int,
+                       state_at: int) -> tuple[int, ...]:
+        """Which of chunks ``first_chunk .. end_chunk - 1`` (the last ending at block ``end_blocks``) get their
+        resume point stored too, the engine's recurrent state standing after ``state_at`` tokens
+        (``keys.resume_points``): a state only where it stands; a window at every chunk's end, or at the last
+        one's and where the request parted from the prefix the tiers held (``junctions``)."""
+        sizes = self.manager.sizes
+        if not sizes.has_resume_points or end_chunk <= first_chunk:
+            return ()
+        if sizes.exact_points:
+            return (end_chunk - 1,) if end_blocks * self.block_size == state_at else ()
+        if self.config.keys.resume_points == "every-chunk":
+            return tuple(range(first_chunk, end_chunk))
+        junction = self._junctions.get(request_id, 0) - 1
+        return (junction, end_chunk - 1) if first_chunk <= junction < end_chunk - 1 else (end_chunk - 1,)
 
     def _add_store(self, rid: str, plan: TransferPlan) -> None:
         self._pending_stores.append(plan)
@@ -278,6 +294,7 @@ class OffloadScheduler(SchedulerConnector):
         self._stored_chunks.pop(rid, None)
         self._lookups.pop(rid, None)
         self._asking.pop(rid, None)
+        self._junctions.pop(rid, None)
         swapped = self._swapped.pop(rid, None)
         if swapped is not None:
             self._drop_swap(swapped)
@@ -299,8 +316,9 @@ class OffloadScheduler(SchedulerConnector):
         done = self._stored_chunks.get(rid, 0)
         if blocks <= done * self.bpc:
             return
+        points = self._resume_points(rid, done, -(-blocks // self.bpc), blocks, request.num_computed_tokens)
         plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done,
-                                       group_tables=group_block_ids)
+                                       group_tables=group_block_ids, points=points)
         if plan is not None:
             self._add_store(rid, plan)
             self.counters.tail_stores += 1
@@ -334,6 +352,7 @@ class OffloadScheduler(SchedulerConnector):
         return self._stored_chunks.get(request_id, 0) * self.bpc * self.block_size
 
     def request_reset(self, request_id: str) -> None:
+        self._junctions.pop(request_id, None)
         self._stored_chunks.pop(request_id, None)
         self._lookups.pop(request_id, None)
         self._asking.pop(request_id, None)

@@ -83,7 +83,7 @@ class OffloadWorker(WorkerConnector):
         self.inline = inline == "on" or (inline == "auto" and kv.device.type == "cpu")
         self.layerwise = self.config.transfer.layerwise and not self.inline
         # a window group's blocks are the engine's again once its window slides past them (at the next step)
-        self.stores_in_step = self.inline or (isinstance(kv, GroupPagesKV) and kv.groups.whole_chunks_only)
+        self.stores_in_step = self.inline or (isinstance(kv, GroupPagesKV) and kv.groups.has_resume_points)
         if self.stack is not None:
             self.stack.close()
         self.stack = build_worker_side(self.config, kv, self.namespace, self.shard, copies_in_step=self.inline)

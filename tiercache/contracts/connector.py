@@ -60,8 +60,12 @@ class WorkerHandshake:
     groups: KVGroups | None = None        # the KV-cache groups, when the engine's KV has them (`contracts.groups`)
 
     def chunk_bytes(self, chunk_blocks: int) -> int:
-        """This rank's bytes of a stored chunk of ``chunk_blocks`` blocks."""
+        """This rank's bytes of a stored chunk of ``chunk_blocks`` blocks (a resume point: `RESUME_POINT`)."""
         return self.groups.nbytes(chunk_blocks) if self.groups is not None else chunk_blocks * self.block_bytes
+
+    def slot_bytes(self, blocks_per_chunk: int) -> int:
+        """This rank's bytes of an L1 slot: its largest stored object."""
+        return self.groups.slot_bytes if self.groups is not None else blocks_per_chunk * self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)

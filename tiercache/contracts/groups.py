@@ -1,38 +1,43 @@
 """KV-cache groups: what each kind of group needs to resume a request at a chunk boundary (DESIGN §9).
 
 An engine's KV is one or more *groups*, each with its own block table over one pool of block ids and each
-of one *kind*. A chunk's key stays its prefix chain; its value is what every group needs to resume a request
-at the chunk's end:
+of one *kind*. A kind says how many blocks right behind a boundary a resume there needs:
 
-- ``full-attention`` and ``mla``: every block of the chunk (a later token attends to all of them);
-- ``sliding-window``: only the blocks that hold the window behind the chunk's end, since no later token
-  attends further back. Those are a suffix of the chunk, and the window behind any later boundary reaches no
-  further into this chunk than the window behind its own end, so chunks stored this way serve a resume at
-  any later chunk boundary.
+- ``full-attention`` and ``mla``: all of them (a later token attends to every earlier one). These groups
+  are stored in the *chunk*: every block it covers, so chunks laid end to end hold the whole prefix.
+- ``sliding-window``: the blocks holding the window behind the boundary; ``state`` (linear attention, SSM:
+  one block holds the recurrent state at its end): the one block ending there. These groups are stored in
+  a *resume point* beside the chunk that ends there — its own object, keyed by `resume_key` of the chunk's
+  key, with the chunk as its parent — and only where the engine holds them (a state exists only where the
+  engine's step ended).
 
-A group of a kind the registry does not know cannot be resumed: the connector refuses the model at start.
-Hits of a layout with window groups end on chunk boundaries (`KVGroups.whole_chunks_only`): the window
-stored with a chunk is the one behind its end, not behind a token inside it.
+A hit is the longest prefix at which every group can resume: the whole chunks up to a boundary that has a
+resume point, whose parts are loaded with them, so a state or window is never loaded at a boundary other
+than that of the KV loaded with it. A layout with no resume-point groups resumes anywhere, as before.
 
-A stored chunk is group-major: for each group in order, its layers' pages of the chunk's stored blocks,
-``[num_layers, stored_blocks, page_bytes]``. `GroupBlocks` names, per group, which of those stored blocks a
+A stored object is group-major: for each of its groups, ``[num_layers, blocks, page_bytes]`` — a chunk of
+``n`` blocks holds ``n`` blocks of each chunk group; a resume point holds each of its groups' resume blocks
+(positions before the request's start stay zero). `GroupBlocks` names, per group, which of those blocks a
 plan moves and the engine blocks they move to or from. Plain data, shared by both sides.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.registry import Registry
 
-NO_BLOCK = -1   # a table position the engine holds no block for (vLLM's null block: outside a window)
+NO_BLOCK = -1          # a table position the engine holds no block for (vLLM's null block: outside a window)
+RESUME_POINT = 0       # a `ChunkCopy.chunk_blocks` that names a resume point, not a chunk
 
 
 class GroupKind:
     """A kind of KV-cache group: how many blocks behind a boundary a resume there needs."""
-    name = ""
+    exact = False   # its blocks hold the group's state only where the engine's step ended, not at every boundary
 
     def resume_blocks(self, group: KVGroup, block_size: int) -> int | None:
         """Blocks right behind a boundary that a resume there needs; None: every block before it."""
@@ -56,10 +61,25 @@ class SlidingWindow(GroupKind):
         return max(1, math.ceil((group.window_tokens - 1) / block_size))
 
 
+class RecurrentState(GroupKind):
+    """A recurrent state (linear attention, SSM: conv and SSM state): the block at a position holds the state
+    after its last token, written only when the engine's step ends there."""
+    exact = True
+
+    def resume_blocks(self, group: KVGroup, block_size: int) -> int | None:
+        return 1
+
+
 group_kinds: Registry[GroupKind] = Registry("KV-cache group kind")
 group_kinds.register("full-attention", AllBlocks())
 group_kinds.register("mla", AllBlocks())
 group_kinds.register("sliding-window", SlidingWindow())
+group_kinds.register("state", RecurrentState())
+
+
+def resume_key(chunk_key: BlockHash) -> BlockHash:
+    """The key of the resume point at the end of the chunk keyed ``chunk_key``."""
+    return BlockHash(hashlib.sha256(b"tiercache-resume-point\0" + chunk_key).digest()[:len(chunk_key)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +103,15 @@ class KVGroup:
 
 @dataclass(frozen=True, slots=True)
 class GroupBlocks:
-    """One group's part of a chunk copy: engine blocks ``block_ids`` ↔ the chunk's stored blocks ``first ..
-    first + len(block_ids)`` of that group."""
+    """One group's part of a copy: engine blocks ``block_ids`` ↔ the stored object's blocks ``first .. first +
+    len(block_ids)`` of that group."""
     first: int
     block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class KVGroups:
-    """Every group of an engine's KV, with the chunking: how big a stored chunk is and which blocks it holds."""
+    """Every group of an engine's KV, with the chunking: what a chunk and a resume point hold, and their sizes."""
     groups: tuple[KVGroup, ...]
     block_size: int
     blocks_per_chunk: int
@@ -100,73 +120,102 @@ class KVGroups:
         if not self.groups:
             raise ValueError("an engine's KV has at least one group")
 
-    def _resume(self, group: KVGroup) -> int | None:
-        return group_kinds.get(group.kind).resume_blocks(group, self.block_size)
+    def _kind(self, group: KVGroup) -> GroupKind:
+        return group_kinds.get(group.kind)
 
-    def stored_blocks(self, group: KVGroup, chunk_blocks: int) -> int:
-        """How many of a ``chunk_blocks``-block chunk's last blocks it stores for ``group``."""
-        need = self._resume(group)
-        return chunk_blocks if need is None else min(chunk_blocks, need)
+    def resume_blocks(self, group: KVGroup) -> int | None:
+        return self._kind(group).resume_blocks(group, self.block_size)
 
     @property
-    def whole_chunks_only(self) -> bool:
-        """Whether a hit must end on a chunk boundary (some group stores only what a resume there needs)."""
-        return any(self._resume(g) is not None for g in self.groups)
+    def chunk_groups(self) -> tuple[int, ...]:
+        """The groups a chunk stores (every block of it)."""
+        return tuple(i for i, g in enumerate(self.groups) if self.resume_blocks(g) is None)
+
+    @property
+    def point_groups(self) -> tuple[int, ...]:
+        """The groups a resume point stores (the blocks behind its boundary)."""
+        return tuple(i for i, g in enumerate(self.groups) if self.resume_blocks(g) is not None)
+
+    @property
+    def has_resume_points(self) -> bool:
+        """Whether a hit must end at a boundary with a resume point."""
+        return bool(self.point_groups)
+
+    @property
+    def exact_points(self) -> bool:
+        """Whether resume points exist only where the engine's step ended (a group holds a state)."""
+        return any(self._kind(self.groups[i]).exact for i in self.point_groups)
+
+    def parts(self, chunk_blocks: int) -> list[tuple[int, int]]:
+        """(group, blocks) of each part of a stored object, in order: a chunk of ``chunk_blocks`` blocks, or a
+        resume point (`RESUME_POINT`)."""
+        if chunk_blocks == RESUME_POINT:
+            return [(i, self.resume_blocks(self.groups[i])) for i in self.point_groups]
+        return [(i, chunk_blocks) for i in self.chunk_groups]
 
     def nbytes(self, chunk_blocks: int) -> int:
-        """Bytes of a stored chunk of ``chunk_blocks`` blocks."""
-        return sum(g.num_layers * self.stored_blocks(g, chunk_blocks) * g.page_bytes for g in self.groups)
+        """Bytes of a stored chunk of ``chunk_blocks`` blocks, or of a resume point (`RESUME_POINT`)."""
+        return sum(self.groups[g].num_layers * n * self.groups[g].page_bytes for g, n in self.parts(chunk_blocks))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes an L1 slot needs: a whole chunk, or a resume point where that is bigger."""
+        return max(self.nbytes(self.blocks_per_chunk), self.nbytes(RESUME_POINT))
 
     def layout(self, chunk_blocks: int) -> ChunkLayout:
-        """A stored chunk as a codec sees it: opaque bytes (groups of several dtypes are stored raw)."""
+        """A stored object as a codec sees it: opaque bytes (groups of several dtypes are stored raw)."""
         return ChunkLayout("uint8", (self.nbytes(chunk_blocks),))
-
-    def blocks_of(self, nbytes: int) -> int:
-        """The chunk size, in blocks, whose stored bytes are ``nbytes`` (the largest, where sizes tie)."""
-        for n in range(self.blocks_per_chunk, 0, -1):
-            if self.nbytes(n) == nbytes:
-                return n
-        raise ValueError(f"no chunk of up to {self.blocks_per_chunk} blocks stores {nbytes} bytes")
-
-    def offsets(self, chunk_blocks: int) -> list[int]:
-        """Where each group's part starts in a stored chunk of ``chunk_blocks`` blocks."""
-        out, at = [], 0
-        for g in self.groups:
-            out.append(at)
-            at += g.num_layers * self.stored_blocks(g, chunk_blocks) * g.page_bytes
-        return out
 
     def describe(self) -> str:
         """The groups and their kinds, for the storage digest: chunks of one layout are never read by another."""
         return "groups=" + ",".join(g.describe() for g in self.groups)
 
     def store_copy(self, tables: Sequence[Sequence[int]], start: int, stop: int) -> tuple[GroupBlocks, ...] | None:
-        """The blocks a store of table positions ``[start, stop)`` as one chunk reads, per group; None when the
-        engine no longer holds one of them (a window that slid past it)."""
+        """The blocks a store of table positions ``[start, stop)`` as one chunk reads, per chunk group; None
+        when the engine no longer holds one of them."""
         out = []
-        for group, table in zip(self.groups, tables, strict=True):
-            first = stop - self.stored_blocks(group, stop - start)
-            ids = tuple(table[first:stop])
-            if len(ids) != stop - first or NO_BLOCK in ids:
+        for g in self.chunk_groups:
+            ids = tuple(tables[g][start:stop])
+            if len(ids) != stop - start or NO_BLOCK in ids:
                 return None
             out.append(GroupBlocks(0, ids))
         return tuple(out)
 
+    def point_copy(self, tables: Sequence[Sequence[int]], end: int) -> tuple[GroupBlocks, ...] | None:
+        """The blocks a store of the resume point at table position ``end`` reads, per resume-point group; None
+        when the engine no longer holds one of them."""
+        out = []
+        for g in self.point_groups:
+            need = self.resume_blocks(self.groups[g])
+            lo = max(0, end - need)
+            ids = tuple(tables[g][lo:end])
+            if len(ids) != end - lo or NO_BLOCK in ids:
+                return None
+            out.append(GroupBlocks(lo - (end - need), ids))
+        return tuple(out)
+
     def load_copy(self, tables: Sequence[Sequence[int]], start: int, stop: int, first: int,
                   resume_at: int) -> tuple[GroupBlocks, ...]:
-        """The blocks a load of the chunk at table positions ``[start, stop)`` writes, per group, when positions
-        before ``first`` are the engine's already and the request resumes at position ``resume_at``: for each
-        group, its stored blocks that a resume there needs."""
+        """The blocks a load of the chunk at table positions ``[start, stop)`` writes, per chunk group, when
+        positions before ``first`` are the engine's already and the request resumes at ``resume_at``."""
+        lo, hi = max(start, first), min(stop, resume_at)
         out = []
-        for group, table in zip(self.groups, tables, strict=True):
-            stored_from = stop - self.stored_blocks(group, stop - start)
-            need = self._resume(group)
-            lo = max(first, stored_from, 0 if need is None else resume_at - need)
-            hi = min(stop, resume_at)
-            ids = tuple(table[lo:hi]) if hi > lo else ()
+        for g in self.chunk_groups:
+            ids = tuple(tables[g][lo:hi]) if hi > lo else ()
+            out.append(GroupBlocks(lo - start, ids) if ids else GroupBlocks(0, ()))
+        return tuple(out)
+
+    def point_load(self, tables: Sequence[Sequence[int]], resume_at: int, first: int) -> tuple[GroupBlocks, ...]:
+        """The blocks a load of the resume point at ``resume_at`` writes, per resume-point group: those behind
+        it, from ``first`` (before it the engine's own)."""
+        out = []
+        for g in self.point_groups:
+            need = self.resume_blocks(self.groups[g])
+            lo = max(0, first, resume_at - need)
+            ids = tuple(tables[g][lo:resume_at])
             if NO_BLOCK in ids:
                 raise ValueError(f"the engine holds no block at a position a resume at {resume_at} needs")
-            out.append(GroupBlocks(lo - stored_from, ids) if ids else GroupBlocks(0, ()))
+            out.append(GroupBlocks(lo - (resume_at - need), ids) if ids else GroupBlocks(0, ()))
         return tuple(out)
 
 
@@ -176,18 +225,17 @@ class UniformChunks:
     block_layout: ChunkLayout
     blocks_per_chunk: int
 
-    @property
-    def whole_chunks_only(self) -> bool:
-        return False
+    has_resume_points = False
 
     def nbytes(self, chunk_blocks: int) -> int:
         return chunk_blocks * self.block_layout.raw_len
 
+    @property
+    def slot_bytes(self) -> int:
+        return self.nbytes(self.blocks_per_chunk)
+
     def layout(self, chunk_blocks: int) -> ChunkLayout:
         return self.block_layout.blocks(chunk_blocks)
-
-    def blocks_of(self, nbytes: int) -> int:
-        return nbytes // self.block_layout.raw_len
 
 
 ChunkSizes = KVGroups | UniformChunks

@@ -5,8 +5,8 @@ uint8 view of the memory the engine placed it in, whatever the tensor shapes the
 state kernels read. Groups share one pool of block ids (a block belongs to one group at a time), so a
 group's pages are moved by its own block ids, as opaque bytes.
 
-A stored chunk is group-major (`tiercache.contracts.groups`): for each group, ``[num_layers, stored_blocks,
-page_bytes]``.
+A stored chunk or resume point is group-major (`tiercache.contracts.groups`): for each of its groups,
+``[num_layers, blocks, page_bytes]``.
 """
 from __future__ import annotations
 
@@ -51,29 +51,33 @@ class GroupPagesKV:
         self.block_size = groups.block_size
         self.device = pages[0][0].device
 
-    def segment(self, chunk: torch.Tensor, chunk_blocks: int, g: int) -> torch.Tensor:
-        """Group ``g``'s part of a stored chunk (a flat uint8 buffer) as ``[num_layers, stored_blocks, page]``."""
-        group = self.groups.groups[g]
-        start = self.groups.offsets(chunk_blocks)[g]
-        n = self.groups.stored_blocks(group, chunk_blocks)
-        return chunk[start:start + group.num_layers * n * group.page_bytes].view(group.num_layers, n, group.page_bytes)
+    def _segments(self, chunk: torch.Tensor, chunk_blocks: int) -> list[tuple[int, torch.Tensor]]:
+        """Each part of a stored object (a flat uint8 buffer; a chunk, or a resume point) as its group and a
+        ``[num_layers, blocks, page]`` view."""
+        out, at = [], 0
+        for g, n in self.groups.parts(chunk_blocks):
+            group = self.groups.groups[g]
+            size = group.num_layers * n * group.page_bytes
+            out.append((g, chunk[at:at + size].view(group.num_layers, n, group.page_bytes)))
+            at += size
+        return out
 
     def gather(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
-        """Copy each group's named blocks from the engine's pages into a stored chunk."""
-        for g, part in enumerate(parts):
+        """Copy each part's named blocks from the engine's pages into a stored object."""
+        for (g, segment), part in zip(self._segments(chunk, chunk_blocks), parts, strict=True):
             if not part.block_ids:
                 continue
             ids = torch.as_tensor(part.block_ids, device=self.device)
-            out = self.segment(chunk, chunk_blocks, g)[:, part.first:part.first + len(part.block_ids)]
+            out = segment[:, part.first:part.first + len(part.block_ids)]
             for layer, pages in enumerate(self.pages[g]):
                 out[layer].copy_(pages.index_select(0, ids))
 
     def scatter(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
-        """Copy each group's named blocks from a stored chunk into the engine's pages."""
-        for g, part in enumerate(parts):
+        """Copy each part's named blocks from a stored object into the engine's pages."""
+        for (g, segment), part in zip(self._segments(chunk, chunk_blocks), parts, strict=True):
             if not part.block_ids:
                 continue
             ids = torch.as_tensor(part.block_ids, device=self.device)
-            src = self.segment(chunk, chunk_blocks, g)[:, part.first:part.first + len(part.block_ids)]
+            src = segment[:, part.first:part.first + len(part.block_ids)]
             for layer, pages in enumerate(self.pages[g]):
                 pages.index_copy_(0, ids, src[layer].to(self.device, non_blocking=True))

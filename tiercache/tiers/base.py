@@ -136,6 +136,11 @@ class TierIndex(ABC):
             return None
         return Reach(n, first_held(tail_keys(block_hashes, blocks_per_chunk, n), self.has) if n < len(keys) else 0)
 
+    def present_each(self, keys: Sequence[BlockHash]) -> list[bool] | None:
+        """Whether each of ``keys`` is present and readable (not a run: each on its own); None while the
+        answer is on its way."""
+        return [self.has(key) for key in keys]
+
     def held_keys(self) -> list[BlockHash]:
         """The keys this index holds, readable, when it keeps them itself (empty for a remote tier, whose
         index is its server's)."""

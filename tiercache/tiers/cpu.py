@@ -37,6 +37,7 @@ class Spill:
     hits: int
     parent: BlockHash | None = None
     stored_at: float = 0.0
+    chunk_blocks: int = -1
 
 
 MAX_EVICTIONS_PER_SLOT = 8   # spilled victims free no slot at once; give up on a store after this many
@@ -68,12 +69,15 @@ class CpuIndex(IndexedTier):
 
     # -- stores --------------------------------------------------------------
     def prepare_store(
-        self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False
+        self, keys: Sequence[BlockHash], nbytes: Sequence[int], private: bool = False,
+        chunk_blocks: Sequence[int] | None = None,
     ) -> list[int | None]:
-        """Reserve a slot per key; ``None`` where the key is present already or no room can be made."""
+        """Reserve a slot per key; ``None`` where the key is present already or no room can be made. The
+        blocks each chunk covers are kept with it (spills and write-downs size its header by them)."""
         self.expire()            # a chunk past retention is stored again, not kept as present
         out: list[int | None] = []
-        for key, size in zip(keys, nbytes, strict=True):
+        blocks = chunk_blocks if chunk_blocks is not None else [-1] * len(keys)
+        for key, size, n in zip(keys, nbytes, blocks, strict=True):
             if size > self.slot_bytes:
                 raise ValueError(f"chunk of {size} B does not fit a {self.slot_bytes}-byte L1 slot")
             if key in self.entries:
@@ -93,7 +97,7 @@ class CpuIndex(IndexedTier):
                 self.counters.store_rejected += 1
                 out.append(None)
                 continue
-            self._reserve(key, Entry(size, slot=slot, private=private))
+            self._reserve(key, Entry(size, slot=slot, private=private, chunk_blocks=n))
             out.append(slot)
         return out
 
@@ -162,7 +166,8 @@ class CpuIndex(IndexedTier):
             del self.entries[key]   # hidden at once; bytes and slot stay counted until finish_spills
             self._removed((key,))
             self._spilling[key] = entry
-            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits, entry.parent, entry.stored_at))
+            self._spill_queue.append(Spill(key, entry.slot, entry.nbytes, entry.hits, entry.parent, entry.stored_at,
+                                           entry.chunk_blocks))
             return False
         self._drop(key, entry, in_policy=False)
         return True

@@ -54,6 +54,7 @@ class Entry:
     parent: bytes | None = None  # the chunk before it in its request (`link`), for purges by prompt
     purged: bool = False    # purged while pinned or reserved: unreadable, dropped when let go
     hint: RequestState | None = None  # the engine's word on its request, heard while it was being written
+    chunk_blocks: int = -1  # L1 only: the blocks a chunk covers (`contracts.groups.RESUME_POINT` for a resume point)
 
 
 class IndexedTier(TierIndex):

@@ -191,6 +191,21 @@ class RemoteIndex(LowerIndex):
         candidates = tail_keys(block_hashes, blocks_per_chunk, n)
         return Reach(n, first_held(candidates, lambda k: k in found and not self._is_absent(k)))
 
+    def present_each(self, keys: Sequence[BlockHash]) -> list[bool] | None:
+        """Whether each of ``keys`` is there, asked on the lookup thread in one round trip (None meanwhile);
+        a key known absent is not asked."""
+        if not keys or not self._storage or not self.available:
+            return [False] * len(keys)
+        query = tuple(keys)
+        answer = self._answer(("each", *query), self._query_each, lambda: (query,))
+        if answer is None:
+            return None
+        return [there and not self._is_absent(key) for key, there in zip(keys, answer)]
+
+    def _query_each(self, keys: tuple[BlockHash, ...]) -> list[bool]:
+        """`_present_each` on the lookup thread; a failure marks the tier down and answers every key absent."""
+        return self._guarded(self._present_each, keys, [False] * len(keys))
+
     def _answer(self, query: tuple, ask, args_of: Callable[[], tuple]):
         """The answer to ``query`` (asked as ``ask(*args_of())`` on the lookup thread, ``args_of`` called here,
         when the question is put), or None while on its way; an answer older than ``ANSWER_TTL_S`` is asked
