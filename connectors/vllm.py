@@ -49,11 +49,12 @@ KV-cache groups: the connector declares ``SupportsHMA``, so vLLM keeps its
 hybrid KV-cache manager on. A model whose KV is one group of full attention
 (or MLA) moves its layers' blocks as before; one with several groups, or a
 sliding-window group, moves each group's pages by that group's block table
-(`GroupPagesKV`), storing with each chunk what each group needs to resume at
-its end (`tiercache.contracts.groups`): every block for full attention, the
-window behind the chunk's end for sliding-window layers. A group of a kind
-tiercache cannot resume (Mamba / linear-attention state) is refused at start,
-in one line naming it.
+(`GroupPagesKV`): full attention in the chunks, and beside a chunk its resume
+point (`tiercache.contracts.groups`): the window behind its end for
+sliding-window layers, the recurrent state at its end for Mamba /
+linear-attention layers (vLLM's ``mamba_cache_mode`` ``align`` keeps a state
+in the block where a step ended). A hit ends at a resume point. A group of a
+kind tiercache does not know is refused at start, in one line naming it.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ from tiercache.connector.scheduler import OffloadScheduler
 from tiercache.connector.worker import OffloadWorker
 from tiercache.connectors.vllm_stats import SCHEDULER_COUNTERS, TIER_COUNTERS, TierCachePromMetrics, TierCacheStats
 from tiercache.contracts.connector import ConnectorMetadata, RequestView, StepRequest, WorkerHandshake, WorkerReport
-from tiercache.contracts.groups import NO_BLOCK, KVGroup, KVGroups
+from tiercache.contracts.groups import NO_BLOCK, RESUME_POINT, KVGroup, KVGroups
 from tiercache.contracts.keys import BlockHash, BlockHasher, KVGeometry, KVShard, Namespace
 from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import shared_tiers_of
@@ -227,7 +228,8 @@ def request_continues(request: "Request") -> bool:
 
 # vLLM's KV-cache spec classes (by exact name: subclasses may hold other things) → tiercache's group kinds
 VLLM_GROUP_KINDS = {"FullAttentionSpec": "full-attention", "MLAAttentionSpec": "mla",
-                    "SlidingWindowSpec": "sliding-window", "SlidingWindowMLASpec": "sliding-window"}
+                    "SlidingWindowSpec": "sliding-window", "SlidingWindowMLASpec": "sliding-window",
+                    "MambaSpec": "state"}
 
 
 def _group_of(index: int, group: Any) -> KVGroup:
@@ -238,6 +240,10 @@ def _group_of(index: int, group: Any) -> KVGroup:
         layers = ", ".join(group.layer_names[:3]) + (", …" if len(group.layer_names) > 3 else "")
         raise ValueError(f"TierCacheConnector: KV-cache group {index} ({layers}) is a {type(spec).__name__}, a kind "
                          f"tiercache cannot resume; it resumes {', '.join(sorted(VLLM_GROUP_KINDS))}")
+    if kind == "state" and getattr(spec, "mamba_cache_mode", "align") != "align":
+        raise ValueError(f"TierCacheConnector: KV-cache group {index} keeps its state in mamba_cache_mode "
+                         f"{spec.mamba_cache_mode!r}; tiercache reads states at block boundaries: set "
+                         "--mamba-cache-mode align")
     window = spec.sliding_window + getattr(spec, "extra_retained_tokens", 0) if kind == "sliding-window" else 0
     return KVGroup(kind, len(group.layer_names), spec.page_size_bytes, window)
 
@@ -372,9 +378,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = OffloadWorker(self.config, self.namespace, shard)
         self._worker.register_kv_caches(kv)
         log.info("tiercache rank %d (tp %d/%d, pp %d/%d): KV-cache groups %s, %d blocks of %d tokens, chunks of %d "
-                 "tokens (%d B each)", shard.rank, shard.tp_rank, shard.tp_size, shard.pp_rank, shard.pp_size,
-                 self.groups.describe(), kv.num_blocks, self.block_size, self.config.keys.chunk_tokens,
-                 self.groups.nbytes(self.config.keys.blocks_per_chunk))
+                 "tokens (%d B each, %d B a resume point)", shard.rank, shard.tp_rank, shard.tp_size, shard.pp_rank,
+                 shard.pp_size, self.groups.describe(), kv.num_blocks, self.block_size,
+                 self.config.keys.chunk_tokens, self.groups.nbytes(self.config.keys.blocks_per_chunk),
+                 self.groups.nbytes(RESUME_POINT))
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.stack is None:

