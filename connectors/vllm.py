@@ -185,12 +185,15 @@ def offload_config(extra_config: dict[str, Any] | None, block_size: int) -> Tier
         raise ConfigError("kv_connector_extra_config", extra, f"unknown section: {err}") from None
 
 
-def write_router_descriptor(path: Path, hasher: BlockHasher, config: TierCacheConfig, media: list[str]) -> None:
+def write_router_descriptor(path: Path, hasher: BlockHasher, config: TierCacheConfig, media: list[str],
+                            resume_points: bool = False) -> None:
     """What `tiercache route` needs, beside the replicas file's fields, to hash prompts as this connector's
-    tiers do and to tell its restarts: the chains' seed, block and chunk size, the tiers it publishes events
-    for, the remote tiers it shares, a new ``instance`` per start. Written whole (a temporary file renamed)."""
+    tiers do and to tell its restarts: the chains' seed, block and chunk size, whether its hits end at resume
+    points, the tiers it publishes events for, the remote tiers it shares, a new ``instance`` per start.
+    Written whole (a temporary file renamed)."""
     descriptor = {"key_scheme": "vllm", "instance": uuid.uuid4().hex, "block_size": hasher.block_size,
                   "chunk_tokens": config.keys.chunk_tokens, "partial_chunks": config.keys.partial_chunks != "off",
+                  "resume_points": resume_points,
                   "hash": hasher.hash_name, "seed": hasher.seed.hex(),
                   "media": ["GPU", *media], "shared_tiers": list(shared_tiers_of(config))}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -453,8 +456,9 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.offload_scheduler.manager.watch_events()      # turned into KV events (`take_events`)
         path = (self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("router_descriptor")
         if path:
+            manager = self.offload_scheduler.manager
             write_router_descriptor(Path(path), self._hasher, self.config,
-                                    [t.medium.value.upper() for t in self.offload_scheduler.manager.tiers])
+                                    [t.medium.value.upper() for t in manager.tiers], manager.sizes.has_resume_points)
 
     def _view(self, request: "Request") -> RequestView:
         rid = request.request_id

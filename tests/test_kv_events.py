@@ -338,3 +338,27 @@ def test_a_replica_times_its_prefill_before_serving_and_a_router_takes_it_until_
     replica.learn_prefill(300, 2000, 0.2)                   # the router's own first token: 1,500 tokens/s
     replica.learn_rates(descriptor)                          # the next health check does not undo it
     assert (replica.rates.prefill, replica.rates.attention_s) == (1_500.0, 0.0)
+
+
+def test_a_hybrid_replicas_hit_ends_at_its_last_resume_point_short_of_the_last_token():
+    """A replica whose model has sliding windows or states (``resume_points``) resumes at a chunk whose resume
+    point it holds: the router predicts the same cut, and never counts the chunk that holds the last token."""
+    from tiercache.contracts.groups import resume_key
+
+    scheme = TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                             chunk_tokens=64, seed=(b"s" * 32).hex(), resume_points=True))
+    keys = scheme.keys(list(range(300)), "")                 # four whole chunks (256 tokens)
+    index = ReplicaIndex()
+    index.apply(KVEventBatch(ts=0, events=[
+        BlockStored(block_hashes=keys.chunk_keys[:4] + [resume_key(keys.chunk_keys[1])], parent_block_hash=None,
+                    token_ids=[], block_size=64, lora_id=None, medium="DISK", lora_name=None)]))
+    assert index.cached(keys, scheme).tiers == {"DISK": 128}      # chunks 0 and 1: chunk 1 has a resume point
+    index.apply(KVEventBatch(ts=0, events=[
+        BlockStored(block_hashes=[resume_key(keys.chunk_keys[3])], parent_block_hash=None, token_ids=[],
+                    block_size=64, lora_id=None, medium="CPU", lora_name=None)]))
+    assert index.cached(keys, scheme).total == 256
+    whole = PromptKeys(256, keys.block_hashes[:16], keys.chunk_keys[:4])
+    assert index.cached(whole, scheme).total == 128          # chunk 3 would hold the last token: cut to chunk 1
+    plain = TierCacheKeys(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
+                                            chunk_tokens=64, seed=(b"s" * 32).hex()))
+    assert index.cached(keys, plain).total == 256             # without resume points every chunk counts

@@ -31,6 +31,8 @@ class ReplicaDescriptor:
     block_size: int             # tokens per block of the engine's pool
     chunk_tokens: int           # tokens per chunk of its tiers (0: no tiers)
     partial_chunks: bool = False  # its lookups end on a shorter chunk some request stored (keys.partial_chunks)
+    resume_points: bool = False   # its hits end at a chunk with a resume point beside it (a model with sliding
+                                  # windows or recurrent states: `contracts.groups`)
     hash: str = "sha256"
     seed: str = ""              # hex: where the replica's chains start (before a request's cache_salt)
     tokenizer: str = "bytes"    # "bytes", or the tokenizer.json the replica loaded

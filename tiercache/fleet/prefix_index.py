@@ -17,7 +17,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.contracts.keys import BlockHasher, chunk_keys, first_held, tail_keys
+from tiercache.contracts.groups import resume_key
+from tiercache.contracts.keys import BlockHash, BlockHasher, chunk_keys, first_held, tail_keys
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.kv_events import MEDIUM_ENGINE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tiercache.registry import Registry
@@ -43,9 +44,10 @@ class KeyScheme(ABC):
         self.chunk_tokens = descriptor.chunk_tokens
         self.blocks_per_chunk = max(descriptor.chunk_tokens // descriptor.block_size, 1)
         self.partial_chunks = descriptor.partial_chunks and bool(descriptor.chunk_tokens)
+        self.resume_points = descriptor.resume_points and bool(descriptor.chunk_tokens)
         # replicas with one signature name a prompt's blocks alike: the router hashes it once for all of them
         self.signature = (descriptor.key_scheme, descriptor.seed, descriptor.hash, descriptor.block_size,
-                          descriptor.chunk_tokens, self.partial_chunks)
+                          descriptor.chunk_tokens, self.partial_chunks, self.resume_points)
 
     @abstractmethod
     def keys(self, tokens: list[int], cache_salt: str) -> PromptKeys:
@@ -159,7 +161,9 @@ class ReplicaIndex:
         """What the replica would find for ``prompt``: at most all tokens but the last (an engine computes at
         least one). ``shared``: what the other replicas that read the same shared tiers (with the same chains)
         stored there — this replica loads those chunks too, at the remote rate. Where its lookups take shorter
-        chunks (``partial_chunks``), the run of whole chunks ends on the longest one any medium holds."""
+        chunks (``partial_chunks``), the run of whole chunks ends on the longest one any medium holds. Where its
+        hits end at a resume point (``resume_points``), the run is cut to the last chunk, short of the last
+        token, whose resume point some medium holds."""
         limit = max(prompt.num_tokens - 1, 0)
         engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()), self.in_flight)
         engine = scheme.engine_tokens(engine_blocks, prompt.num_tokens)
@@ -170,16 +174,18 @@ class ReplicaIndex:
         sources += [("REMOTE", held) for held in shared if held]
         chain = prompt.tier_blocks or prompt.block_hashes
         bpc, bs = scheme.blocks_per_chunk, scheme.block_size
-        found = []                                          # (medium, blocks it covers to)
+        found = []                                          # (medium, blocks it covers to, chunk key)
         for i, key in enumerate(prompt.chunk_keys):
             medium = _fastest(sources, key)
             if medium is None:
                 if scheme.partial_chunks:
                     found += _longest_tail(sources, tail_keys(chain, bpc, i), i * bpc)
                 break
-            found.append((medium, min((i + 1) * bpc, len(chain))))
+            found.append((medium, min((i + 1) * bpc, len(chain)), key))
+        if scheme.resume_points:
+            found = _to_resume_point(sources, found, limit // bs)
         covered = 0
-        for medium, blocks in found:
+        for medium, blocks, _ in found:
             start, covered = covered, min(blocks * bs, limit)
             beyond = covered - max(start, engine)
             if beyond > 0:
@@ -191,10 +197,19 @@ def _fastest(sources: Sequence[tuple[str, set[bytes]]], key: bytes) -> str | Non
     return next((m for m, held in sources if key in held), None)
 
 
-def _longest_tail(sources, candidates: Sequence[bytes], start_block: int) -> list[tuple[str, int]]:
-    """[(medium, blocks covered to)] for the longest of ``candidates`` (`tail_keys`) some source holds."""
+def _longest_tail(sources, candidates: Sequence[bytes], start_block: int) -> list[tuple[str, int, bytes]]:
+    """[(medium, blocks covered to, key)] for the longest of ``candidates`` (`tail_keys`) some source holds."""
     n = first_held(candidates, lambda key: _fastest(sources, key))
-    return [(_fastest(sources, candidates[len(candidates) - n]), start_block + n)] if n else []
+    key = candidates[len(candidates) - n] if n else b""
+    return [(_fastest(sources, key), start_block + n, key)] if n else []
+
+
+def _to_resume_point(sources, found: list[tuple[str, int, bytes]], max_blocks: int) -> list[tuple[str, int, bytes]]:
+    """``found`` cut to its last chunk within ``max_blocks`` whose resume point some source holds (none: [])."""
+    for end in range(len(found), 0, -1):
+        if found[end - 1][1] <= max_blocks and _fastest(sources, resume_key(BlockHash(found[end - 1][2]))):
+            return found[:end]
+    return []
 
 
 def event_key(value: object) -> bytes:
