@@ -64,20 +64,21 @@ class GroupPagesKV:
 
     def gather(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
         """Copy each part's named blocks from the engine's pages into a stored object."""
-        for (g, segment), part in zip(self._segments(chunk, chunk_blocks), parts, strict=True):
-            if not part.block_ids:
-                continue
-            ids = torch.as_tensor(part.block_ids, device=self.device)
-            out = segment[:, part.first:part.first + len(part.block_ids)]
-            for layer, pages in enumerate(self.pages[g]):
-                out[layer].copy_(pages.index_select(0, ids))
+        self._move(parts, chunk, chunk_blocks, into_engine=False)
 
     def scatter(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int) -> None:
         """Copy each part's named blocks from a stored object into the engine's pages."""
+        self._move(parts, chunk, chunk_blocks, into_engine=True)
+
+    def _move(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int, into_engine: bool) -> None:
+        """One indexed copy per layer and part: the part's blocks of the stored object ↔ its engine blocks."""
         for (g, segment), part in zip(self._segments(chunk, chunk_blocks), parts, strict=True):
             if not part.block_ids:
                 continue
             ids = torch.as_tensor(part.block_ids, device=self.device)
-            src = segment[:, part.first:part.first + len(part.block_ids)]
+            stored = segment[:, part.first:part.first + len(part.block_ids)]
             for layer, pages in enumerate(self.pages[g]):
-                pages.index_copy_(0, ids, src[layer].to(self.device, non_blocking=True))
+                if into_engine:
+                    pages.index_copy_(0, ids, stored[layer].to(self.device, non_blocking=True))
+                else:
+                    stored[layer].copy_(pages.index_select(0, ids))
