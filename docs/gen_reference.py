@@ -489,4 +489,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))       # document the tree this script sits in, whatever else is installed
     sys.exit(main())
