@@ -183,3 +183,44 @@ def test_a_resume_point_that_left_l1_takes_the_hit_back_to_the_one_before():
     assert manager.lookup(hashes).num_hit_blocks == 6
     manager.l1.delete([resume_key(chunk_keys(hashes, 2)[2])])
     assert manager.lookup(hashes).num_hit_blocks == 4
+
+
+def test_a_model_with_groups_is_stored_raw_a_lossy_codec_is_refused_in_one_line(tmp_path):
+    """Groups of several dtypes (a recurrent state beside attention KV) are opaque bytes to a codec: a lossy
+    codec is refused when the worker is built, naming the field; a lossless one stores the same bytes."""
+    from tiercache.build import build_worker_side
+    from tiercache.config import TierCacheConfig
+    from tiercache.contracts.keys import KVGeometry, KVShard, Namespace
+    from tiercache.errors import ConfigError
+
+    groups = gemma_like()
+    _, kv = pool(16, groups, seed=3)
+    namespace = Namespace("m", KVGeometry(3, 1, 8, "float32"), BLOCK)
+    for codec, refused in (("int8", True), ("lz4", False)):
+        config = TierCacheConfig().replace(keys={"block_size": BLOCK, "chunk_tokens": 4 * BLOCK},
+                                           cpu={"capacity": 1 << 20, "prefault": False},
+                                           disk={"enabled": True, "path": str(tmp_path / codec)},
+                                           format={"codec": codec})
+        if refused:
+            with pytest.raises(ConfigError, match="format.codec"):
+                build_worker_side(config, kv, namespace, KVShard(), copies_in_step=True)
+        else:
+            build_worker_side(config, kv, namespace, KVShard(), copies_in_step=True).close()
+
+
+def test_a_purge_of_a_prompt_takes_its_resume_points_with_its_chunks():
+    """A resume point's parent is the chunk it ends: purging a prompt by its first chunk takes every chunk of
+    the chain and every resume point beside them."""
+    from tiercache.contracts.groups import resume_key
+    from tiercache.contracts.keys import chunk_keys
+    from tiercache.contracts.purge import PurgeOrder
+
+    groups = gemma_like(bpc=2)
+    manager = manager_over(groups)
+    hashes = block_hashes(6 * BLOCK)
+    store(manager, hashes, (list(range(100, 106)), list(range(200, 206))), points=(0, 1, 2))
+    keys = chunk_keys(hashes, 2)
+    assert all(manager.l1.has(resume_key(k)) for k in keys)
+    manager.purge(PurgeOrder(roots=(keys[0],)))
+    assert not any(manager.l1.has(k) or manager.l1.has(resume_key(k)) for k in keys)
+    assert manager.lookup(hashes).num_hit_blocks == 0
