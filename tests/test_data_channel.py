@@ -8,7 +8,7 @@ import pytest
 grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 'tiercache[grpc]')")
 
 from tests.conftest import TOKEN, CacheServerProcess, eventually  # noqa: E402
-from tests.support.grpc_clients import NS, Client, chunks, healthy, raw_call  # noqa: E402
+from tests.support.grpc_clients import NS, BudgetHolder, Client, chunks, healthy, raw_call  # noqa: E402
 from tiercache.contracts.plan import Failure  # noqa: E402
 from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
@@ -422,35 +422,6 @@ def test_a_tenant_opening_connections_in_a_loop_closes_its_own_not_another_tenan
         server.stop()
 
 
-class BudgetHolder:
-    """A connection of the server's one tenant that declares a value the size of the whole in-flight budget and
-    sends it a byte at a time, never silent — so its reservation is never taken back and no other value finds
-    room until `release`."""
-
-    def __init__(self, server, nbytes: int) -> None:
-        import threading
-
-        from tiercache.bench.hostile import header_for
-        self.sock, status = connect(server)
-        assert status == dw.HELLO_OK
-        key = b"\xab" * 32
-        head = header_for(key, nbytes - HEADER_BYTES, namespace=NS)
-        self.sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(nbytes) + head)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._trickle, daemon=True)
-        self._thread.start()
-
-    def _trickle(self) -> None:
-        while not self._done.wait(0.05):
-            with contextlib.suppress(OSError):
-                self.sock.send(b"\0")
-
-    def release(self) -> None:
-        self._done.set()
-        self._thread.join()
-        self.sock.close()
-
-
 def put_busy(server) -> int:
     return dict(pb.StatsReply.FromString(raw_call(server, "Stats", b"")).counters).get("data_put_busy", 0)
 
@@ -458,7 +429,7 @@ def put_busy(server) -> int:
 def test_a_value_with_no_room_in_time_is_busy_and_sent_again_until_it_lands(tmp_path):
     """A value the in-flight budget has no room for within the server's wait is answered PUT_BUSY (PUT_REJECTED
     to a version-1 client, which knows no other answer); the tier sends it again after short pauses, so a
-    budget freed meanwhile takes it, and one never freed fails it as a timeout with the tier still up."""
+    budget freed meanwhile takes it, and one never freed fails it as busy with the tier still up."""
     import concurrent.futures
 
     server = CacheServerProcess(tmp_path, "--max-value", "1MiB", "--max-inflight", "1MiB", "--read-timeout", "30")
@@ -476,7 +447,7 @@ def test_a_value_with_no_room_in_time_is_busy_and_sent_again_until_it_lands(tmp_
             assert sock.recv(1) == bytes([answer])
             sock.close()
 
-        assert tier.write_chunks(chunks(1, seed=1)) == ((chunks(1, seed=1)[0][0].key, Failure.TIMEOUT),)
+        assert tier.write_chunks(chunks(1, seed=1)) == ((chunks(1, seed=1)[0][0].key, Failure.BUSY),)
         assert tier.transport.available                    # a busy server, not an outage
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             busy_before = put_busy(server)

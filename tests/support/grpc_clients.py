@@ -1,4 +1,9 @@
-"""A rank's gRPC client tier for tests that talk to a real `tiercache serve`, and raw calls."""
+"""A rank's gRPC client tier for tests that talk to a real `tiercache serve`, raw calls, and a connection that
+holds the server's in-flight budget."""
+import contextlib
+import socket
+import threading
+
 import pytest
 import torch
 
@@ -7,8 +12,9 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 from tiercache.contracts.keys import BlockHash  # noqa: E402
 from tiercache.tiers.grpc_client import GrpcTransport  # noqa: E402
 from tiercache.tiers.grpc_index import GrpcIndex  # noqa: E402
+from tiercache.wire import data_frames as dw  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
-from tiercache.wire.chunk_format import ChunkMeta  # noqa: E402
+from tiercache.wire.chunk_format import HEADER_BYTES, ChunkMeta  # noqa: E402
 from tiercache.wire.grpc_messages import method  # noqa: E402
 
 NS = bytes(range(16))
@@ -85,3 +91,32 @@ def raw_call(server, name: str, request: bytes | list[bytes], metadata=()):
 def healthy(server) -> bool:
     reply = pb.HealthReply.FromString(raw_call(server, "Health", b""))
     return reply.status == pb.HealthReply.SERVING
+
+
+class BudgetHolder:
+    """A data-channel connection (of ``token``'s tenant) that declares a value the size of the server's whole
+    in-flight budget and sends it a byte at a time, never silent — so its reservation is never taken back and
+    no other value finds room until `release`."""
+
+    def __init__(self, server, nbytes: int, token: str | None = None) -> None:
+        from tiercache.bench.hostile import header_for
+        port = pb.HealthReply.FromString(raw_call(server, "Health", b"")).data_port
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.sendall(dw.hello(token))
+        assert self.sock.recv(1)[0] == dw.HELLO_OK
+        key = b"\xab" * 32
+        head = header_for(key, nbytes - HEADER_BYTES, namespace=NS)
+        self.sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(nbytes) + head)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._trickle, daemon=True)
+        self._thread.start()
+
+    def _trickle(self) -> None:
+        while not self._done.wait(0.05):
+            with contextlib.suppress(OSError):
+                self.sock.send(b"\0")
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
+        self.sock.close()

@@ -48,9 +48,10 @@ class Failure(str, Enum):
     """Why one key of a job did not move on one rank; merged across ranks by `SEVERITY`."""
     CANCELLED = "cancelled"      # a store cancelled because its request's load failed in the same step
     DROPPED = "dropped"          # a store the link dropped under pressure
+    BUSY = "busy"                # a store the server had no room for in time (its in-flight budget, its slots)
     MISS = "miss"                # not there when read: evicted, deleted, changed under a ranged read
     UNAVAILABLE = "unavailable"  # the tier is in an outage on this rank
-    TIMEOUT = "timeout"
+    TIMEOUT = "timeout"          # past its deadline (a server too slow to answer)
     IO = "io"                    # the medium or the copy failed (ENOSPC, EIO, a refused write, a crash)
     CORRUPT = "corrupt"          # there, but failed its checks: the stored bytes are deleted
 

@@ -79,8 +79,8 @@ class OutgoingBatch:
     def nbytes(self) -> int:
         return sum(len(memoryview(raw).cast("B")) for _, raw in self.items)
 
-    def unavailable(self) -> KeyFailures:
-        return tuple((meta.key, Failure.UNAVAILABLE) for meta, _ in self.items)
+    def all_failed(self, why: Failure) -> KeyFailures:
+        return tuple((meta.key, why) for meta, _ in self.items)
 
     def failures(self, rejected: Sequence[BlockHash]) -> KeyFailures:
         """The chunks the codec refused in the latest encoding, and those the store ``rejected``."""

@@ -19,7 +19,8 @@ goes quiet (`Outage`) while a background thread asks ``Health`` every
 ``retry_interval`` seconds and the gRPC channel reconnects (its reconnect
 backoff is capped near ``retry_interval`` too, so a restarted server is
 seen within seconds). A call the server refused for room
-(``RESOURCE_EXHAUSTED``) is no outage: those chunks fail, counted as busy.
+(``RESOURCE_EXHAUSTED``) is no outage: those chunks fail as busy (`Failure.BUSY`), and a store past its
+deadline as `Failure.TIMEOUT`.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import grpc
 
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.tiers.channels import ValueChannel
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.serve_channels import DataChannelValues, SharedDirValues, StreamValues
@@ -123,6 +125,13 @@ class GrpcTransport(RemoteTransport):
             return
         super()._failed(what, err)
         self._forget_paths()     # a restarted server may offer other paths, or none
+
+    def _store_failure(self, err: BaseException) -> Failure:
+        if busy(err):
+            return Failure.BUSY
+        if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return Failure.TIMEOUT
+        return super()._store_failure(err)
 
     @property
     def part_bytes(self) -> int:

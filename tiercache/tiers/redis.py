@@ -170,13 +170,18 @@ class RedisTransport(RemoteTransport):
             taken = self._door.admitted(chunks)
         except self.transport_errors as err:
             self._failed("store", err)
-            return tuple((c.key, Failure.UNAVAILABLE) for c in chunks)
+            return tuple((c.key, self._store_failure(err)) for c in chunks)
         refused = tuple((c.key, Failure.IO) for c, ok in zip(chunks, taken) if not ok)
         return tuple(super().write_chunks([item for item, ok in zip(items, taken) if ok])) + refused
 
     def close(self) -> None:
         super().close()
         self._client.close()
+
+    def _store_failure(self, err: BaseException) -> Failure:
+        import redis
+
+        return Failure.TIMEOUT if isinstance(err, redis.exceptions.TimeoutError) else super()._store_failure(err)
 
     def _probe(self) -> None:
         self._client.ping()

@@ -94,7 +94,7 @@ class RemoteTransport(Transport):
             return ()
         batch = OutgoingBatch(items, self._codec)
         if not self.available:
-            return batch.unavailable()
+            return batch.all_failed(Failure.UNAVAILABLE)
         try:
             for channel in self._channels():
                 try:
@@ -106,8 +106,12 @@ class RemoteTransport(Transport):
                 return failed
         except self.transport_errors as err:
             self._failed("store", err)
-            return batch.unavailable()
-        return batch.unavailable()        # every channel was busy: these chunks fail, the tier stays up
+            return batch.all_failed(self._store_failure(err))
+        return batch.all_failed(Failure.BUSY)      # every channel was busy: these chunks fail, the tier stays up
+
+    def _store_failure(self, err: BaseException) -> Failure:
+        """Why a store that raised ``err`` failed: past its deadline (`Failure.TIMEOUT`), else the tier down."""
+        return Failure.TIMEOUT if isinstance(err, TimeoutError) else Failure.UNAVAILABLE
 
     def read_chunks_into(self, items: Sequence[tuple[BlockHash, memoryview]]) -> list[int | Failure]:
         """Each chunk verified and decoded into its buffer, asked of each channel in turn until one has it

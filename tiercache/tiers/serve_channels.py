@@ -151,7 +151,7 @@ class DataChannelValues(ValueChannel):
         """One ``PUT``: each chunk's header and payload sent as they are (a chunk the codec refused is
         withdrawn). The chunks the server had no room for in time (``PUT_BUSY``) are sent again, alone, after
         a `busy_pause` — `BUSY_TRIES` times in all, as `when_room` asks for a stream again; those still refused
-        then fail (`Failure.TIMEOUT`: a busy server, the tier stays up)."""
+        then fail (`Failure.BUSY`: a busy server, the tier stays up)."""
         failed: list[tuple[BlockHash, Failure]] = []
         for attempt in range(BUSY_TRIES):
             sent = batch
@@ -164,7 +164,7 @@ class DataChannelValues(ValueChannel):
             if attempt < BUSY_TRIES - 1:
                 busy_pause(attempt)
                 batch = OutgoingBatch(refused, batch.codec)
-        return (*failed, *((meta.key, Failure.TIMEOUT) for meta, _ in refused))
+        return (*failed, *((meta.key, Failure.BUSY) for meta, _ in refused))
 
     def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
         """One ``GET``."""
