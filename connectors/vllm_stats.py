@@ -11,11 +11,14 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from tiercache.tiers.base import DROP_REASONS
+
 SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
                       "stores_cancelled", "tail_stores", "delayed_frees")
 WORKER_COUNTERS = ("layerwise_loads",)
-TIER_COUNTERS = ("stored", "loaded", "load_misses", "evicted", "expired", "purged", "integrity_failures", "tail_hits",
-                 "errors")
+STORE_DROPS = tuple(f"store_dropped_{reason}" for reason in DROP_REASONS)
+TIER_COUNTERS = ("store_planned", "stored", "store_rejected", "store_failed", *STORE_DROPS, "loaded", "load_misses",
+                 "evicted", "expired", "purged", "integrity_failures", "tail_hits", "errors")
 
 
 @dataclass
@@ -43,7 +46,8 @@ class TierCacheStats(KVConnectorStats):
 
 class TierCachePromMetrics(KVConnectorPromMetrics):
     """tiercache's counters in vLLM's Prometheus endpoint: ``vllm:tiercache_<counter>``, per tier
-    (``vllm:tiercache_tier_<counter>{tier=}``), per link (``vllm:tiercache_link_<counter>{link=}``, summed
+    (``vllm:tiercache_tier_<counter>{tier=}``; the stores given up on as
+    ``vllm:tiercache_tier_store_dropped{tier=,reason=}``), per link (``vllm:tiercache_link_<counter>{link=}``, summed
     over ranks) and the audit trail's events (``vllm:tiercache_audit_events{tenant=,event=}``)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
@@ -52,7 +56,11 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
                                                labelnames=labelnames) for name in SCHEDULER_COUNTERS + WORKER_COUNTERS}
         self._tier = {name: self._counter_cls(name=f"vllm:tiercache_tier_{name}",
                                               documentation=f"tiercache chunks {name} per tier",
-                                              labelnames=[*labelnames, "tier"]) for name in TIER_COUNTERS}
+                                              labelnames=[*labelnames, "tier"])
+                      for name in TIER_COUNTERS if name not in STORE_DROPS}
+        self._dropped = self._counter_cls(name="vllm:tiercache_tier_store_dropped",
+                                          documentation="tiercache stores given up on per tier, by reason",
+                                          labelnames=[*labelnames, "tier", "reason"])
         self._audit = self._counter_cls(name="vllm:tiercache_audit_events",
                                         documentation="audited purges, expiries and key rotations per tenant",
                                         labelnames=[*labelnames, "tenant", "event"])
@@ -72,6 +80,8 @@ class TierCachePromMetrics(KVConnectorPromMetrics):
                 self._plain[name].labels(*labels).inc(value)
             elif len(parts) == 3 and parts[0] == "tier" and parts[2] in self._tier:
                 self._tier[parts[2]].labels(*labels, parts[1]).inc(value)
+            elif len(parts) == 3 and parts[0] == "tier" and parts[2] in STORE_DROPS:
+                self._dropped.labels(*labels, parts[1], parts[2].removeprefix("store_dropped_")).inc(value)
             elif len(parts) == 3 and parts[0] == "audit":
                 self._audit.labels(*labels, parts[1], parts[2]).inc(value)
             elif len(parts) == 3 and parts[0] == "link" and parts[2] == "bytes":

@@ -7,8 +7,12 @@ caches in one process export side by side on their own ports.
 
 Families (labels in braces):
 - ``tiercache_tier_*{tier}``: capacity, used bytes, chunks, key hit ratio, and
-  counters (lookups, hit keys, stored, rejected stores, loads, evictions,
-  deletions, integrity failures, errors);
+  counters (lookups, hit keys, planned, stored, rejected and failed stores,
+  loads, evictions, deletions, integrity failures, errors);
+  ``tiercache_tier_store_dropped{tier,reason}``: stores given up on before
+  they landed (a busy server, its deadline, a full link queue, cancelled,
+  purged) — planned = stored + rejected + dropped + failed, once none is in
+  flight;
 - ``tiercache_link_*{link}``: bytes, jobs, failures, drops (counters), GB/s,
   queue depth, bytes in flight, configured rate;
 - ``tiercache_blocks{state}``: L0 blocks by state (used, pinned, evictable,
@@ -47,9 +51,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 TIER_GAUGES = ("available", "capacity_bytes", "used_bytes", "chunks", "key_hit_ratio")
-TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "stored", "store_rejected", "loaded", "load_misses", "evicted",
-                 "deleted", "expired", "purged", "integrity_failures", "tail_hits", "temp_removed", "errors",
-                 "outages")
+TIER_COUNTERS = ("lookups", "lookup_keys", "hit_keys", "store_planned", "stored", "store_rejected", "store_failed",
+                 "loaded", "load_misses", "evicted", "deleted", "expired", "purged", "integrity_failures", "tail_hits",
+                 "temp_removed", "errors", "outages")
+STORE_DROPPED = "store_dropped_"   # a tier's stats key per reason a store was given up on: one family, by reason
 LINK_GAUGES = ("gbps", "achieved_gbps", "queue_depth", "in_flight_bytes", "rate_limit_gbps")
 LINK_COUNTERS = ("bytes", "jobs", "failed", "dropped", "dropped_bytes")
 CONNECTOR_COUNTERS = ("lookups", "ask_again", "admitted_tokens", "hit_requests", "hit_tokens", "loaded_tokens",
@@ -66,6 +71,17 @@ def _audited(counts: dict[str, dict[str, dict[str, int]]]) -> Iterator:
             for event, values in events.items():
                 metric.add_metric([tenant, event], float(values[field]))
         yield metric
+
+
+def _dropped(tiers: dict[str, dict]) -> CounterMetricFamily:
+    """Stores each tier gave up on before they landed, by reason (``store_dropped_<reason>`` in its stats)."""
+    metric = CounterMetricFamily("tiercache_tier_store_dropped", "per-tier stores given up on, by reason (busy, "
+                                 "deadline, queue, cancelled, purged)", labels=["tier", "reason"])
+    for tier, values in tiers.items():
+        for name, value in values.items():
+            if name.startswith(STORE_DROPPED):
+                metric.add_metric([tier, name.removeprefix(STORE_DROPPED)], float(value))
+    return metric
 
 
 def _labelled(label: str, items: dict[str, dict], gauges: tuple[str, ...], counters: tuple[str, ...]) -> Iterator:
@@ -96,6 +112,7 @@ class StatsCollector(Collector):
                     raise
         connector = stats.get("connector", stats)
         yield from _labelled("tier", connector.get("tiers", {}), TIER_GAUGES, TIER_COUNTERS)
+        yield _dropped(connector.get("tiers", {}))
         yield from _labelled("link", connector.get("transfers", {}), LINK_GAUGES, LINK_COUNTERS)
         audit = connector.get("audit", stats.get("audit"))
         if audit is not None:

@@ -15,7 +15,7 @@ reported with its `Failure`, never raised.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -51,14 +51,30 @@ def link_name(src: Medium, dst: Medium | None) -> str:
     return LINK_NAMES.get(frozenset((src, dst)), f"{src.value}_{dst.value}")
 
 
+# A store given up on before it landed, by why (`Failure`): its reason in the counters (``store_dropped_<reason>``)
+STORE_DROPS = {Failure.BUSY: "busy", Failure.TIMEOUT: "deadline", Failure.DROPPED: "queue",
+               Failure.CANCELLED: "cancelled"}
+DROP_REASONS = (*STORE_DROPS.values(), "purged")
+
+
 @dataclass(slots=True)
 class TierCounters:
-    """Monotonic counters, one count per chunk (not per rank); only the owning index increments them."""
+    """Monotonic counters, one count per chunk (not per rank); only the owning index increments them.
+
+    Every store planned here ends as one of: stored, rejected, dropped (by reason) or failed, so once no
+    store is in flight ``store_planned == stored + store_rejected + store_dropped_* + store_failed``."""
     lookups: int = 0
     lookup_keys: int = 0
     hit_keys: int = 0
+    store_planned: int = 0       # chunks offered to this tier that it did not hold (promotions into L1 too)
     stored: int = 0
-    store_rejected: int = 0      # no room (everything pinned) or already present
+    store_rejected: int = 0      # no room (everything pinned), or declined by the store's door
+    store_dropped_busy: int = 0      # the server had no room for it in time (its in-flight budget, its slots)
+    store_dropped_deadline: int = 0  # the server did not answer within the deadline
+    store_dropped_queue: int = 0     # the link's queue of stores was full
+    store_dropped_cancelled: int = 0  # cancelled (its request's load failed, or the workers were gone)
+    store_dropped_purged: int = 0    # purged while it was being written
+    store_failed: int = 0        # any other failure (the medium, the tier down, the source's read)
     loaded: int = 0
     load_misses: int = 0         # asked for, then gone when read (evicted, changed meanwhile, tier down)
     evicted: int = 0
@@ -72,6 +88,20 @@ class TierCounters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def count_lost(self, whys: Iterable[Failure]) -> int:
+        """Count stores that did not land: one given up on under its reason (`STORE_DROPS`), any other as
+        failed; returns how many failed (the caller's errors, where the failure is this tier's)."""
+        failed = 0
+        for why in whys:
+            reason = STORE_DROPS.get(why)
+            if reason is None:
+                failed += 1
+            else:
+                name = f"store_dropped_{reason}"
+                setattr(self, name, getattr(self, name) + 1)
+        self.store_failed += failed
+        return failed
 
 
 @dataclass(frozen=True, slots=True)

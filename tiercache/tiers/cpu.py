@@ -83,6 +83,7 @@ class CpuIndex(IndexedTier):
             if key in self.entries:
                 out.append(None)
                 continue
+            self.counters.store_planned += 1
             slot = self.slots.allocate()
             tries = 0
             while slot is None and tries < MAX_EVICTIONS_PER_SLOT:

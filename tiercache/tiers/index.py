@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES, BlockHash
+from tiercache.contracts.plan import Failure
 from tiercache.policies import eviction_policies
 from tiercache.tiers.base import TierIndex
 
@@ -181,23 +182,30 @@ class IndexedTier(TierIndex):
         self.entries[key] = entry
         self._used += entry.nbytes
 
-    def publish(self, keys: Sequence[BlockHash], failed: Sequence[BlockHash] = (), own_errors: bool = True,
+    def publish(self, keys: Sequence[BlockHash],
+                failed: Mapping[BlockHash, Failure] | Sequence[BlockHash] = (), own_errors: bool = True,
                 stored_at: Mapping[BlockHash, float] | None = None) -> None:
-        """Make written keys visible and drop the ``failed`` ones — counted as this tier's errors unless
-        ``own_errors`` is False (the copy failed at its source, which counts it). ``stored_at``: when the
-        chunks copied here from another tier were first stored (their retention keeps running; default now).
+        """Make written keys visible and drop the ``failed`` ones (each with why, or a plain list: failed
+        writes): a store given up on is counted as dropped under its reason, any other failure as failed and
+        as this tier's error unless ``own_errors`` is False (the copy failed at its source, which counts it).
+        ``stored_at``: when the chunks copied here from another tier were first stored (their retention keeps
+        running; default now).
 
         Keys are published tail first so that, under LRU, a chain's head is the
         most recently used and outlives its tail.
         """
-        bad = set(failed)
+        whys = failed if isinstance(failed, Mapping) else dict.fromkeys(failed, Failure.IO)
         for key in reversed(keys):
             entry = self.entries.get(key)
             if entry is None or entry.ready:
                 continue
-            if key in bad or entry.purged:
+            if entry.purged:
                 self._drop(key, entry)
-                self.counters.errors += own_errors and not entry.purged
+                self.counters.store_dropped_purged += 1
+            elif key in whys:
+                self._drop(key, entry)
+                lost = self.counters.count_lost((whys[key],))
+                self.counters.errors += lost if own_errors else 0
             else:
                 entry.ready = True
                 self._stamp(key, entry, None if stored_at is None else stored_at.get(key))
@@ -284,7 +292,12 @@ class IndexedTier(TierIndex):
         self.expire()            # a chunk past retention is stored again, not kept as present
         out = []
         for key, size in zip(keys, nbytes, strict=True):
-            if key in self.entries or size > capacity:
+            if key in self.entries:
+                out.append(False)
+                continue
+            self.counters.store_planned += 1
+            if size > capacity:
+                self.counters.store_rejected += 1
                 out.append(False)
                 continue
             while self._used + size > capacity:

@@ -285,6 +285,7 @@ class RemoteIndex(LowerIndex):
         return self.fmt.max_stored_len(layout)
 
     def prepare_store(self, keys: Sequence[BlockHash], nbytes: Sequence[int]) -> list[bool]:
+        self.counters.store_planned += len(keys)
         ok = self.available
         if not ok:
             self.counters.store_rejected += len(keys)
@@ -293,11 +294,12 @@ class RemoteIndex(LowerIndex):
     def complete_store(self, keys: Sequence[BlockHash], failed: Mapping[BlockHash, Failure] = {},
                        stored_at: Mapping[BlockHash, float] | None = None) -> None:
         """A write the store declined (`Failure.IO`: its admission refused it, or it had no room) is a rejected
-        store, not an error."""
+        store, one given up on (a busy server, its deadline, a full queue) a dropped one by its reason: neither
+        is an error."""
         declined = sum(why is Failure.IO for why in failed.values())
         self.counters.stored += len(keys) - len(failed)
         self.counters.store_rejected += declined
-        self.counters.errors += len(failed) - declined
+        self.counters.errors += self.counters.count_lost(why for why in failed.values() if why is not Failure.IO)
         if self._absent:
             for key in keys:
                 if key not in failed:
