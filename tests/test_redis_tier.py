@@ -510,6 +510,47 @@ def test_a_server_that_hangs_never_holds_the_scheduler_and_costs_a_rank_one_time
         hole.close()
 
 
+def test_a_slow_lookup_is_a_miss_and_only_lookups_that_keep_timing_out_take_the_tier_down(redis_server):
+    """Redis stopped (SIGSTOP) answers nothing: a lookup past ``lookup_timeout`` is a miss (``lookups_slow``)
+    and the tier stays up, as a loaded server may answer the next one in time. `SLOW_LOOKUPS_DOWN` in a row
+    are a hung server: an outage, misses without asking, and a background PING that brings the tier back
+    once Redis answers again (SIGCONT)."""
+    import os
+    import signal
+
+    from tiercache.contracts.keys import BlockHash
+    from tiercache.tiers.redis import redis_key
+    from tiercache.tiers.remote_index import SLOW_LOOKUPS_DOWN
+
+    ns, key = b"s" * 16, BlockHash(b"\x07" * 32)
+    redis.Redis.from_url(redis_server.url).set(redis_key(ns, key), b"there")
+    index = RedisIndex(redis_server.url, lookup_timeout_s=0.5, retry_interval_s=0.1)
+    index.attach([ns])
+    pid = redis_server.proc.pid
+    try:
+        assert index.present([key]) == 1
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(SLOW_LOOKUPS_DOWN - 1):
+            assert index.present([key]) == 0
+        assert index.available and index.stats()["lookups_slow"] == SLOW_LOOKUPS_DOWN - 1
+        os.kill(pid, signal.SIGCONT)
+        assert index.present([key]) == 1                  # answered in time: the run of slow ones is over
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(SLOW_LOOKUPS_DOWN - 1):
+            assert index.present([key]) == 0
+        assert index.available
+        assert index.present([key]) == 0                  # the third in a row
+        assert not index.available and index.stats()["outages"] == 1
+        assert index.contains([key]) == 0                 # down: a miss at once, without asking
+        os.kill(pid, signal.SIGCONT)
+        eventually(lambda: index.available, 10, "the background probe bringing the tier back")
+        assert index.present([key]) == 1
+        assert index.stats()["lookups_slow"] == 2 * SLOW_LOOKUPS_DOWN - 1 and index.stats()["outages"] == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        index.close()
+
+
 def test_one_bad_value_costs_one_failed_load_not_a_retry_storm(redis_server):
     """A fresh engine asks for a prefix whose first chunk's value in Redis was damaged. The promotion fails
     once (an integrity failure, the value deleted); the index then answers "absent" for that chunk at once

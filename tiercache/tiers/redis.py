@@ -9,7 +9,9 @@ and Redis's own ``maxmemory`` policy bounds their size.
 
 - `RedisIndex` (scheduler side): lookups — one pipelined ``EXISTS`` batch
   over every writing rank's key of each chunk — on the index's lookup thread,
-  over connections of their own with a short ``lookup_timeout``; and the
+  over connections of their own with a short ``lookup_timeout`` (a lookup
+  past it is a miss; a few in a row take the tier down,
+  `tiercache.tiers.remote_index`); and the
   purges announced in ``tiercache-purges`` (`RedisPurges`), for the engine's
   own tiers.
 - `RedisTransport` (worker side, one per rank): pipelined stores and loads
@@ -92,7 +94,7 @@ class RedisIndex(RemoteIndex):
                  retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
                  admission: str = "second-sighting") -> None:
         super().__init__(name, fmt, retry_interval_s, where=url)
-        # lookups hold the request they serve for at most lookup_timeout_s (then the tier is down)
+        # lookups hold the request they serve for at most lookup_timeout_s (then it is a miss)
         self._client = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                    socket_connect_timeout=lookup_timeout_s)
         self.parallel_jobs = cluster   # one redis-server is one thread; a cluster's nodes work side by side
@@ -119,6 +121,11 @@ class RedisIndex(RemoteIndex):
 
     def _probe(self) -> None:
         self._client.ping()
+
+    def _slow(self, err: Exception) -> bool:
+        import redis
+
+        return isinstance(err, redis.exceptions.TimeoutError)
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
         """The run, and one sighting of each key asked (`Sightings`): before the answer, so a store that follows
