@@ -61,9 +61,10 @@ def test_an_engine_storing_through_a_busy_server_counts_every_store_as_dropped_b
 def test_stores_past_their_deadline_or_over_a_full_queue_are_dropped_by_reason(redis_server):
     """Redis stops answering (SIGSTOP). Three requests' chunks are stored into L1 and their write-through
     copies offered to the network link at once; the link runs one store at a time and queues at most one
-    byte of stores, so the third copy (at least) is dropped at the queue. The first waits out its deadline
-    (the rank's tier goes down: what reaches it after that fails as unavailable). A fourth store into L1 is
-    cancelled (its request's load failed). Each is counted under its reason, and the counts add up."""
+    byte of stores, so one or both of the later copies are dropped at the queue. The first waits out its
+    deadline (the rank's tier goes down: a copy that reaches it after that fails as unavailable). A fourth
+    store into L1 is cancelled (its request's load failed). Each is counted under its reason, and the counts
+    add up."""
     s = Stack(num_blocks=64, cpu_chunks=8,
               redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2, "timeout": 0.5},
               transfer={"host_network_max_in_flight": 1, "host_network_max_queued_stores": 1})
@@ -75,7 +76,7 @@ def test_stores_past_their_deadline_or_over_a_full_queue_are_dropped_by_reason(r
         redis = s.lower("redis").stats()
         assert redis["store_planned"] == 6 and redis["stored"] == 0
         assert redis["store_dropped_deadline"] == 2                 # the first copy: past the deadline
-        assert redis["store_dropped_queue"] in (2, 4)               # the third (and the second, if it came first)
+        assert redis["store_dropped_queue"] in (2, 4)               # the second, the third, or both
         assert redis["store_failed"] == redis["errors"] == 4 - redis["store_dropped_queue"]
         hashes = s.hasher.hash_blocks(list(range(5000, 5000 + 32)))
         s.blocks.allocate("c", 32)
