@@ -22,6 +22,7 @@ from tiercache.connector.worker import OffloadWorker
 from tiercache.contracts.connector import ConnectorMetadata, ConnectorOutput, WorkerReport
 from tiercache.contracts.keys import KVShard, Namespace
 from tiercache.contracts.plan import JobOutcome, TransferPlan
+from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.pool.kv_cache import PagedKVCache
 from tiercache.pool.layer_tensors import LayerTensorsKV
 
@@ -78,10 +79,12 @@ class RankGroup:
 
 class ReferenceConnector:
     """Both sides over L0 ``kv``: the reference engine's pool (one rank per shard), or each rank's KV as given
-    (an engine's per-layer tensors; ``replicated`` when every rank holds the same KV, as with MLA)."""
+    (an engine's per-layer tensors, or a hybrid model's KV-cache groups; ``replicated`` when every rank holds
+    the same KV, as with MLA)."""
 
     def __init__(self, config: TierCacheConfig, namespace: Namespace,
-                 kv: PagedKVCache | Sequence[PagedKVCache | LayerTensorsKV], replicated: bool = False) -> None:
+                 kv: PagedKVCache | Sequence[PagedKVCache | LayerTensorsKV | GroupPagesKV],
+                 replicated: bool = False) -> None:
         ranks = [kv.shard(i) for i in range(kv.num_shards)] if isinstance(kv, PagedKVCache) else list(kv)
         n = len(ranks)
         self.workers = [OffloadWorker(config, namespace, KVShard(tp_rank=i, tp_size=n, replicated=replicated))

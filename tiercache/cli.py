@@ -198,6 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from tiercache.bench.demo_report import print_report, write_files
     from tiercache.bench.workloads import WorkloadSpec
     from tiercache.engine import EngineConfig
+    from tiercache.engine.config import HYBRID_MODEL
 
     spec = WorkloadSpec(args.workload, requests=args.requests, prefix_tokens=args.prefix_tokens,
                         suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens)
@@ -225,7 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         with _named_by_flags({"metrics_port": "--metrics-port", "engine.num_blocks": "--l0-blocks"}):
             report = demo(spec, offload, engine_cfg, progress=lambda: bar.update(1), started=started,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, model_cfg=HYBRID_MODEL if args.model == "hybrid" else None)
     finally:
         if bar is not None:
             bar.close()
@@ -545,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="blocks in the engine's own pool (default: 160, or what the workload's longest request "
                         "needs if more: less than the workload, as in production)")
     d.add_argument("--no-prefix-caching", action="store_true", help="no L0 hits: every hit comes from a tier")
+    d.add_argument("--model", choices=["llama", "hybrid"], default="llama",
+                   help="llama (default): full attention in every layer; hybrid: sliding-window, linear-attention "
+                        "and full-attention layers, stored per KV-cache group")
     d.add_argument("--json", metavar="PATH")
     d.add_argument("--out", metavar="DIR", help="write demo.json, demo.md and demo.png here")
     d.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics of the cached run on this port")

@@ -20,6 +20,7 @@ from tiercache.bench.workloads import WORKLOADS, WorkloadSpec
 from tiercache.config import TierCacheConfig
 from tiercache.contracts.plan import DEVICE
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
+from tiercache.engine.config import ModelConfig
 from tiercache.engine.sequence import Sequence
 
 WARMUP_TOKEN = 7  # a control byte that no workload prompt contains
@@ -55,12 +56,14 @@ def _source(before: dict[str, int], after: dict[str, int], seq: Sequence) -> str
 
 def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCacheConfig | None,
                  progress: Callable[[], None] | None = None, metrics_port: int | None = None,
-                 engine: LLMEngine | None = None, drain: bool = False) -> RunRecord:
+                 engine: LLMEngine | None = None, drain: bool = False, model_cfg: ModelConfig | None = None
+                 ) -> RunRecord:
     """Run ``spec`` on a new engine (or on ``engine``, which is closed afterwards); with ``drain``, the
     transfers still owed (write-through stores) run to their end before the stats are read."""
     record = RunRecord()
     params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
-    with engine or LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port) as engine:
+    with engine or LLMEngine(model_cfg=model_cfg, engine_cfg=engine_cfg, offload=offload,
+                             metrics_port=metrics_port) as engine:
         # Warm-up on unrelated tokens: the first forwards after start-up (fresh allocator arenas,
         # just-faulted L1 pages) run up to 3x slower here and would otherwise land in one run only.
         engine.add_request([WARMUP_TOKEN] * 300, params)
@@ -121,33 +124,56 @@ def _by_tier(warm: RunRecord, chunk_bytes: int) -> dict[str, dict[str, object]]:
         if source in tiers:
             loaded = tiers[source]["loaded"]
             row.update({"hit_tokens": warm.tier_hits.get(source, 0), "chunks_loaded": loaded,
-                        "bytes_loaded": loaded * chunk_bytes, "load_gbps": _load_gbps(transfers, source)})
+                        "load_gbps": _load_gbps(transfers, source)})
+            if chunk_bytes:     # chunks of one size (a hybrid model's resume points are of another)
+                row["bytes_loaded"] = loaded * chunk_bytes
         out[source] = row
     return out
 
 
+def kv_groups_table(engine: LLMEngine) -> list[dict[str, object]]:
+    """What the engine's connector stores per KV-cache group (a hybrid model's; empty for one group of full
+    attention): its chunk groups' bytes per token, its resume-point groups' bytes per resume point."""
+    manager = engine.connector.scheduler.manager if engine.connector is not None else None
+    layout = manager.groups if manager is not None else None
+    if layout is None:
+        return []
+    rows = []
+    for group in layout.groups:
+        need = layout.resume_blocks(group)
+        row = {"kind": group.kind, "pages_per_block": group.num_layers, "window_tokens": group.window_tokens}
+        if need is None:
+            row["bytes_per_token"] = group.num_layers * group.page_bytes // layout.block_size
+        else:
+            row["bytes_per_resume_point"] = group.num_layers * need * group.page_bytes
+        rows.append(row)
+    return rows
+
+
 def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: EngineConfig,
          progress: Callable[[], None] | None = None, metrics_port: int | None = None,
-         started: Callable[[int | None], None] | None = None) -> dict[str, object]:
+         started: Callable[[int | None], None] | None = None, model_cfg: ModelConfig | None = None
+         ) -> dict[str, object]:
     """Cold, then warm; ``started`` is called once the cached engine and its whole offload stack are built —
     first, so a config that cannot work fails before any request runs — with the port its metrics are served
     on (None: not served)."""
-    warm_engine = LLMEngine(engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port)
+    warm_engine = LLMEngine(model_cfg=model_cfg, engine_cfg=engine_cfg, offload=offload, metrics_port=metrics_port)
     try:
         if started is not None:
             started(warm_engine.metrics_port)
         cold_cfg = EngineConfig(**{**{f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
                                    "enable_prefix_caching": False})
-        cold = run_workload(spec, cold_cfg, None, progress)
+        cold = run_workload(spec, cold_cfg, None, progress, model_cfg=model_cfg)
     except BaseException:
         warm_engine.close()
         raise
+    groups = kv_groups_table(warm_engine)
     warm = run_workload(spec, engine_cfg, offload, progress, engine=warm_engine)
     hits = warm.l0_hit_tokens + warm.tier_hit_tokens
     cold_p50 = statistics.median(cold.ttft_s) * 1e3
     warm_p50 = statistics.median(warm.ttft_s) * 1e3
     chunk_tokens = offload.keys.chunk_tokens if offload else 0
-    chunk_bytes = warm_engine.kv.block_bytes * (chunk_tokens // engine_cfg.block_size) if offload else 0
+    chunk_bytes = warm_engine.kv.block_bytes * (chunk_tokens // engine_cfg.block_size) if offload and not groups else 0
     return {
         "workload": spec.name,
         "requests": len(warm.outputs),
@@ -168,6 +194,7 @@ def demo(spec: WorkloadSpec, offload: TierCacheConfig | None, engine_cfg: Engine
         "links": {name: {"bytes": link["bytes"], "gbps": round(link["gbps"], 3)}
                   for name, link in warm.stats.get("connector", {}).get("transfers", {}).items()},
         "outputs_match": cold.outputs == warm.outputs,
+        "kv_groups": groups,
         "spec": {f: getattr(spec, f) for f in spec.__slots__},
         "engine": {f: getattr(engine_cfg, f) for f in engine_cfg.__slots__},
         "warm_stats": warm.stats,

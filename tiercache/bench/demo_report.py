@@ -30,6 +30,15 @@ def print_report(report: dict, tiers: str) -> None:
     for row in _source_rows(report):
         sources.add_row(*("-" if v is None else str(v) for v in row))
     Console(width=max(100, Console().width)).print(sources)
+    if report.get("kv_groups"):
+        groups = Table(title="what a chunk and a resume point store, by KV-cache group", min_width=64)
+        for col in ("group", "pages a block", "bytes a token (chunks)", "bytes a resume point"):
+            groups.add_column(col, justify="left" if col == "group" else "right")
+        for g in report["kv_groups"]:
+            name = g["kind"] + (f" ({g['window_tokens']} tokens)" if g["window_tokens"] else "")
+            groups.add_row(name, str(g["pages_per_block"]), str(g.get("bytes_per_token", "-")),
+                           str(g.get("bytes_per_resume_point", "-")))
+        Console(width=max(100, Console().width)).print(groups)
 
 
 def _source_rows(report: dict) -> list[list[object]]:

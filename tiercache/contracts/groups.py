@@ -70,11 +70,18 @@ class RecurrentState(GroupKind):
         return 1
 
 
+class BlockStates(RecurrentState):
+    """A recurrent state kept at every block boundary (the reference engine's linear attention): a resume point
+    can be stored at any chunk's end the engine still holds."""
+    exact = False
+
+
 group_kinds: Registry[GroupKind] = Registry("KV-cache group kind")
 group_kinds.register("full-attention", AllBlocks())
 group_kinds.register("mla", AllBlocks())
 group_kinds.register("sliding-window", SlidingWindow())
 group_kinds.register("state", RecurrentState())
+group_kinds.register("block-state", BlockStates())
 
 
 def resume_key(chunk_key: BlockHash) -> BlockHash:

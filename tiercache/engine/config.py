@@ -9,10 +9,16 @@ from dataclasses import dataclass
 from tiercache.engine.preemption import preemption_policies
 from tiercache.errors import ConfigError
 
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-style decoder. The embedded default is small enough to prefill 2K tokens quickly on 2 cores."""
+    """A Llama-style decoder. The embedded default is small enough to prefill 2K tokens quickly on 2 cores.
+
+    ``layer_types`` makes it hybrid (empty: every layer full attention): ``sliding_attention`` layers attend to
+    the last ``sliding_window`` tokens, ``linear_attention`` layers keep a gated linear recurrence's state of
+    ``hidden_size`` values instead of KV (`tiercache.engine.model.LinearAttention`)."""
     vocab_size: int = 320
     hidden_size: int = 256
     num_layers: int = 4
@@ -25,6 +31,15 @@ class ModelConfig:
     max_position: int = 32768
     tie_embeddings: bool = False
     dtype: str = "float32"
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else "full_attention"
+
+    @property
+    def hybrid(self) -> bool:
+        return any(t != "full_attention" for t in self.layer_types)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -38,6 +53,17 @@ class ModelConfig:
             raise ConfigError("model.head_dim", self.head_dim, "must be even for rotary embeddings")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("model.dtype", self.dtype, "expected float32, bfloat16 or float16")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ConfigError("model.layer_types", self.layer_types,
+                              f"expected one of {', '.join(LAYER_TYPES)} for each of the {self.num_layers} layers")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ConfigError("model.sliding_window", self.sliding_window, "must be positive with sliding layers")
+
+
+# The embedded hybrid model: sliding-window layers, a linear-attention layer and a full-attention one
+HYBRID_MODEL = ModelConfig(layer_types=("sliding_attention", "linear_attention", "sliding_attention",
+                                        "full_attention"), sliding_window=48)
 
 
 @dataclass(frozen=True, slots=True)

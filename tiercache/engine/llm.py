@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tiercache.config import TierCacheConfig
+from tiercache.contracts.groups import KVGroup, KVGroups
 from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
 from tiercache.contracts.plan import DEVICE
 from tiercache.engine.config import EngineConfig, ModelConfig
@@ -27,6 +28,7 @@ from tiercache.engine.weights import config_from_hf, load_hf_model, seeded_model
 from tiercache.errors import ConfigError
 from tiercache.machine import physical_memory
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
+from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.tier_events import TierEvent
 from tiercache.tiers.base import Medium
 
@@ -42,6 +44,21 @@ class RequestOutput:
     external_hit_tokens: int
     preemptions: int
     logits: list[torch.Tensor]
+
+
+def hybrid_pages(kv: PagedKVCache, cfg: ModelConfig, blocks_per_chunk: int) -> GroupPagesKV:
+    """A hybrid model's pool as KV-cache groups for the connector: its full-attention layers, its sliding-window
+    layers (each layer's K and V planes as pages of their own) and its linear-attention layers' states."""
+    def planes(kind: str) -> list[torch.Tensor]:
+        layers = [i for i in range(cfg.num_layers) if cfg.layer_type(i) == kind]
+        return [kv.kv[i, plane].reshape(kv.num_blocks, -1).view(torch.uint8) for i in layers for plane in (0, 1)]
+
+    pages = [planes("full_attention"), planes("sliding_attention"),
+             [kv.state(i).view(torch.uint8) for i in kv.state_layers]]
+    kinds = [("full-attention", 0), ("sliding-window", cfg.sliding_window), ("block-state", 0)]
+    groups = [(KVGroup(kind, len(p), p[0].shape[1], window), p) for (kind, window), p in zip(kinds, pages) if p]
+    layout = KVGroups(tuple(g for g, _ in groups), kv.block_size, blocks_per_chunk)
+    return GroupPagesKV(layout, [p for _, p in groups], kv.num_blocks)
 
 
 def _namespace(model_cfg: ModelConfig, engine_cfg: EngineConfig, model_path: str | None, salt: str) -> Namespace:
@@ -108,20 +125,31 @@ class LLMEngine:
             raise ConfigError("engine.num_blocks", engine_cfg.num_blocks,
                               f"the pool would take {kv_bytes} B, more than this machine's memory")
         self.namespace = _namespace(model_cfg, engine_cfg, model_path, offload.keys.tenant_salt if offload else "")
+        if model_cfg.hybrid and engine_cfg.tensor_parallel_size > 1:
+            raise ConfigError("engine.tensor_parallel_size", engine_cfg.tensor_parallel_size,
+                              "a hybrid model (model.layer_types) runs on one rank")
+        if model_cfg.hybrid and offload is not None and engine_cfg.preemption != "recompute":
+            raise ConfigError("engine.preemption", engine_cfg.preemption,
+                              "a hybrid model with a connector preempts by recompute (its swap copies are whole "
+                              "chunks of one group)")
+        state_layers = [i for i in range(model_cfg.num_layers) if model_cfg.layer_type(i) == "linear_attention"]
         self.kv = PagedKVCache(self.namespace.geometry, engine_cfg.num_blocks, engine_cfg.block_size, engine_cfg.device,
-                               num_shards=engine_cfg.tensor_parallel_size)
+                               num_shards=engine_cfg.tensor_parallel_size, state_layers=state_layers,
+                               state_size=model_cfg.hidden_size)
         self.pool = BlockPool(engine_cfg.num_blocks)
         self.blocks = BlockManager(self.pool, engine_cfg.block_size)
         self.hasher = BlockHasher(self.namespace, offload.keys.hash if offload else "sha256")
         self.connector = None
         if offload is not None:
             from tiercache.connectors.reference import ReferenceConnector
-            self.connector = ReferenceConnector(offload, self.namespace, self.kv)
+            ranks = [hybrid_pages(self.kv, model_cfg, offload.keys.blocks_per_chunk)] if model_cfg.hybrid else self.kv
+            self.connector = ReferenceConnector(offload, self.namespace, ranks)
         self.scheduler = Scheduler(engine_cfg, self.blocks, self.hasher,
                                    self.connector.scheduler if self.connector else None,
                                    eos_token_id=self.tokenizer.eos_token_id,
                                    kv_bytes_per_token=kv_bytes // (engine_cfg.num_blocks * engine_cfg.block_size
-                                                                   * engine_cfg.tensor_parallel_size))
+                                                                   * engine_cfg.tensor_parallel_size),
+                                   kv_groups=len(ranks[0].groups.groups) if self.connector and model_cfg.hybrid else 0)
         self._steps = 0
         self._busy_s = 0.0          # seconds spent in steps that computed tokens: busy / elapsed is utilization
         self._busy_steps = 0        # those steps (a step that only waits for transfers is neither)

@@ -5,6 +5,10 @@ mix of prefill chunks and decodes). Each layer writes its new K/V into the
 pool through ``slot_mapping`` (one indexed copy for the whole batch) and
 attends over each sequence's cached context through its block table. Layer
 hooks let a KV connector wait for a layer's load and save a layer's KV.
+
+A hybrid model (`ModelConfig.layer_types`) has sliding-window layers, which
+attend to the last ``sliding_window`` positions only, and linear-attention
+layers: a gated linear recurrence whose state the pool keeps per block.
 """
 from __future__ import annotations
 
@@ -81,6 +85,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window = cfg.sliding_window if cfg.layer_type(layer) == "sliding_attention" else 0
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -108,11 +113,66 @@ class Attention(nn.Module):
             ctx = s.context_len
             keys = _gather_heads(parts, 0, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
             values = _gather_heads(parts, 1, s.block_table, self.num_kv_heads, self.head_dim)[:ctx]
-            out[s.start:s.end] = _attend(q[s.start:s.end].float(), keys.float(), values.float())
+            out[s.start:s.end] = _attend(q[s.start:s.end].float(), keys.float(), values.float(), self.window)
         return self.o_proj(out.reshape(n, -1))
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+class LinearAttention(nn.Module):
+    """A gated linear recurrence over the hidden state: ``h_t = g_t * h_{t-1} + (1 - g_t) * u_t``, output
+    ``o(h_t)``, with ``g = sigmoid(gate(x))`` and ``u = in(x)`` per channel. Its state after each block is kept
+    in the pool's state row of that block (`PagedKVCache.state`): a sequence resumes at a block boundary from
+    the row of the block before it, and within a block from that block's own row (the running state)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.in_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, batch: AttentionBatch,
+                kv: PagedKVCache, hooks: LayerHooks | None) -> torch.Tensor:
+        u = self.in_proj(x).float()
+        z = self.gate_proj(x).float()                    # g = sigmoid(z), taken in log space
+        if hooks is not None:
+            hooks.before_layer(self.layer)
+        states = kv.state(self.layer)
+        bs = kv.block_size
+        h_out = torch.empty_like(u)
+        for s in batch.seqs:
+            first = s.context_len - (s.end - s.start)      # the position of the sequence's first new token
+            for block in range(first // bs, -(-s.context_len // bs)):
+                lo, hi = max(first, block * bs), min(s.context_len, (block + 1) * bs)
+                rows = slice(s.start + lo - first, s.start + hi - first)
+                h0 = _state_before(states, s.block_table, block, lo, bs)
+                h = _recurrence(h0, z[rows], u[rows])
+                states[s.block_table[block]] = h[-1]
+                h_out[rows] = h
+        if hooks is not None:
+            hooks.after_layer(self.layer)
+        return self.out_proj(h_out.to(x.dtype))
+
+
+def _state_before(states: torch.Tensor, table: torch.Tensor, block: int, position: int, bs: int) -> torch.Tensor:
+    """The recurrence's state before ``position`` (in ``block``): zeros at the start, the previous block's row at
+    a block boundary, else this block's running row."""
+    if position == 0:
+        return torch.zeros(states.shape[-1], dtype=states.dtype, device=states.device)
+    return states[table[block - 1] if position == block * bs else table[block]]
+
+
+def _recurrence(h0: torch.Tensor, z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``h_t = g_t * h_{t-1} + (1 - g_t) * u_t`` with ``g = sigmoid(z)``, for a block's rows at once:
+    ``h_t = G_t h0 + sum_{s<=t} (G_t / G_s) (1 - g_s) u_s`` with ``G`` the running product of the gates, every
+    ratio taken as the exp of a difference of log sums (at most 1: no overflow, however small a gate)."""
+    log_g = F.logsigmoid(z).cumsum(0)                                  # [T, C]: log G_t
+    rows = z.shape[0]
+    ratio = (log_g.unsqueeze(1) - log_g.unsqueeze(0)).exp_()           # [t, s, C]: G_t / G_s
+    ratio.mul_(torch.ones(rows, rows, dtype=torch.bool, device=z.device).tril_().unsqueeze(-1))
+    return torch.einsum("tsc,sc->tc", ratio, torch.sigmoid(-z) * u) + log_g.exp() * h0
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int = 0) -> torch.Tensor:
     """Causal grouped-query attention of ``q`` (``[new, heads, head_dim]``, the last ``new`` positions of the
     context) over ``keys`` / ``values`` (``[ctx, kv_heads, head_dim]``); returns ``[new, heads, head_dim]``.
     Callers pass float32 (a half-precision model's scores and softmax are still taken in float32).
@@ -135,6 +195,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
     scale = head_dim ** -0.5
     out = torch.empty_like(q)
     tile = max(1, ATTN_TILE_BYTES // (ctx * heads * q.element_size()))
+    if window:
+        return _attend_window(q, keys_t, values, ctx, window, tile, out)
     for lo in range(0, new, tile):
         rows = min(new, lo + tile) - lo
         seen = ctx - new + lo + rows                # columns the tile's last row sees: none after them is computed
@@ -146,6 +208,30 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.
             scores.view(kv_heads, group, rows, seen)[..., first_hidden:].masked_fill_(hidden, float("-inf"))
         weights = torch.softmax(scores, dim=-1)
         out[lo:lo + rows] = (torch.bmm(weights, values[:, :seen]).view(kv_heads, group, rows, head_dim)
+                             .permute(2, 0, 1, 3).reshape(rows, heads, head_dim))
+    return out
+
+
+def _attend_window(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, ctx: int, window: int, tile: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """`_attend` for a sliding window: the query at position ``p`` sees the keys of positions ``p - window + 1 ..
+    p``; each tile of rows is scored only against the columns some row of it sees."""
+    new, heads, head_dim = q.shape
+    kv_heads = keys_t.shape[0]
+    group = heads // kv_heads
+    for lo in range(0, new, tile):
+        rows = min(new, lo + tile) - lo
+        first_pos = ctx - new + lo                          # the tile's first row's position
+        start, seen = max(0, first_pos - window + 1), first_pos + rows
+        query = q[lo:lo + rows].view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(query.reshape(kv_heads, group * rows, head_dim), keys_t[..., start:seen])
+        scores.mul_(head_dim ** -0.5)
+        pos = torch.arange(first_pos, seen).unsqueeze(1)
+        cols = torch.arange(start, seen).unsqueeze(0)
+        scores.view(kv_heads, group, rows, seen - start).masked_fill_((cols > pos) | (cols <= pos - window),
+                                                                     float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        out[lo:lo + rows] = (torch.bmm(weights, values[:, start:seen]).view(kv_heads, group, rows, head_dim)
                              .permute(2, 0, 1, 3).reshape(rows, heads, head_dim))
     return out
 
@@ -172,7 +258,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        linear = cfg.layer_type(layer) == "linear_attention"
+        self.self_attn = LinearAttention(cfg, layer) if linear else Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

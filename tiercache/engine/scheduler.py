@@ -46,8 +46,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, blocks: BlockManager, hasher: BlockHasher,
                  connector: SchedulerConnector | None = None, eos_token_id: int | None = None,
-                 kv_bytes_per_token: int = 0) -> None:
+                 kv_bytes_per_token: int = 0, kv_groups: int = 0) -> None:
         self.cfg = cfg
+        self.kv_groups = kv_groups    # the connector's KV-cache groups (0: none): each reads the one block table
         self.blocks = blocks
         self.hasher = hasher
         self.connector = connector
@@ -101,9 +102,14 @@ class Scheduler:
         meta = None
         if self.connector is not None:
             meta = self.connector.build_connector_meta([
-                StepRequest(s.seq.view(), s.block_ids, s.start + s.num_tokens) for s in scheduled
+                StepRequest(s.seq.view(), s.block_ids, s.start + s.num_tokens, self._tables(s.block_ids))
+                for s in scheduled
             ])
         return SchedulerOutput(scheduled, copies, meta)
+
+    def _tables(self, block_ids) -> tuple:
+        """The block table per KV-cache group: one table serves every group (the pool keeps every block)."""
+        return (tuple(block_ids),) * self.kv_groups
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         return ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(self.blocks.block_ids(seq.seq_id)))
@@ -126,7 +132,8 @@ class Scheduler:
                 break
             assert got == num_local, (got, num_local)
             if self.connector is not None:
-                self.connector.update_state_after_alloc(seq.view(), self.blocks.block_ids(seq.seq_id), num_external)
+                ids = self.blocks.block_ids(seq.seq_id)
+                self.connector.update_state_after_alloc(seq.view(), ids, num_external, self._tables(ids))
             if seq.seq_id not in self._admitted:
                 self._admitted.add(seq.seq_id)
                 seq.metrics.l0_hit_tokens = num_local
@@ -201,7 +208,8 @@ class Scheduler:
                 self.running.remove(seq)
                 delay = False
                 if self.connector is not None:
-                    delay = self.connector.request_finished(seq.view(), self.blocks.block_ids(seq.seq_id))
+                    ids = self.blocks.block_ids(seq.seq_id)
+                    delay = self.connector.request_finished(seq.view(), ids, self._tables(ids))
                 if delay:
                     self.held[seq.seq_id].append(self.blocks.hold(seq.seq_id))
                 else:

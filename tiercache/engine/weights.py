@@ -28,6 +28,8 @@ def seeded_model(cfg: ModelConfig, seed: int = 0) -> LlamaModel:
                 p.fill_(1.0)
             elif name == "embed_tokens.weight":
                 p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("gate_proj.bias"):      # a linear-attention layer's gates start mostly open
+                p.fill_(2.0)
             elif name == "lm_head.weight":
                 p.copy_(torch.randn(p.shape, generator=g) * (LOGIT_STD / math.sqrt(cfg.hidden_size)))
             else:

@@ -11,6 +11,11 @@ per simulated tensor-parallel rank (`shard` gives rank ``i``'s part as a cache
 of its own), the way each rank of a TP deployment holds its heads: the
 reference engine's attention reads all of them, each rank's connector worker
 moves only its own.
+
+A hybrid model's linear-attention layers keep no KV: each keeps a recurrent
+state per block instead (``states``: ``[state layers, num_blocks,
+state_size]`` float32, row ``b`` the state after block ``b``'s last computed
+token), so a block that holds a prefix holds the state at its end too.
 """
 from __future__ import annotations
 
@@ -37,7 +42,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class PagedKVCache:
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: str = "auto",
-                 num_shards: int = 1, parts: Sequence[torch.Tensor] | None = None) -> None:
+                 num_shards: int = 1, parts: Sequence[torch.Tensor] | None = None,
+                 state_layers: Sequence[int] = (), state_size: int = 0) -> None:
         if num_shards < 1 or geometry.num_kv_heads % num_shards:
             raise ValueError(f"{geometry.num_kv_heads} KV heads cannot be split across {num_shards} ranks")
         self.geometry = geometry
@@ -53,6 +59,9 @@ class PagedKVCache:
         else:
             self.device = parts[0].device
         self.parts = list(parts)
+        self.state_layers = {layer: i for i, layer in enumerate(state_layers)}   # layer → its row in ``states``
+        self.states = torch.zeros((len(state_layers), num_blocks, state_size), dtype=torch.float32,
+                                  device=self.device) if state_layers else None
 
     @property
     def kv(self) -> torch.Tensor:
@@ -92,3 +101,9 @@ class PagedKVCache:
         dst_t = torch.as_tensor(dst, device=self.device)
         for part in self.parts:
             part.index_copy_(2, dst_t, part.index_select(2, src_t))
+        if self.states is not None:
+            self.states.index_copy_(1, dst_t, self.states.index_select(1, src_t))
+
+    def state(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, state_size]``: linear-attention layer ``layer``'s state after each block."""
+        return self.states[self.state_layers[layer]]
