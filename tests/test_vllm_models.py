@@ -51,6 +51,7 @@ LAUNCHES = {
     "ds-base": Launch("deepseek_v2", None),
     "ds-l1": Launch("deepseek_v2", ("disk", "grpc")),
     "ds-tp2": Launch("deepseek_v2", ("grpc",), phases=("b",), tp=2, after=("ds-l1",)),
+    "ds-disk": Launch("deepseek_v2", ("disk",), phases=("b",), after=("ds-l1",)),
     "qwen-base": Launch("qwen3_next", None, phases=("warm", "turn1", "turn2")),
     "qwen-l1": Launch("qwen3_next", ("disk",), phases=("warm", "turn1", "turn2")),
     "qwen-disk": Launch("qwen3_next", ("disk",), phases=("turn2",), after=("qwen-l1",)),
@@ -196,6 +197,14 @@ def test_mla_chunks_stored_once_are_read_by_both_ranks_at_tp2(runs):
     (_, _, cached), = runs.by_prompt("ds-tp2").values()
     assert cached >= REUSABLE
     assert runs.result("ds-tp2")["metrics"]["tier/grpc/loaded"] >= 2
+
+
+@pytest.mark.slow
+def test_mla_reuses_its_document_in_a_fresh_process_from_disk(runs):
+    assert_same_outputs(runs, "ds-disk", "ds-base")
+    (_, _, cached), = runs.by_prompt("ds-disk").values()
+    assert cached >= REUSABLE
+    assert runs.result("ds-disk")["metrics"]["tier/disk/loaded"] >= 2
 
 
 @pytest.mark.slow
