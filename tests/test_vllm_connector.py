@@ -509,30 +509,47 @@ def test_worker_reports_from_every_rank_are_concatenated():
     assert [r.rank for r in merged.reports] == [0, 1]
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused_at_start_not_offloaded_in_part():
-    """Sliding-window plus full-attention layers that vLLM keeps in two groups (the hybrid KV-cache manager on):
-    refused with one clear message, never group 0 alone. One full-attention group is served."""
+def test_a_models_kv_cache_groups_are_read_from_vllms_config_and_an_unknown_kind_is_refused():
+    """One full-attention group moves as per-layer tensors (no groups); sliding window beside full attention
+    is two groups, the window's blocks in resume points; a spec tiercache does not know is refused at start
+    in one line naming the group; so is a Mamba state vLLM does not keep at block boundaries."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
-    from tiercache.connectors.vllm import _check_kv_cache_groups
+    from tiercache.connectors.vllm import kv_groups_of
+
+    def config(*groups):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
+
     full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=512)
-    _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                                         kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], full)]))
-    for groups in (
-        [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)],
-        [KVCacheGroupSpec(["l0"], window)],
-    ):
-        with pytest.raises(ValueError, match="KV-cache group"):
-            _check_kv_cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups))
+    assert kv_groups_of(config(KVCacheGroupSpec(["l0", "l1"], full)), 2) is None
+    groups = kv_groups_of(config(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)), 2)
+    assert [g.kind for g in groups.groups] == ["full-attention", "sliding-window"]
+    assert groups.groups[1].window_tokens == 512 and groups.point_groups == (1,)
+
+    class UnknownSpec(FullAttentionSpec):
+        pass
+
+    with pytest.raises(ValueError, match=r"KV-cache group 1 \(l1\) is a UnknownSpec, a kind tiercache cannot"):
+        kv_groups_of(config(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], UnknownSpec(
+            block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32))), 2)
+    state = MambaSpec(block_size=128, shapes=((3, 64),), dtypes=(torch.float32,), mamba_cache_mode="none")
+    with pytest.raises(ValueError, match="mamba_cache_mode 'none'"):
+        kv_groups_of(config(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], state)), 2)
 
 
-def test_the_connector_does_not_claim_hybrid_kv_cache_support():
+def test_the_connector_claims_hybrid_kv_cache_support():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
     from tiercache.connectors.vllm import TierCacheConnector
-    assert not supports_hma(TierCacheConnector)     # so vLLM turns its hybrid manager off: one group
+    assert supports_hma(TierCacheConnector)     # so vLLM keeps its hybrid KV-cache manager on
 
 
 def test_piecewise_cuda_graphs_are_asked_for_only_when_loads_wait_inside_the_forward():
