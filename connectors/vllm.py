@@ -62,6 +62,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,7 +257,7 @@ def kv_groups_of(kv_cache_config: "KVCacheConfig | None", blocks_per_chunk: int)
     full attention — else None (one group of full attention or MLA: its layers' blocks move as tensors)."""
     if kv_cache_config is None:
         return None
-    vllm_groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    vllm_groups = [kv_cache_config.kv_cache_groups[i] for i in transfer_group_ids(kv_cache_config)]
     groups = tuple(_group_of(i, g) for i, g in enumerate(vllm_groups))
     if len(groups) == 1 and groups[0].kind != "sliding-window":
         return None
@@ -277,7 +278,7 @@ def group_pages(kv_cache_config: "KVCacheConfig", groups: KVGroups,
         for i, name in enumerate(tensor.layers):
             placed[name] = (tensor, i)
     num_blocks = kv_cache_config.num_blocks
-    vllm_groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+    vllm_groups = [kv_cache_config.kv_cache_groups[i] for i in transfer_group_ids(kv_cache_config)]
     pages = []
     for group, spec in zip(groups.groups, vllm_groups):
         layers = []
@@ -291,9 +292,16 @@ def group_pages(kv_cache_config: "KVCacheConfig", groups: KVGroups,
     return GroupPagesKV(groups, pages, num_blocks)
 
 
-def group_tables(block_ids: "tuple[list[int], ...] | list[list[int]]") -> tuple[tuple[int, ...], ...]:
-    """vLLM's block table per group, with its null block (id 0: a position outside a window) as `NO_BLOCK`."""
-    return tuple(tuple(NO_BLOCK if b == 0 else b for b in table) for table in block_ids)
+def transfer_group_ids(kv_cache_config: "KVCacheConfig") -> list[int]:
+    """The groups whose KV leaves the engine (vLLM rebuilds the others from them after a load)."""
+    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
+
+
+def group_tables(block_ids: "tuple[list[int], ...] | list[list[int]]",
+                 group_ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's block tables of groups ``group_ids``, its null block (id 0: a position outside a window, or
+    before a state) as `NO_BLOCK`."""
+    return tuple(tuple(NO_BLOCK if b == 0 else b for b in block_ids[i]) for i in group_ids)
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -303,6 +311,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = vllm_config.cache_config.block_size
         self.config = offload_config(vllm_config.kv_transfer_config.kv_connector_extra_config, self.block_size)
         self.groups = kv_groups_of(kv_cache_config, self.config.keys.blocks_per_chunk)
+        self._group_ids = transfer_group_ids(kv_cache_config) if self.groups is not None else []
         self.namespace = vllm_namespace(vllm_config, self.config.keys.tenant_salt)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
@@ -479,7 +488,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _tables(self, block_ids: "tuple[list[int], ...]") -> tuple[tuple[int, ...], ...]:
         """Every group's table, when the model's KV is moved group by group (else none: group 0's is enough)."""
-        return group_tables(block_ids) if self.groups is not None else ()
+        return group_tables(block_ids, self._group_ids) if self.groups is not None else ()
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()
