@@ -297,11 +297,28 @@ def transfer_group_ids(kv_cache_config: "KVCacheConfig") -> list[int]:
     return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
 
 
+class NullMappedTable(Sequence[int]):
+    """One of vLLM's block tables as tiercache reads it: its null block (id 0: a position outside a window, or
+    before a state) as `NO_BLOCK`. Only the positions read are mapped — a store or a load reads a chunk's few
+    blocks — so the scheduler's every step costs nothing per block of a long request."""
+
+    def __init__(self, table: Sequence[int]) -> None:
+        self._table = table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [NO_BLOCK if b == 0 else b for b in self._table[index]]
+        b = self._table[index]
+        return NO_BLOCK if b == 0 else b
+
+
 def group_tables(block_ids: "tuple[list[int], ...] | list[list[int]]",
-                 group_ids: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """vLLM's block tables of groups ``group_ids``, its null block (id 0: a position outside a window, or
-    before a state) as `NO_BLOCK`."""
-    return tuple(tuple(NO_BLOCK if b == 0 else b for b in block_ids[i]) for i in group_ids)
+                 group_ids: Sequence[int]) -> tuple[NullMappedTable, ...]:
+    """vLLM's block tables of groups ``group_ids``, its null block read as `NO_BLOCK`."""
+    return tuple(NullMappedTable(block_ids[i]) for i in group_ids)
 
 
 class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -486,7 +503,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         n = self.offload_scheduler.get_num_new_matched_tokens(self._view(request), num_computed_tokens)
         return (None, False) if n is None else (n, False)
 
-    def _tables(self, block_ids: "tuple[list[int], ...]") -> tuple[tuple[int, ...], ...]:
+    def _tables(self, block_ids: "tuple[list[int], ...]") -> tuple[NullMappedTable, ...]:
         """Every group's table, when the model's KV is moved group by group (else none: group 0's is enough)."""
         return group_tables(block_ids, self._group_ids) if self.groups is not None else ()
 

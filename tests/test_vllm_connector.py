@@ -522,7 +522,8 @@ def test_a_models_kv_cache_groups_are_read_from_vllms_config_and_an_unknown_kind
         SlidingWindowSpec,
     )
 
-    from tiercache.connectors.vllm import kv_groups_of
+    from tiercache.connectors.vllm import group_tables, kv_groups_of
+    from tiercache.contracts.groups import NO_BLOCK
 
     def config(*groups):
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
@@ -533,6 +534,8 @@ def test_a_models_kv_cache_groups_are_read_from_vllms_config_and_an_unknown_kind
     groups = kv_groups_of(config(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)), 2)
     assert [g.kind for g in groups.groups] == ["full-attention", "sliding-window"]
     assert groups.groups[1].window_tokens == 512 and groups.point_groups == (1,)
+    first, second = group_tables(([3, 4, 5], [0, 0, 9]), [0, 1])     # vLLM's null block, id 0, reads as none
+    assert list(first[0:3]) == [3, 4, 5] and list(second[0:3]) == [NO_BLOCK, NO_BLOCK, 9] and len(second) == 3
 
     class UnknownSpec(FullAttentionSpec):
         pass

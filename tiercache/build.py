@@ -290,10 +290,6 @@ class WorkerStack:
             self.codec.close()
 
 
-def l1_slot_bytes(config: TierCacheConfig, block_bytes: int) -> int:
-    return config.keys.blocks_per_chunk * block_bytes
-
-
 def _chunk_layouts(kv: PagedKVCache | LayerTensorsKV | GroupPagesKV):
     """How a chunk of ``n`` blocks of ``kv`` is laid out, as a function of ``n``."""
     if isinstance(kv, GroupPagesKV):

@@ -82,7 +82,7 @@ class OffloadWorker(WorkerConnector):
         inline = self.config.transfer.inline_host_copies
         self.inline = inline == "on" or (inline == "auto" and kv.device.type == "cpu")
         self.layerwise = self.config.transfer.layerwise and not self.inline
-        # a window group's blocks are the engine's again once its window slides past them (at the next step)
+        # the engine takes a window's blocks back as it slides, and moves a state on, at the next step
         self.stores_in_step = self.inline or (isinstance(kv, GroupPagesKV) and kv.groups.has_resume_points)
         if self.stack is not None:
             self.stack.close()

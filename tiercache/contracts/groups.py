@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,13 +36,13 @@ NO_BLOCK = -1          # a table position the engine holds no block for (vLLM's 
 RESUME_POINT = 0       # a `ChunkCopy.chunk_blocks` that names a resume point, not a chunk
 
 
-class GroupKind:
+class GroupKind(ABC):
     """A kind of KV-cache group: how many blocks behind a boundary a resume there needs."""
     exact = False   # its blocks hold the group's state only where the engine's step ended, not at every boundary
 
+    @abstractmethod
     def resume_blocks(self, group: KVGroup, block_size: int) -> int | None:
         """Blocks right behind a boundary that a resume there needs; None: every block before it."""
-        raise NotImplementedError
 
 
 class AllBlocks(GroupKind):

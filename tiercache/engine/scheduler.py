@@ -109,7 +109,7 @@ class Scheduler:
 
     def _tables(self, block_ids) -> tuple:
         """The block table per KV-cache group: one table serves every group (the pool keeps every block)."""
-        return (tuple(block_ids),) * self.kv_groups
+        return (block_ids,) * self.kv_groups
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         return ScheduledSeq(seq, seq.num_computed_tokens, n, tuple(self.blocks.block_ids(seq.seq_id)))
