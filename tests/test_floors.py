@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FLOORS: list[dict[str, list[str]]] = [
     {"foundation": ["tiercache", "tiercache.errors", "tiercache.registry", "tiercache.log_limits",
-                    "tiercache.machine", "tiercache.metrics", "tiercache.audit"]},
+                    "tiercache.machine", "tiercache.metrics", "tiercache.audit", "tiercache.arith"]},
     # the plain data both sides share: keys and KV layouts, plans, jobs, reports, failures, link limits, scan
     # results, what crosses the connector's sides
     {"contracts": ["tiercache.contracts"]},
