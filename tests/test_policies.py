@@ -275,9 +275,9 @@ def test_second_sighting_admits_on_the_second_request_within_a_bounded_ghost_his
 
 
 def test_a_chain_is_admitted_from_its_head_up_to_the_first_chunk_refused():
-    from tiercache.policies import admitted_prefix
+    from tiercache.policies import AdmissionPolicy, admitted_prefix
 
-    class Refuses:
+    class Refuses(AdmissionPolicy):
         def __init__(self, refused):
             self.refused = refused
 

@@ -1,13 +1,20 @@
 """Admission policies: which chunks leaving L1 are worth writing to the next tier down.
 
-Scheduler side, metadata only. A policy sees a chunk's key and how many times
-L1 served it to L0, and answers whether to demote it. A policy with a
-``record(keys)`` method is also told the chunk keys of every request the
-engine admits (once per admission, hit or miss, whichever tier would serve
-it); one with ``size_for(tier)`` is told the shape of the tier it guards
-(`GuardedTier`: its size, and L1's above it), once, before any request; one
-with ``retain(keys, state)`` takes the engine's hints about a request's
-state (`RequestState`), as eviction policies do.
+Scheduler side, metadata only. Every policy is an `AdmissionPolicy`:
+
+- ``admit(key, hits)``: whether to demote a chunk, by its key and how many
+  times L1 served it to L0;
+- ``size_for(tier)``: the shape of the tier it guards (`GuardedTier`: its
+  size, and L1's above it), once, before any request;
+- ``record(keys)``: the chunk keys of every request the engine admits (once
+  per admission, hit or miss, whichever tier would serve it);
+- ``retain(keys, state)``: the engine's hints about a request's state
+  (`RequestState`), as eviction policies take them;
+- ``admits_into_room``: whether a tier with room takes a chunk unasked;
+  ``counts_requests``: whether ``record`` counts what requests ask for.
+
+A policy with nothing to learn from one of these keeps the default, which
+ignores it.
 
 Chunks are chains (a chunk's KV is usable only after its predecessors'), so
 a caller that asks about a request's chunks in order stops at the first one
@@ -18,8 +25,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import ClassVar
 
 import xxhash
 
@@ -39,20 +47,41 @@ class GuardedTier:
     l1_chunks: int = 0
 
 
-class AdmissionPolicy(Protocol):
-    def admit(self, key: BlockHash, hits: int) -> bool: ...
+class AdmissionPolicy(ABC):
+    """Which chunks a tier takes. Only `admit` must be written; the other calls default to ignoring what they
+    are told."""
+
+    admits_into_room: ClassVar[bool] = False
+    """The policy guards hits, not writes: a tier with room takes a chunk unasked (refusing one that would
+    evict nothing only loses its hit)."""
+    counts_requests: ClassVar[bool] = False
+    """`record` counts the requests that ask for a chunk, so the policy can judge a chunk no tier has served yet
+    (it can guard the tier a request's chunks enter)."""
+
+    @abstractmethod
+    def admit(self, key: BlockHash, hits: int) -> bool:
+        """Whether chunk ``key``, which L1 served to L0 ``hits`` times, goes into the guarded tier."""
+
+    def size_for(self, tier: GuardedTier) -> None:
+        """The policy guards ``tier``; told once, before any request. By default the size changes nothing."""
+
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        """The engine admitted a request that wants chunks ``keys`` (head first). By default nothing is counted."""
+
+    def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """The engine's hint on the request that wants chunks ``keys`` (head first). By default it is ignored."""
 
 
 admission_policies: Registry[type[AdmissionPolicy]] = Registry("admission policy")
 
-# What the tiers below L1 admit by default (disk, the server's store, `bench trace`'s hierarchy): never below LRU at
-# any trace or size measured, where second-sighting falls under it near a tier's ceiling (RESULTS.md, "Sighting
-# admission by default"). L1's own door (`cpu.admission`) admits everything.
+# What the tiers below L1 admit by default (disk, the server's store, `bench trace`'s hierarchy): it follows
+# second-sighting where that keeps one-offs from evicting what comes back, and admits everything near a tier's
+# ceiling, where second-sighting loses hits. L1's own door (`cpu.admission`) admits everything.
 DEFAULT_ADMISSION = "adaptive-sighting"
 
 
 @admission_policies.register("always")
-class AlwaysAdmit:
+class AlwaysAdmit(AdmissionPolicy):
     def __init__(self, min_hits: int = 0) -> None:
         """Takes ``min_hits`` only so that every admission policy is built the same way; ignores it."""
 
@@ -61,7 +90,7 @@ class AlwaysAdmit:
 
 
 @admission_policies.register("min-hits")
-class MinHitsAdmit:
+class MinHitsAdmit(AdmissionPolicy):
     """Demote only chunks L1 served at least ``min_hits`` times: one-off prefixes stay off the disk."""
 
     def __init__(self, min_hits: int = 1) -> None:
@@ -72,7 +101,7 @@ class MinHitsAdmit:
 
 
 @admission_policies.register("frequency")
-class FrequencyAdmit:
+class FrequencyAdmit(AdmissionPolicy):
     """Demote chunks that at least ``min_hits + 1`` admitted requests asked for (TinyLFU-style).
 
     Unlike ``min-hits``, which counts only the times L1 itself served a chunk,
@@ -82,6 +111,8 @@ class FrequencyAdmit:
     at 15, halved as it fills so old popularity fades), vectorized over a
     request's keys.
     """
+
+    counts_requests = True
 
     def __init__(self, min_hits: int = 1) -> None:
         self.threshold = min_hits + 1
@@ -97,24 +128,25 @@ class FrequencyAdmit:
         return self.estimate(key) >= self.threshold
 
 
-GHOST_FACTOR = 8               # keys remembered per chunk the guarded tier holds (4: 2 % less hit, 16: no more)
+GHOST_FACTOR = 8               # keys remembered per chunk the guarded tier holds: fewer lose hits, more gain none
 MAX_GHOST_KEYS = 1 << 22       # the history's bound whatever the tier's size (about 0.5 GiB at most)
 
 
 @admission_policies.register("second-sighting")
-class SecondSightingAdmit:
+class SecondSightingAdmit(AdmissionPolicy):
     """Admit a chunk the second time a request asks for it within a ghost history, or once L1 served it.
 
-    Most of a conversation trace's chunks are asked for once (RESULTS.md, "Trace replay"): a tier that admits
-    them evicts what comes back to keep what will not. The history is a table of recently requested keys
+    Most of a conversation trace's chunks are asked for once: a tier that admits them evicts what comes back
+    to keep what will not. The history is a table of recently requested keys
     (their 64-bit hashes: a collision admits a chunk early, never refuses one), in order of last request, with
     how many requests asked for each: ``GHOST_FACTOR`` times the guarded tier's chunks (`size_for`), never
     more than ``MAX_GHOST_KEYS`` — a key that falls off it starts over, so its memory is bounded by
-    construction (RESULTS.md, "Admission on the second sighting"). ``min_hits``: L1 hits that admit a chunk
+    construction. ``min_hits``: L1 hits that admit a chunk
     without a second sighting (0: never). It guards hits, not writes: a tier with room takes a chunk unasked
     (``admits_into_room``), since refusing one that would evict nothing only loses its hit."""
 
     admits_into_room = True
+    counts_requests = True
 
     def __init__(self, min_hits: int = 1, ghost_keys: int = 1 << 16) -> None:
         self.min_hits = min_hits
@@ -157,17 +189,16 @@ class SecondSightingAdmit:
 
 
 SHADOW_SLOTS = 512             # a shadow tier's chunks at least (or the whole tier, when it is smaller) ...
-SHADOW_SHARE = 4               # ... and at least this share of the tier's chunks (1/16: too slow to tell at 10M)
+SHADOW_SHARE = 4               # ... and at least this share of the tier's chunks (a smaller share tells too late)
 MAX_SHADOW_SLOTS = 1 << 16     # ... and at most this many, whatever the tier's size
-DUEL_BOUND = 256               # the miss difference the duel saturates at (128: too quick to leave second-sighting)
+DUEL_BOUND = 256               # the miss difference the duel saturates at (lower: it leaves second-sighting too soon)
 DUEL_SWITCH = 64               # ... and the one that switches the real tier's rule (near zero: noise switches it)
 
 
 class _ShadowTier(LRUPolicy):
     """An LRU tier (`LRUPolicy`) of at most ``slots`` chunk keys: a scaled-down copy of a real tier in
-    `AdaptiveSightingAdmit`'s duel. LRU whatever the real tier's policy: a shadow under LFU-DA ranked the two
-    rules slightly better on the repository's trace but cost twice as much per chunk (RESULTS.md, "Admission that
-    picks its rule")."""
+    `AdaptiveSightingAdmit`'s duel. LRU whatever the real tier's policy: the duel only ranks two admission rules
+    against each other, and LRU is the cheapest shadow per chunk that ranks them."""
 
     def __init__(self, slots: int) -> None:
         super().__init__()
@@ -201,7 +232,7 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
 
     A second-sighting guard wins on a tier small against its working set (a one-off admitted evicts what comes
     back) and loses near the working set's size (a chunk refused at its first sighting is a hit lost where the
-    tier could have kept it; RESULTS.md, "Admission on the second sighting"). Which regime a tier is in depends
+    tier could have kept it). Which regime a tier is in depends
     on the workload of the moment, so this guard measures it: the chunks whose key falls in a fixed sample of
     the key space (SHARDS-style spatial sampling, Waldspurger et al., FAST 2015) also go through a copy of the
     hierarchy scaled down by the same share, where two copies of the guarded tier take what a copy of L1
@@ -255,11 +286,9 @@ class AdaptiveSightingAdmit(SecondSightingAdmit):
 
 
 def admission_for(name: str, min_hits: int, tier: GuardedTier) -> AdmissionPolicy:
-    """Admission policy ``name`` guarding ``tier`` (told its shape if it asks)."""
+    """Admission policy ``name`` guarding ``tier`` (told its shape)."""
     policy = admission_policies.get(name)(min_hits)
-    size_for = getattr(policy, "size_for", None)
-    if size_for is not None:
-        size_for(replace(tier, chunks=max(1, tier.chunks)))
+    policy.size_for(replace(tier, chunks=max(1, tier.chunks)))
     return policy
 
 
@@ -268,9 +297,9 @@ NOT_AN_ENTRY_GUARD = "counts L1's own hits, and a chunk being stored has none: u
 
 def guards_entry(name: str) -> bool:
     """Whether admission policy ``name`` can guard the tier a request's chunks enter (L1): it takes everything or
-    counts requests (``record``) — a policy counting the guarded tier's own hits never admits a chunk being
-    stored, which has none. Raises `RegistryError` for an unknown name."""
-    return name == "always" or hasattr(admission_policies.get(name), "record")
+    counts requests (``counts_requests``) — a policy counting the guarded tier's own hits never admits a chunk
+    being stored, which has none. Raises `RegistryError` for an unknown name."""
+    return name == "always" or admission_policies.get(name).counts_requests
 
 
 def admitted_prefix(policy: AdmissionPolicy | None, keys: Sequence[BlockHash], hits: int = 0, room: int = 0) -> int:
@@ -279,7 +308,7 @@ def admitted_prefix(policy: AdmissionPolicy | None, keys: Sequence[BlockHash], h
     evicting anything (other policies also save the tier's writes, and are asked about each)."""
     if policy is None:
         return len(keys)
-    unasked = min(room, len(keys)) if getattr(policy, "admits_into_room", False) else 0
+    unasked = min(room, len(keys)) if policy.admits_into_room else 0
     for i in range(unasked, len(keys)):
         if not policy.admit(keys[i], hits):
             return i

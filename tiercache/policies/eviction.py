@@ -43,8 +43,8 @@ class EvictionPolicy(Protocol):
 
 eviction_policies: Registry[type[EvictionPolicy]] = Registry("eviction policy")
 
-# LFU with dynamic aging: on the Mooncake trace it beats LRU at every capacity on a single tier and with
-# L1 over L2 (the real CacheManager), where S3-FIFO and ARC lose to LRU (benchmarks/RESULTS.md).
+# LFU with dynamic aging: a prefix many requests share outranks one a burst of one-offs touched last, and aging
+# lets yesterday's popular prefix leave; `bench trace` compares it with the other policies.
 DEFAULT_EVICTION = "lfu-da"
 
 
@@ -481,7 +481,7 @@ class ReuseModelPolicy(LFUDAPolicy):
     ``MAX_HORIZON`` whatever the tier's size.
     """
 
-    HORIZON = 3          # in tier sizes: 2 and 3 did best on the Mooncake trace's cuts, 1 and 4 worse (RESULTS.md)
+    HORIZON = 3          # in tier sizes: shorter forgets a reuse the tier could keep, longer blurs the recent past
     MIN_HORIZON = 1024
     MAX_HORIZON = 1 << 22     # sightings: a tier of over 1.4M chunks looks no further ahead (as second-sighting)
 

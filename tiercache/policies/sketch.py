@@ -6,12 +6,10 @@ out: the block is picked by the top bits of the key's 64-bit xxh3 digest,
 and counter ``j`` is one of the 16 in the block's quarter ``j``, picked by
 four low bits of the digest. The table is tens of MiB for a large tier, so
 a row per counter would cost a cache miss each; a block costs one, and the
-per-key path in Python reads four bytes of one memoryview. (Blocks of 16
-counters, four per quarter, were faster still but their counters collide
-together: 3–8× the false positives of independent rows at the same width,
-and LFU-DA lost 4 % of its gain over LRU with L1 over L2; blocks of 64 are
-within 1.1–2× of rows and measured the same hit ratios as exact counts —
-RESULTS.md, "LFU-DA's decisions".) Any key of bytes works and runs are
+per-key path in Python reads four bytes of one memoryview. (Smaller blocks
+would be faster still, but their counters collide together and inflate the
+false positives; a 64-byte block keeps a key's counters nearly as
+independent as separate rows.) Any key of bytes works and runs are
 reproducible across processes (unlike ``hash()``). The estimate is the
 smallest of the key's counters: never below the true count, above it only
 on collisions. Every counter is halved after ``10 * width`` additions so old
