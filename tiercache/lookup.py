@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.contracts.keys import BlockHash, chunk_keys
-from tiercache.tiers.base import Reach, TierIndex
+from tiercache.index.tier_index import Reach, TierIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,8 @@ class PrefixLookup:
 
 
 class PrefixFinder:
-    """Chunk ``i`` of a request covers its blocks ``[i*bpc, (i+1)*bpc)`` and is keyed by its last block's hash."""
+    """Finds the longest prefix of a request's chunks across tiers. Chunk ``i`` covers the request's blocks
+    ``[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`` and is keyed by its last block's hash."""
 
     def __init__(self, tiers: Sequence[TierIndex], block_size: int, blocks_per_chunk: int,
                  partial_chunks: bool = False) -> None:
@@ -75,8 +76,8 @@ class PrefixFinder:
         on the longest shorter chunk any tier holds where the whole ones stop — a conversation's previous
         turn, which ended inside that chunk (`TierIndex.reach`, asked in the same query) — and the lookup's
         ``num_blocks`` is cut to its end, which bounds it as the last chunk."""
-        bpc = self.blocks_per_chunk
-        pos, runs, pending = num_computed_blocks // bpc, [], False
+        blocks_per_chunk = self.blocks_per_chunk
+        pos, runs, pending = num_computed_blocks // blocks_per_chunk, [], False
         tail: tuple[TierIndex, int] | None = None   # the longest shorter chunk where the walk is: tier, blocks
         while pos < len(keys) and not pending:
             tail = None
@@ -97,8 +98,8 @@ class PrefixFinder:
                     tail = (tier, tail_blocks)
             else:
                 break
-        if tail is not None and not pending and pos * bpc + tail[1] > num_computed_blocks:
-            tier, num_blocks = tail[0].name, pos * bpc + tail[1]
+        if tail is not None and not pending and pos * blocks_per_chunk + tail[1] > num_computed_blocks:
+            tier, num_blocks = tail[0].name, pos * blocks_per_chunk + tail[1]
             key = block_hashes[num_blocks - 1]
             if runs and runs[-1].tier == tier:
                 runs[-1] = TierRun(tier, runs[-1].first_chunk, (*runs[-1].keys, key))
@@ -112,8 +113,8 @@ class PrefixFinder:
         if block_hashes is None:
             n = tier.contains(keys[pos:])
             return None if n is None else Reach(n)
-        bpc = self.blocks_per_chunk
-        return tier.reach(keys[pos:], block_hashes[pos * bpc:num_blocks], bpc)
+        blocks_per_chunk = self.blocks_per_chunk
+        return tier.reach(keys[pos:], block_hashes[pos * blocks_per_chunk:num_blocks], blocks_per_chunk)
 
     def cut(self, lookup: PrefixLookup, tier: str) -> PrefixLookup:
         """``lookup`` cut to its leading runs in ``tier``."""

@@ -16,10 +16,10 @@ lookup is a miss.
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiercache.arith import ceil_div
 from tiercache.build import build_scheduler_side, check_config
 from tiercache.config import TierCacheConfig
 from tiercache.connector.api import SchedulerConnector
@@ -30,6 +30,7 @@ from tiercache.contracts.connector import (
     StepRequest,
     WorkerHandshake,
 )
+from tiercache.contracts.jobs import JobsByOwner
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.plan import Failure, JobId, JobOutcome, JobReport, TransferPlan
 from tiercache.lookup import PrefixLookup
@@ -73,9 +74,9 @@ class JobTracker:
     def add(self, reports: Sequence[JobReport]) -> list[JobOutcome]:
         done = []
         for report in reports:
-            got = self._reports.setdefault(report.job_id, {})
-            got[report.rank] = report
-            if len(got) == self.num_ranks:
+            by_rank = self._reports.setdefault(report.job_id, {})
+            by_rank[report.rank] = report
+            if len(by_rank) == self.num_ranks:
                 done.append(JobOutcome.merge(report.job_id, list(self._reports.pop(report.job_id).values())))
         return done
 
@@ -91,7 +92,7 @@ class OffloadScheduler(SchedulerConnector):
         check_config(config)
         self.config = config
         self.block_size = block_size
-        self.bpc = config.keys.blocks_per_chunk
+        self.blocks_per_chunk = config.keys.blocks_per_chunk
         self.counters = ConnectorCounters()
         self.manager: CacheManager | None = None
         self.copies_in_step = False
@@ -104,10 +105,11 @@ class OffloadScheduler(SchedulerConnector):
         self._owners: dict[JobId, str] = {}
         self._load_tokens: dict[JobId, int] = {}
         self._stored_chunks: dict[str, int] = {}
-        self._tails = config.keys.partial_chunks    # which finished requests store their partial last chunk
+        self._partial_chunk_stores = config.keys.partial_chunks    # which finished requests store their partial
+                                                                   # last chunk: "all", "continuing" or "off"
         self._chunks: dict[str, tuple[BlockHash, ...]] = {}    # admitted requests' chunk keys, for hints
         self._junctions: dict[str, int] = {}   # chunks the tiers held of a request when it looked up
-        self._store_jobs: dict[str, set[JobId]] = defaultdict(set)
+        self._store_jobs = JobsByOwner()
         self._delayed: list[str] = []
         self._swapped: dict[str, _Swapped] = {}
         self._swap_epoch = 0
@@ -140,7 +142,7 @@ class OffloadScheduler(SchedulerConnector):
             self._asking[rid] = (request, num_computed_tokens)
             return None   # part of the hit is on its way up from a lower tier, or still being looked up
         self._asking.pop(rid, None)
-        self._junctions[rid] = max(lookup.found_blocks, lookup.num_hit_blocks) // self.bpc
+        self._junctions[rid] = max(lookup.found_blocks, lookup.num_hit_blocks) // self.blocks_per_chunk
         lookup = manager.in_l1(lookup)
         available = lookup.num_hit_tokens if swapped is None else min(lookup.num_hit_tokens, swapped.num_tokens)
         # At least one token is computed, so the request gets logits.
@@ -170,7 +172,7 @@ class OffloadScheduler(SchedulerConnector):
         lookup, swapped = found
         self.counters.hit_requests += 1
         self.counters.hit_tokens += num_external_tokens
-        upto = -(-(lookup.num_computed_blocks * self.block_size + num_external_tokens) // self.block_size)
+        upto = ceil_div(lookup.num_computed_blocks * self.block_size + num_external_tokens, self.block_size)
         for plan in manager.plan_load(lookup, block_ids, upto_blocks=upto, group_tables=group_block_ids):
             self._pending_loads.append(plan)
             self._owners[plan.job_id] = rid
@@ -188,24 +190,30 @@ class OffloadScheduler(SchedulerConnector):
         for rid in preempted:                  # an engine that names its preemptions here (vLLM)
             self._hint(rid, RequestState.PREEMPTED)
         for s in step:
-            rid = s.request.request_id
-            full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // self.bpc
-            done = self._stored_chunks.get(rid, 0)
-            if full_chunks <= done:
-                continue
-            plan = manager.plan_store(s.request.block_hashes[:full_chunks * self.bpc], s.block_ids, first_chunk=done,
-                                      group_tables=s.group_block_ids,
-                                      points=self._resume_points(rid, done, full_chunks, full_chunks * self.bpc,
-                                                                 s.num_computed_tokens))
-            self._stored_chunks[rid] = full_chunks
-            if plan is not None:
-                self._add_store(rid, plan)
+            self._store_new_chunks(s)
         owners = {p.job_id: self._owners[p.job_id] for p in (*self._pending_loads, *self._pending_stores)}
         meta = ConnectorMetadata(tuple(self._pending_loads), tuple(self._pending_stores),
                                  tuple(manager.take_background()), owners, tuple(self._delayed), tuple(preempted),
                                  manager.take_write_back())
         self._pending_loads, self._pending_stores, self._delayed = [], [], []
         return meta
+
+    def _store_new_chunks(self, s: StepRequest) -> None:
+        """Plan storing the whole chunks a request computed this step (those not stored before)."""
+        rid = s.request.request_id
+        blocks_per_chunk = self.blocks_per_chunk
+        full_chunks = min(s.num_computed_tokens // self.block_size, len(s.request.block_hashes)) // blocks_per_chunk
+        done = self._stored_chunks.get(rid, 0)
+        if full_chunks <= done:
+            return
+        end_blocks = full_chunks * blocks_per_chunk
+        plan = self.manager.plan_store(s.request.block_hashes[:end_blocks], s.block_ids, first_chunk=done,
+                                       group_tables=s.group_block_ids,
+                                       points=self._resume_points(rid, done, full_chunks, end_blocks,
+                                                                  s.num_computed_tokens))
+        self._stored_chunks[rid] = full_chunks
+        if plan is not None:
+            self._add_store(rid, plan)
 
     def _ask_again_now(self) -> None:
         """Nothing is computed this step and requests wait for a lookup: rather than have the engine come
@@ -249,7 +257,7 @@ class OffloadScheduler(SchedulerConnector):
     def _add_store(self, rid: str, plan: TransferPlan) -> None:
         self._pending_stores.append(plan)
         self._owners[plan.job_id] = rid
-        self._store_jobs[rid].add(plan.job_id)
+        self._store_jobs.add(rid, plan.job_id)
         self.counters.stores_planned += 1
 
     def update_connector_output(self, jobs: Sequence[JobReport]) -> list[JobOutcome]:
@@ -274,11 +282,7 @@ class OffloadScheduler(SchedulerConnector):
                 if swapped is not None:
                     self._drop_swap(swapped)
             else:
-                jobs_left = self._store_jobs.get(rid)
-                if jobs_left is not None:
-                    jobs_left.discard(outcome.job_id)
-                    if not jobs_left:
-                        del self._store_jobs[rid]
+                self._store_jobs.finish(rid, outcome.job_id)
                 if Failure.CANCELLED in outcome.failed.values():
                     self.counters.stores_cancelled += 1
         return outcomes
@@ -314,9 +318,10 @@ class OffloadScheduler(SchedulerConnector):
         blocks = min(computed // self.block_size, len(request.block_hashes),
                      *(len(table) for table in (group_block_ids or (block_ids,))))
         done = self._stored_chunks.get(rid, 0)
-        if blocks <= done * self.bpc:
+        if blocks <= done * self.blocks_per_chunk:
             return
-        points = self._resume_points(rid, done, -(-blocks // self.bpc), blocks, request.num_computed_tokens)
+        points = self._resume_points(rid, done, ceil_div(blocks, self.blocks_per_chunk), blocks,
+                                     request.num_computed_tokens)
         plan = self.manager.plan_store(request.block_hashes[:blocks], block_ids, first_chunk=done,
                                        group_tables=group_block_ids, points=points)
         if plan is not None:
@@ -324,14 +329,15 @@ class OffloadScheduler(SchedulerConnector):
             self.counters.tail_stores += 1
 
     def _stores_tail(self, request: RequestView) -> bool:
-        return self._tails == "all" or (self._tails == "continuing" and request.continues)
+        which = self._partial_chunk_stores
+        return which == "all" or (which == "continuing" and request.continues)
 
     def request_preempted(self, request_id: str) -> bool:
         self._hint(request_id, RequestState.PREEMPTED)
         return self._keep_blocks(request_id)
 
     def _chunk_keys(self, request: RequestView) -> tuple[BlockHash, ...]:
-        return tuple(chunk_keys(request.block_hashes, self.bpc, self.manager.partial_chunks))
+        return tuple(chunk_keys(request.block_hashes, self.blocks_per_chunk, self.manager.partial_chunks))
 
     def _hint(self, request_id: str, state: RequestState) -> None:
         """Tell the policies where an admitted request stands (`RequestState`), by its chunk keys."""
@@ -349,7 +355,7 @@ class OffloadScheduler(SchedulerConnector):
         return delay
 
     def stored_tokens(self, request_id: str) -> int:
-        return self._stored_chunks.get(request_id, 0) * self.bpc * self.block_size
+        return self._stored_chunks.get(request_id, 0) * self.blocks_per_chunk * self.block_size
 
     def request_reset(self, request_id: str) -> None:
         self._junctions.pop(request_id, None)
@@ -362,7 +368,7 @@ class OffloadScheduler(SchedulerConnector):
         handed to the workers (a swap-out planned at preemption runs at the end of this step), or one handed
         over that may outlive its step — when every rank copies L0 ↔ L1 within the step
         (`WorkerHandshake.copies_in_step`), none does."""
-        jobs = self._store_jobs.get(request_id)
+        jobs = self._store_jobs.of(request_id)
         if not jobs:
             return False
         return not self.copies_in_step or any(p.job_id in jobs for p in self._pending_stores)
@@ -379,11 +385,11 @@ class OffloadScheduler(SchedulerConnector):
         if manager is None:
             return False
         rid = request.request_id
-        num_blocks = -(-num_computed_tokens // self.block_size)
+        num_blocks = ceil_div(num_computed_tokens, self.block_size)
         previous = self._swapped.pop(rid, None)
         if previous is not None:  # swapped before and resumed from L0: that copy is stale
             self._drop_swap(previous)
-        keys = self._swap_keys(rid, -(-num_blocks // self.bpc))
+        keys = self._swap_keys(rid, ceil_div(num_blocks, self.blocks_per_chunk))
         plan = manager.plan_store_chunks(keys, block_ids, num_blocks, private=True)
         if plan is None or len(plan.chunks) < len(keys):  # no room for all of it: recompute instead
             if plan is not None:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 
 from tiercache.build import L1, WorkerStack, build_worker_side, check_config
 from tiercache.config import TierCacheConfig
 from tiercache.connector.api import WorkerConnector
 from tiercache.contracts.connector import ConnectorMetadata, WorkerHandshake, WorkerReport
+from tiercache.contracts.jobs import JobsByOwner, split_jobs
 from tiercache.contracts.keys import BlockHash, KVShard, Namespace
 from tiercache.contracts.plan import DEVICE, ChunkCopy, Failure, JobId, Priority, TransferPlan, TransferResult
 from tiercache.pool.group_pages import GroupPagesKV
@@ -58,7 +58,7 @@ class OffloadWorker(WorkerConnector):
         self._progress: list[LayerProgress] = []
         self._meta = ConnectorMetadata()
         self._owners: dict[JobId, str] = {}
-        self._stores_in_flight: dict[str, set[JobId]] = defaultdict(set)
+        self._stores_in_flight = JobsByOwner()   # per request: stores handed to the transfer threads, not ended
         self._delayed: set[str] = set()
         self._step_load_jobs: list[JobId] = []
         self._results: list[TransferResult] = []
@@ -71,7 +71,7 @@ class OffloadWorker(WorkerConnector):
         # the shutdown write-down (`WriteBackOrder`): where to, chunks named for it whose job has not ended on
         # this rank, and the L1 slots holding such a chunk on this rank
         self._write_back: tuple[str, str] | None = None
-        self._to_keep: set[BlockHash] = set()
+        self._write_down_candidates: set[BlockHash] = set()
         self._only_in_l1: dict[int, ChunkCopy] = {}
 
     @property
@@ -97,11 +97,11 @@ class OffloadWorker(WorkerConnector):
     def handle_preemptions(self, meta: ConnectorMetadata) -> None:
         """Before the step's forward: the engine took back the blocks of ``meta.preempted``; wait until no
         store of theirs still reads them on this rank."""
-        running = [job for rid in meta.preempted for job in self._stores_in_flight.get(rid, ())]
+        running = [job for rid in meta.preempted for job in self._stores_in_flight.of(rid)]
         if running:
             self._results += self._engine.wait(running)
             for rid in meta.preempted:
-                self._stores_in_flight.pop(rid, None)
+                self._stores_in_flight.forget(rid)
 
     def bind_connector_meta(self, meta: ConnectorMetadata) -> None:
         self._meta = meta
@@ -113,19 +113,19 @@ class OffloadWorker(WorkerConnector):
             self._write_back = (order.tier, order.link)
             for slot in order.left:              # before this step's jobs, which may reuse these slots
                 self._only_in_l1.pop(slot, None)
-            self._to_keep |= order.keep
+            self._write_down_candidates |= order.keep
 
     def _note_l1_arrivals(self, results: list[TransferResult]) -> None:
         """Chunks named for the write-down that reached this rank's L1: their slots are written down at close."""
-        if not self._to_keep:
+        if not self._write_down_candidates:
             return
         for r in results:
             if r.plan.dst != L1:
                 continue
             failed = {key for key, _ in r.failed}
             for c in r.plan.chunks:
-                if c.key in self._to_keep:
-                    self._to_keep.discard(c.key)
+                if c.key in self._write_down_candidates:
+                    self._write_down_candidates.discard(c.key)
                     if c.key not in failed:
                         self._only_in_l1[c.slot] = ChunkCopy(c.key, c.slot, (), c.chunk_blocks, parent=c.parent,
                                                              stored_at=c.stored_at)
@@ -189,7 +189,7 @@ class OffloadWorker(WorkerConnector):
                 engine.run_inline(plan)
             else:
                 engine.submit(plan)
-                self._stores_in_flight[owner].add(plan.job_id)
+                self._stores_in_flight.add(owner, plan.job_id)
         self._meta = ConnectorMetadata()
 
     def get_finished(self, idle: bool = False) -> WorkerReport:
@@ -216,11 +216,7 @@ class OffloadWorker(WorkerConnector):
                     bad = {key for key, _ in r.failed}
                     failed_blocks.update(b for c in r.plan.chunks if c.key in bad for b in c.engine_blocks())
             else:
-                jobs = self._stores_in_flight.get(owner)
-                if jobs is not None:
-                    jobs.discard(r.job_id)
-                    if not jobs:
-                        del self._stores_in_flight[owner]
+                self._stores_in_flight.finish(owner, r.job_id)
         sending = frozenset(rid for rid in self._delayed if rid not in self._stores_in_flight)
         self._delayed -= sending
         self._reports_sent += 1
@@ -280,8 +276,7 @@ class OffloadWorker(WorkerConnector):
         if not chunks:
             return
         tier, link = self._write_back
-        parts = [chunks[i::self.config.transfer.workers] for i in range(min(self.config.transfer.workers,
-                                                                              len(chunks)))]
+        parts = split_jobs(chunks, self.config.transfer.workers)
         plans = [TransferPlan(JobId(WRITE_DOWN_JOB - i), L1, tier, link, Priority.STORE, tuple(part),
                               sum(stack.handshake.chunk_bytes(c.chunk_blocks) for c in part)) for i, part in
                  enumerate(parts)]
