@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from tiercache.tiers.base import DROP_REASONS
+from tiercache.index.tier_index import DROP_REASONS
 
 SCHEDULER_COUNTERS = ("lookups", "ask_again", "hit_tokens", "loaded_tokens", "failed_loads", "stores_planned",
                       "stores_cancelled", "tail_stores", "delayed_frees")

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from tests.conftest import eventually
+from tiercache.contracts.medium import Medium, link_name
 from tiercache.contracts.plan import JobId, LinkLimits, Priority, TransferPlan
-from tiercache.tiers.base import Medium, link_name
 from tiercache.transfer.engine import TransferEngine
 from tiercache.transfer.links import LinkSet
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import CacheServerProcess, Stack
 from tests.support.stack_ops import put
-from tiercache.tiers.base import DROP_REASONS
+from tiercache.index.tier_index import DROP_REASONS
 
 
 def dropped(tier: dict) -> int:

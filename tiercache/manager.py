@@ -57,6 +57,7 @@ from tiercache.contracts.connector import RequestState
 from tiercache.contracts.groups import RESUME_POINT, KVGroups, UniformChunks, resume_key
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.medium import Medium, link_name
 from tiercache.contracts.plan import (
     DEVICE,
     ChunkCopy,
@@ -69,12 +70,13 @@ from tiercache.contracts.plan import (
 )
 from tiercache.contracts.purge import PurgeOrder, PurgeReport, order_selectors
 from tiercache.hot_chunks import HotChunks
+from tiercache.index.indexed_tier import IndexedTier
+from tiercache.index.tier_index import TierIndex
 from tiercache.lookup import PrefixFinder, PrefixLookup, TierRun
 from tiercache.policies import AdmissionPolicy, admitted_prefix
 from tiercache.tier_events import EventJournal, TierEvent
-from tiercache.tiers.base import LowerIndex, Medium, TierIndex, link_name
+from tiercache.tiers.base import LowerIndex
 from tiercache.tiers.cpu import CpuIndex
-from tiercache.tiers.index import IndexedTier
 
 log = logging.getLogger(__name__)
 

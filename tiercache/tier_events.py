@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiercache.contracts.keys import BlockHash
-from tiercache.tiers.base import Medium, TierIndex
+from tiercache.contracts.medium import Medium
+from tiercache.index.tier_index import TierIndex
 
 
 @dataclass(frozen=True, slots=True)

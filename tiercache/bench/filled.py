@@ -10,8 +10,8 @@ from tiercache.bench.tiers import BLOCK_SIZE, SHAPES
 from tiercache.config import TierCacheConfig
 from tiercache.connectors.reference import ReferenceConnector
 from tiercache.contracts.keys import BlockHash, BlockHasher, Namespace
+from tiercache.index.tier_index import TierIndex
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
-from tiercache.tiers.base import TierIndex
 
 
 def settled_contains(index: TierIndex, keys: Sequence[BlockHash], timeout: float = 10.0) -> int:

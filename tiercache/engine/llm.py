@@ -18,6 +18,7 @@ import torch
 from tiercache.config import TierCacheConfig
 from tiercache.contracts.groups import KVGroup, KVGroups
 from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import DEVICE
 from tiercache.engine.config import EngineConfig, ModelConfig
 from tiercache.engine.runner import ModelRunner
@@ -30,7 +31,6 @@ from tiercache.machine import physical_memory
 from tiercache.pool import BlockManager, BlockPool, PagedKVCache
 from tiercache.pool.group_pages import GroupPagesKV
 from tiercache.tier_events import TierEvent
-from tiercache.tiers.base import Medium
 
 
 @dataclass(frozen=True, slots=True)

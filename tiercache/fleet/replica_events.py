@@ -9,6 +9,7 @@ not repeat the tokens (``token_ids`` is empty).
 """
 from __future__ import annotations
 
+from tiercache.contracts.medium import Medium
 from tiercache.fleet.kv_events import (
     MEDIUM_ENGINE,
     AllBlocksCleared,
@@ -18,7 +19,6 @@ from tiercache.fleet.kv_events import (
     KVCacheEvent,
 )
 from tiercache.tier_events import TierEvent
-from tiercache.tiers.base import Medium
 
 
 def medium_name(medium: Medium) -> str:

@@ -47,6 +47,7 @@ from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
 from tiercache.contracts.purge import PurgeOrder, PurgeReport
 from tiercache.errors import ChunkFormatError
 from tiercache.hot_chunks import HotChunks
+from tiercache.index.indexed_tier import IndexedTier
 from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION
 from tiercache.server.admission import StoreDoor
@@ -64,7 +65,6 @@ from tiercache.server.values import (
     value_pieces,
     value_size,
 )
-from tiercache.tiers.index import IndexedTier
 from tiercache.wire.chunk_files import write_chunk_file
 from tiercache.wire.chunk_format import HEADER_BYTES, KEYED, check_payload, header_parent
 

@@ -25,10 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES
+from tiercache.contracts.medium import Medium
+from tiercache.index.indexed_tier import Entry, IndexedTier
 from tiercache.policies import DEFAULT_EVICTION
 from tiercache.server.values import BufferPool, Spill, Stored, StoreKey, store_key, value_size
-from tiercache.tiers.base import Medium
-from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.wire.chunk_files import chunk_path, scan_chunk_files
 
 INCOMING = "incoming"     # <shm>/<namespace>/incoming/<name>.tmp: chunk files written by co-located clients

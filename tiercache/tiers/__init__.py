@@ -1,6 +1,3 @@
-"""Tiers below L0. Each is two objects: an index on the scheduler side and a transport on each worker
-(`tiercache.tiers.base`); `tiercache.build.lower_tiers` builds them by name, importing each lazily so optional
-backends stay optional."""
-from tiercache.tiers.base import LowerIndex, Medium, TierCounters, TierIndex, Transport
-
-__all__ = ["LowerIndex", "Medium", "TierCounters", "TierIndex", "Transport"]
+"""Tiers below L0. Each is two objects: an index on the scheduler side (`tiercache.index.tier_index`) and a
+transport on each worker (`tiercache.tiers.base`); `tiercache.build.lower_tiers` builds them by name, importing
+each lazily so optional backends stay optional."""

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure
+from tiercache.index.indexed_tier import Entry, IndexedTier
 from tiercache.policies import DEFAULT_EVICTION
-from tiercache.tiers.base import Medium
-from tiercache.tiers.index import Entry, IndexedTier
 from tiercache.tiers.slab import SlotHeap
 
 

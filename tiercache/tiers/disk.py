@@ -36,12 +36,13 @@ from pathlib import Path
 from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.errors import ChunkFormatError
+from tiercache.index.indexed_tier import Entry, IndexedTier
 from tiercache.log_limits import ThrottledLog
 from tiercache.policies import DEFAULT_EVICTION
-from tiercache.tiers.base import LowerIndex, Medium, Transport
-from tiercache.tiers.index import Entry, IndexedTier
+from tiercache.tiers.base import LowerIndex, Transport
 from tiercache.wire.chunk_files import (
     ALIGN,
     WRITE_PIECE,

@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure
+from tiercache.index.indexed_tier import Entry, IndexedTier
 from tiercache.policies import DEFAULT_EVICTION
-from tiercache.tiers.base import LowerIndex, Medium
-from tiercache.tiers.index import Entry, IndexedTier
+from tiercache.tiers.base import LowerIndex
 
 
 class MetadataIndex(IndexedTier, LowerIndex):

@@ -26,10 +26,11 @@ from collections.abc import Sequence
 
 from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.errors import ChunkFormatError
 from tiercache.log_limits import ThrottledLog
-from tiercache.tiers.base import Medium, Transport
+from tiercache.tiers.base import Transport
 from tiercache.tiers.channels import ELSEWHERE, ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
 from tiercache.tiers.outage import Outage
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta

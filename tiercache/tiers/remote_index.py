@@ -30,8 +30,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tiercache.contracts.keys import BlockHash, first_held, tail_keys
 from tiercache.contracts.layout import ChunkLayout
+from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure
-from tiercache.tiers.base import LowerIndex, Medium, Reach
+from tiercache.index.tier_index import Reach
+from tiercache.tiers.base import LowerIndex
 from tiercache.tiers.outage import Outage
 from tiercache.wire.chunk_format import ChunkFormat
 

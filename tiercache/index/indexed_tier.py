@@ -1,9 +1,10 @@
 """The chunk index every storing tier shares: entries, their two-phase lifecycle, pins and eviction order.
 
-Scheduler side (one thread; also the cache server's memory and disk tiers). A
-subclass decides what the room of an entry is (an L1 slot, a file on every
-rank) by implementing `_release` — give back the room of an entry that
-leaves — and its own ``prepare_store`` (reserving that room).
+Scheduler side (one thread): L1 and the disk tier on the client, and the
+cache server's memory and disk stores. A subclass decides what the room of an
+entry is (an L1 slot, a file on every rank) by implementing `_release` — give
+back the room of an entry that leaves — and its own ``prepare_store``
+(reserving that room).
 
 Lifecycle of a key: reserved (``ready=False``, invisible to `contains`) →
 published by `publish` (ready, evictable) → pinned while a transfer reads it
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import NAMESPACE_DIGEST_BYTES, BlockHash
 from tiercache.contracts.plan import Failure
+from tiercache.index.tier_index import TierIndex
 from tiercache.policies import eviction_policies
-from tiercache.tiers.base import TierIndex
 
 
 @dataclass(slots=True)
