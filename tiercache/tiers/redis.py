@@ -18,10 +18,13 @@ and Redis's own ``maxmemory`` policy bounds their size.
   on transfer threads, through one value channel: a raw socket borrowed from
   redis-py's pool for a standalone server, redis-py's cluster pipeline for a
   cluster (`tiercache.tiers.redis_channels`).
-- With ``admission="second-sighting"`` (the default), the lookups' runs are
-  counted in a history kept in Redis, and a store takes a chunk only while
-  Redis has room or once lookups — any replica's — asked for it twice
-  (`tiercache.tiers.redis_sightings`).
+- Its door (`tiercache.tiers.redis_sightings`), its state kept in Redis so
+  that every replica's demand counts: with ``admission="adaptive-sighting"``
+  (the default) the requests each engine admits are counted there and drive
+  `AdaptiveSightingAdmit`'s shadow duel, and a store takes a chunk while
+  Redis has room, while the duel says everything, or once requests — any
+  replica's — asked for it twice; with ``"second-sighting"`` the lookups'
+  runs are counted and a store takes what has room or was asked for twice.
 
 A Redis that does not answer turns into misses, never into errors in the
 engine (`tiercache.tiers.remote`).
@@ -32,13 +35,15 @@ import logging
 from collections.abc import Sequence
 
 from tiercache.codecs import Buffer
+from tiercache.contracts.connector import RequestState
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.contracts.purge import PurgeOrder
+from tiercache.policies.admission import GuardedTier
 from tiercache.tiers.channels import ValueChannel
 from tiercache.tiers.purge_watch import RedisPurges
 from tiercache.tiers.redis_channels import PipelinedValues, RawSocketValues
-from tiercache.tiers.redis_sightings import Sightings
+from tiercache.tiers.redis_sightings import AdaptiveSightings, Sightings
 from tiercache.tiers.remote import RemoteTransport
 from tiercache.tiers.remote_index import RemoteIndex
 from tiercache.tiers.resp import ProtocolError
@@ -80,6 +85,15 @@ def redis_key(storage: bytes, key: BlockHash) -> bytes:
     return b"tiercache:%s:%s" % (storage.hex().encode(), key.hex().encode())
 
 
+DOORS = {"adaptive-sighting": AdaptiveSightings, "second-sighting": Sightings}   # `redis.admission`; always: none
+
+
+def door_for(admission: str, client) -> Sightings | None:
+    """The door ``admission`` names over ``client`` (None for ``always``)."""
+    door = DOORS.get(admission)
+    return door(client) if door is not None else None
+
+
 def transport_errors() -> tuple[type[BaseException], ...]:
     import redis
 
@@ -92,17 +106,25 @@ class RedisIndex(RemoteIndex):
 
     def __init__(self, url: str, fmt: ChunkFormat | None = None, lookup_timeout_s: float = 0.25,
                  retry_interval_s: float = 1.0, cluster: bool = False, name: str = "redis",
-                 admission: str = "second-sighting") -> None:
+                 admission: str = "adaptive-sighting") -> None:
         super().__init__(name, fmt, retry_interval_s, where=url)
         # lookups hold the request they serve for at most lookup_timeout_s (then it is a miss)
         self._client = fast_client(url, cluster, socket_timeout=lookup_timeout_s,
                                    socket_connect_timeout=lookup_timeout_s)
         self.parallel_jobs = cluster   # one redis-server is one thread; a cluster's nodes work side by side
         self._purges: RedisPurges | None = None
-        self._sightings = Sightings(self._client) if admission == "second-sighting" else None
+        self._sightings = door_for(admission, self._client)
+
+    def size_for(self, tier: GuardedTier) -> None:
+        """The door's shadows model ``tier`` (`Sightings.size_for`): ``l1_chunks``, this engine's L1; ``chunks``,
+        Redis's (0: as Redis's ``maxmemory`` over a chunk's values names it)."""
+        if self._sightings is not None:
+            self._sightings.size_for(tier)
 
     def attach(self, storage_digests: Sequence[bytes]) -> None:
         super().attach(storage_digests)
+        if self._sightings is not None:
+            self._sightings.ranks = len(self._storage)      # a chunk is one value per writing rank
         if self._purges is None:           # what `tiercache purge --redis` takes out reaches this engine too
             self._purges = RedisPurges(self._client, self._storage, self.name)
 
@@ -119,6 +141,17 @@ class RedisIndex(RemoteIndex):
         super().close()
         self._client.close()
 
+    def record(self, keys: Sequence[BlockHash]) -> None:
+        """A request this engine admitted wants ``keys``: told to a door that counts requests, on the lookup
+        thread (queued behind the lookups asked before it; the scheduler does not wait)."""
+        if self._sightings is not None and self._sightings.counts_requests and self._storage and self.available:
+            self._pool.submit(self._guarded, lambda k, _: self._sightings.record(k), list(keys), None)
+
+    def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
+        """A request that comes back vouches for its chunks at a door that counts requests (as `record`)."""
+        if self._sightings is not None and self._sightings.counts_requests and self._storage and self.available:
+            self._pool.submit(self._guarded, lambda k, _: self._sightings.retain(k, state), list(keys), None)
+
     def _probe(self) -> None:
         self._client.ping()
 
@@ -128,8 +161,8 @@ class RedisIndex(RemoteIndex):
         return isinstance(err, redis.exceptions.TimeoutError)
 
     def _present(self, keys: Sequence[BlockHash], storage: Sequence[bytes]) -> int:
-        """The run, and one sighting of each key asked (`Sightings`): before the answer, so a store that follows
-        it finds the lookup counted."""
+        """The run, and one sighting of each key asked where the door counts lookups (`Sightings.sight`): before
+        the answer, so a store that follows it finds the lookup counted."""
         each = self._present_each(keys, storage)
         if self._sightings is not None:
             self._sightings.sight(keys)
@@ -153,7 +186,7 @@ class RedisTransport(RemoteTransport):
     def __init__(self, url: str, storage: bytes, fmt: ChunkFormat | None = None, ttl_s: int = 0,
                  renew_on_read: bool = True, timeout_s: float = 2.0, retry_interval_s: float = 1.0,
                  cluster: bool = False, name: str = "redis", writer: bool = True,
-                 codec_threads: CodecThreads | None = None, admission: str = "second-sighting") -> None:
+                 codec_threads: CodecThreads | None = None, admission: str = "adaptive-sighting") -> None:
         super().__init__(name, storage, fmt, retry_interval_s, writer, where=url, codec_threads=codec_threads)
         self.ttl_s = ttl_s
         self.renew_on_read = renew_on_read      # False under a retention: a read must not extend a chunk's life
@@ -162,7 +195,7 @@ class RedisTransport(RemoteTransport):
         channel = PipelinedValues(self._client, self._rkey, ttl_s) if cluster else \
             RawSocketValues(self._client, self._rkey, ttl_s, self._warn, name)
         self._values: tuple[ValueChannel, ...] = (channel,)
-        self._door = Sightings(self._client) if admission == "second-sighting" else None
+        self._door = door_for(admission, self._client)
 
     def _channels(self) -> Sequence[ValueChannel]:
         return self._values
