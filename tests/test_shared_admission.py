@@ -176,7 +176,8 @@ def test_two_engines_over_one_server_count_each_others_sightings(tmp_path):
         server.stop()
 
 
-# -- Redis ----------------------------------------------------------------------------
+# -- Redis: the second-sighting door, which counts lookups (the adaptive one, counting requests, is tested against
+# the Python rule in tests/test_redis_adaptive.py) --------------------------------------------------------------
 
 def _meta(tag: int, parent: BlockHash | None = None) -> ChunkMeta:
     """A 1 MiB chunk's description (the door reads keys, parents and sizes only)."""
