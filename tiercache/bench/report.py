@@ -57,3 +57,16 @@ def plot_lines(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]], min_width: int) -> None:
+    """``rows`` under ``headers`` as a right-aligned rich table on the terminal, at least ``min_width`` wide."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="right")
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(width=max(min_width, Console().width)).print(table)
