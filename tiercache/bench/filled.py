@@ -71,10 +71,10 @@ def filled_stack(shape: str, chunk_tokens: int, total_bytes: int, model: str,
     """
     geo = SHAPES[shape]
     cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": chunk_tokens})
-    bpc = cfg.keys.blocks_per_chunk
-    chunk_bytes = bpc * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
+    blocks_per_chunk = cfg.keys.blocks_per_chunk
+    chunk_bytes = blocks_per_chunk * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
     num_chunks = max(2, total_bytes // chunk_bytes)
-    num_blocks = num_chunks * bpc
+    num_blocks = num_chunks * blocks_per_chunk
     nbytes = num_chunks * chunk_bytes
     kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
     kv.kv.normal_()

@@ -1,4 +1,4 @@
-"""`tiercache bench tiers`: tier throughput beside the machine's raw limit, measured in one run.
+"""`tiercache bench tiers`: tier throughput beside the machine's raw limit, both timed in one run.
 
 For the CPU tier, a store moves chunks from the paged L0 pool into L1 slots
 (plan, pin, gather, publish) and a load moves them back (lookup, plan, pin,
@@ -41,94 +41,108 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 
 
 def bench_cpu(spec: CpuBenchSpec, progress=None) -> dict[str, object]:
-    geo = SHAPES[spec.shape]
-    cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": spec.chunk_tokens})
-    bpc = cfg.keys.blocks_per_chunk
-    probe = PagedKVCache(geo, 1, BLOCK_SIZE, "cpu")
-    chunk_bytes = bpc * probe.block_bytes
-    num_chunks = max(2, spec.total_bytes // chunk_bytes)
-    num_blocks = num_chunks * bpc
-    nbytes = num_chunks * chunk_bytes
+    bench = _CpuBench(spec)
+    try:
+        bench.check_round_trip()
+        times = bench.run(progress)
+    finally:
+        bench.stack.close()
+    return _report(spec, bench, times)
 
-    kv = PagedKVCache(geo, num_blocks, BLOCK_SIZE, "cpu")
-    kv.kv.normal_()  # real values, and every page faulted in
-    pool = BlockPool(num_blocks)
-    blocks = BlockManager(pool, BLOCK_SIZE)
-    tokens = list(range(num_blocks * BLOCK_SIZE))
-    namespace = Namespace("bench", geo, BLOCK_SIZE)
-    hashes = BlockHasher(namespace).hash_blocks(tokens)
-    blocks.allocate("bench", len(tokens))
-    block_ids = blocks.block_ids("bench")
-    if spec.scattered:
-        random.Random(spec.seed).shuffle(block_ids)
 
-    from tiercache.connectors.reference import ReferenceConnector
+class _CpuBench:
+    """L0 blocks filled with random KV for whole chunks, an L1 sized to hold exactly them, and the raw baseline's
+    two buffers of the same bytes."""
 
-    cfg = cfg.replace(cpu={"capacity": nbytes}, device_pool={"device": "cpu"})
-    stack = ReferenceConnector(cfg, namespace, kv)
-    manager = stack.scheduler.manager
-    cpu = manager.l1
-    src = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(num_chunks, chunk_bytes, dtype=torch.uint8).fill_(0)
+    def __init__(self, spec: CpuBenchSpec) -> None:
+        from tiercache.connectors.reference import ReferenceConnector
 
-    def raw() -> float:
+        self.spec = spec
+        self.geo = geo = SHAPES[spec.shape]
+        cfg = TierCacheConfig().replace(keys={"block_size": BLOCK_SIZE, "chunk_tokens": spec.chunk_tokens})
+        blocks_per_chunk = cfg.keys.blocks_per_chunk
+        self.chunk_bytes = blocks_per_chunk * PagedKVCache(geo, 1, BLOCK_SIZE, "cpu").block_bytes
+        self.num_chunks = max(2, spec.total_bytes // self.chunk_bytes)
+        self.num_blocks = self.num_chunks * blocks_per_chunk
+        self.nbytes = self.num_chunks * self.chunk_bytes
+
+        self.kv = PagedKVCache(geo, self.num_blocks, BLOCK_SIZE, "cpu")
+        self.kv.kv.normal_()  # real values, and every page faulted in
+        blocks = BlockManager(BlockPool(self.num_blocks), BLOCK_SIZE)
+        tokens = list(range(self.num_blocks * BLOCK_SIZE))
+        namespace = Namespace("bench", geo, BLOCK_SIZE)
+        self.hashes = BlockHasher(namespace).hash_blocks(tokens)
+        blocks.allocate("bench", len(tokens))
+        self.block_ids = blocks.block_ids("bench")
+        if spec.scattered:
+            random.Random(spec.seed).shuffle(self.block_ids)
+
+        cfg = cfg.replace(cpu={"capacity": self.nbytes}, device_pool={"device": "cpu"})
+        self.stack = ReferenceConnector(cfg, namespace, self.kv)
+        self.manager = self.stack.scheduler.manager
+        self.cpu = self.manager.l1
+        self.src = torch.empty(self.num_chunks, self.chunk_bytes, dtype=torch.uint8).fill_(1)
+        self.dst = torch.empty(self.num_chunks, self.chunk_bytes, dtype=torch.uint8).fill_(0)
+
+    def raw(self) -> float:
         t = time.perf_counter()
-        dst.copy_(src)  # the same bytes in one bulk copy: the machine's memcpy limit
+        self.dst.copy_(self.src)  # the same bytes in one bulk copy: the machine's memcpy limit
         return time.perf_counter() - t
 
-    def put() -> float:
+    def put(self) -> float:
         t = time.perf_counter()
-        (result,) = stack.run([manager.plan_store(hashes, block_ids)])
+        (result,) = self.stack.run([self.manager.plan_store(self.hashes, self.block_ids)])
         elapsed = time.perf_counter() - t
-        if not result.ok or cpu.num_chunks != num_chunks:
+        if not result.ok or self.cpu.num_chunks != self.num_chunks:
             raise RuntimeError(f"store failed: {result.error}")
         return elapsed
 
-    def get() -> float:
+    def get(self) -> float:
         t = time.perf_counter()
-        lookup = manager.lookup(hashes)
-        results = stack.run(manager.plan_load(lookup, block_ids))
+        lookup = self.manager.lookup(self.hashes)
+        results = self.stack.run(self.manager.plan_load(lookup, self.block_ids))
         elapsed = time.perf_counter() - t
-        if lookup.num_hit_blocks != num_blocks or not all(r.ok for r in results):
+        if lookup.num_hit_blocks != self.num_blocks or not all(r.ok for r in results):
             raise RuntimeError("load failed")
         return elapsed
 
-    try:
-        # One untimed round trip that checks the bytes come back bit-exact.
-        expect = kv.kv.clone()
-        put()
-        kv.kv.zero_()
-        get()
-        if not torch.equal(kv.kv, expect):
+    def check_round_trip(self) -> None:
+        """One untimed put and get that checks the bytes come back bit-exact, L1 emptied after."""
+        expect = self.kv.kv.clone()
+        self.put()
+        self.kv.kv.zero_()
+        self.get()
+        if not torch.equal(self.kv.kv, expect):
             raise RuntimeError("L1 round trip is not bit-exact")
-        del expect
-        cpu.delete(list(cpu.entries))
+        self.cpu.delete(list(self.cpu.entries))
+
+    def run(self, progress=None) -> dict[str, list[float]]:
+        """Each repetition times raw, put and get in turn, so drift hits all three alike."""
         times: dict[str, list[float]] = {"raw": [], "put": [], "get": []}
-        for _ in range(spec.reps):
-            times["raw"].append(raw())
-            times["put"].append(put())
-            times["get"].append(get())
-            cpu.delete(list(cpu.entries))
+        for _ in range(self.spec.reps):
+            times["raw"].append(self.raw())
+            times["put"].append(self.put())
+            times["get"].append(self.get())
+            self.cpu.delete(list(self.cpu.entries))
             if progress:
                 progress()
-    finally:
-        stack.close()
-    raw_gbps = _median_gbps(nbytes, times["raw"])
-    put_gbps = _median_gbps(nbytes, times["put"])
-    get_gbps = _median_gbps(nbytes, times["get"])
+        return times
+
+
+def _report(spec: CpuBenchSpec, bench: _CpuBench, times: dict[str, list[float]]) -> dict[str, object]:
+    geo = bench.geo
+    raw_gbps = _median_gbps(bench.nbytes, times["raw"])
+    put_gbps = _median_gbps(bench.nbytes, times["put"])
+    get_gbps = _median_gbps(bench.nbytes, times["get"])
     return {
         "shape": spec.shape,
-        "geometry": {
-            "layers": geo.num_layers,
-            "kv_heads": geo.num_kv_heads,
-            "head_dim": geo.head_dim,
-            "dtype": geo.dtype,
-        },
+        "geometry": {"layers": geo.num_layers, "kv_heads": geo.num_kv_heads, "head_dim": geo.head_dim,
+                     "dtype": geo.dtype},
         "block_layout": "scattered" if spec.scattered else "allocated",
         "chunk_tokens": spec.chunk_tokens,
-        "chunk_bytes": chunk_bytes,
-        "chunks": num_chunks,
-        "bytes": nbytes,
+        "chunk_bytes": bench.chunk_bytes,
+        "chunks": bench.num_chunks,
+        "bytes": bench.nbytes,
         "reps": spec.reps,
         "put_gbps": round(put_gbps, 3),
         "get_gbps": round(get_gbps, 3),
