@@ -4,13 +4,16 @@ Scheduler side, bookkeeping only: `PrefixFinder` asks the tier indexes
 (fastest first) which chunks they hold; it moves nothing and never waits: a
 remote index whose answer is still on its way makes the lookup ``pending``
 (the connector answers "ask again"), with the runs found so far kept, so
-their promotions can start at once.
+their promotions can start at once. Where the KV layout has resume points
+(`tiercache.contracts.groups`), `ResumePoints` cuts a hit to the last chunk
+boundary at which every group can resume.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tiercache.contracts.groups import ChunkSizes, resume_key
 from tiercache.contracts.keys import BlockHash, chunk_keys
 from tiercache.index.tier_index import Reach, TierIndex
 
@@ -131,3 +134,57 @@ class PrefixFinder:
             last = runs[-1]
             hit = max(hit, self.chunk_bounds(last.first_chunk + len(last.keys) - 1, num_blocks)[1])
         return PrefixLookup(computed, tuple(runs), hit, self.block_size, num_blocks, pending)
+
+
+class ResumePoints:
+    """Cuts lookups to resume points: a hit of a layout with resume points ends at the last chunk boundary whose
+    resume point some tier holds, and is loaded with it (a state is never loaded at another boundary than the
+    KV loaded with it). A layout without resume points leaves every lookup as it is."""
+
+    def __init__(self, finder: PrefixFinder, sizes: ChunkSizes) -> None:
+        self.finder = finder
+        self.sizes = sizes
+
+    def cut(self, lookup: PrefixLookup) -> PrefixLookup:
+        """``lookup`` cut to its last resume point (asked of every tier at once, fastest first); none: no hit.
+        While a tier's answer is on its way the lookup is pending, its chunk runs kept so their promotions can
+        start."""
+        if not self.sizes.has_resume_points or lookup.num_hit_blocks <= lookup.num_computed_blocks:
+            return lookup
+        ends = [(run.first_chunk + i, key) for run in lookup.runs for i, key in enumerate(run.keys)]
+        ends.reverse()                                         # the longest hit first
+        points = [resume_key(key) for _, key in ends]
+        answers = []
+        for tier in self.finder.tiers:
+            held = tier.present_each(points)
+            if held is None:
+                return replace(lookup, pending=True)
+            answers.append(held)
+        for j, (chunk, _) in enumerate(ends):
+            tier = next((t for t, held in zip(self.finder.tiers, answers) if held[j]), None)
+            if tier is not None:
+                return self._cut_after(lookup, chunk, TierRun(tier.name, chunk, (points[j],)))
+        return self._cut_after(lookup, -1, None)
+
+    def in_tier(self, lookup: PrefixLookup, tier: str) -> PrefixLookup:
+        """``lookup`` cut to its leading runs in ``tier``; with resume points, all of it (its resume point
+        included) or nothing."""
+        cut = self.finder.cut(lookup, tier)
+        if not self.sizes.has_resume_points:
+            return cut
+        point = lookup.point
+        if point is None or point.tier != tier or cut.num_hit_blocks < lookup.num_hit_blocks:
+            return self._cut_after(lookup, -1, None)
+        return replace(cut, point=point)
+
+    def _cut_after(self, lookup: PrefixLookup, last_chunk: int, point: TierRun | None) -> PrefixLookup:
+        """``lookup`` with its runs cut after chunk ``last_chunk`` (-1: none), ending at ``point``."""
+        runs = []
+        for run in lookup.runs:
+            kept = last_chunk + 1 - run.first_chunk
+            if kept <= 0:
+                break
+            runs.append(run if kept >= len(run.keys) else TierRun(run.tier, run.first_chunk, run.keys[:kept]))
+        hit = self.finder.chunk_bounds(last_chunk, lookup.num_blocks)[1] if point else lookup.num_computed_blocks
+        return replace(lookup, runs=tuple(runs), num_hit_blocks=max(hit, lookup.num_computed_blocks), point=point,
+                       found_blocks=max(lookup.found_blocks, lookup.num_hit_blocks))

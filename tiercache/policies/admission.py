@@ -23,9 +23,9 @@ refused: a tail admitted without its head could never be hit
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
