@@ -36,7 +36,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with LLM(engine_cfg=engine_cfg, offload=offload, model_path=args.model_path, tokenizer=args.tokenizer) as llm:
         (out,) = llm.generate([args.prompt], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     print(printable(out.text))
-    print(f"[{len(out.token_ids)} tokens: {out.token_ids}; time to first token {out.ttft_s * 1e3:.1f} ms]",
+    seeded = "" if args.model_path else "; seeded weights, so the text is noise"
+    print(f"[{len(out.token_ids)} tokens: {out.token_ids}; time to first token {out.ttft_s * 1e3:.1f} ms{seeded}]",
           file=sys.stderr)
     return 0
 
