@@ -5,6 +5,7 @@ shadow tiers (sorted sets on a logical clock), the same saturating duel. Fed the
 same decisions; what differs is only where the state lives — in Redis, where every replica's requests reach it.
 """
 import inspect
+import itertools
 import random
 
 import pytest
@@ -24,6 +25,8 @@ from tiercache.tiers.redis_sightings import (
     shadow_shape,
 )
 from tiercache.wire.chunk_format import ChunkMeta
+
+redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'tiercache[redis]')")
 
 NS = bytes(range(16))
 TIER = GuardedTier(chunks=512, l1_chunks=64)      # shadows of the whole tier: every key is in the sample
@@ -57,8 +60,6 @@ def _requests(seed: int = 1):
 
 
 def _doors(url: str) -> tuple:
-    import redis
-
     client = redis.Redis.from_url(url)
     return client, AdaptiveSightings(client, TIER.l1_chunks, TIER.chunks)
 
@@ -139,8 +140,6 @@ def test_the_doors_memory_is_bounded(redis_server):
     """Far more keys than the tier holds, through a door sized for a small tier: the history keeps at most two
     generations, each shadow its slots, and an engine's shadow L1 expires once the engine stops asking."""
     tier = GuardedTier(chunks=64, l1_chunks=16)
-    import redis
-
     client = redis.Redis.from_url(redis_server.url)
     door = AdaptiveSightings(client, tier.l1_chunks, tier.chunks)
     shape = shadow_shape(tier)
@@ -158,8 +157,6 @@ def test_the_doors_memory_is_bounded(redis_server):
 def test_a_door_not_told_the_tiers_size_takes_it_from_maxmemory(redis_server):
     """Told nothing, the door runs no duel (a Redis without ``maxmemory`` has room); once a store filed the
     tier's size (``maxmemory`` over a chunk), it sizes its shadows by it, per writing rank."""
-    import redis
-
     client = redis.Redis.from_url(redis_server.url)
     door = AdaptiveSightings(client, l1_chunks=8)
     door.ranks = 2
@@ -173,8 +170,6 @@ def test_a_door_not_told_the_tiers_size_takes_it_from_maxmemory(redis_server):
 
 def test_the_index_tells_the_door_the_requests_an_engine_admits(redis_server):
     """`RedisIndex.record` queues the request on the lookup thread; its lookups count nothing at this door."""
-    import redis
-
     from tiercache.tiers.redis import RedisIndex
 
     client = redis.Redis.from_url(redis_server.url)
@@ -197,8 +192,6 @@ def test_the_index_tells_the_door_the_requests_an_engine_admits(redis_server):
 def test_a_redis_that_refuses_scripts_leaves_the_door_open(tmp_path, caplog):
     import shutil
 
-    import redis
-
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (.ci/run installs it)")
     server = RedisServer(tmp_path, extra=("--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""))
@@ -212,3 +205,21 @@ def test_a_redis_that_refuses_scripts_leaves_the_door_open(tmp_path, caplog):
         assert "the door stays open" in caplog.text
     finally:
         server.stop()
+
+
+def test_a_cluster_keeps_the_doors_state_in_one_slot(redis_cluster):
+    """Every key the door writes carries one hash tag, so each script runs on the one node that owns it."""
+    from tiercache.tiers.redis import fast_client
+
+    client = fast_client(f"redis://127.0.0.1:{redis_cluster[0].port}/0", cluster=True)
+    try:
+        door = AdaptiveSightings(client, TIER.l1_chunks, TIER.chunks)
+        for keys in itertools.islice(_requests(), 50):
+            door.record(keys)
+        client.hset(STATE, "picky", 1)
+        assert door.admitted([_meta(_key(10**8)), _meta(_key(0))]) == [True, True]   # no maxmemory: room
+        l1 = door._keys[3]
+        assert len({client.keyslot(k) for k in (STATE, *GENERATIONS, l1, *SHADOWS)}) == 1
+        assert client.exists(STATE, GENERATIONS[0], l1, *SHADOWS) == 5
+    finally:
+        client.close()

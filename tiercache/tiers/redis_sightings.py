@@ -149,7 +149,8 @@ local free = limit - tonumber(string.match(info, 'used_memory:(%d+)'))
 local out = {#ARGV - 1}
 if limit > 0 then
   out[1] = math.max(0, math.floor(free / tonumber(ARGV[1])))
-  if KEYS[3] then redis.call('HSET', KEYS[3], 'chunks', math.floor(limit / tonumber(ARGV[1]))) end
+  local chunks = tostring(math.floor(limit / tonumber(ARGV[1])))
+  if KEYS[3] and redis.call('HGET', KEYS[3], 'chunks') ~= chunks then redis.call('HSET', KEYS[3], 'chunks', chunks) end
 end
 if KEYS[3] and redis.call('HGET', KEYS[3], 'picky') ~= '1' then out[1] = #ARGV - 1 end
 if out[1] >= #ARGV - 1 then return out end
