@@ -19,7 +19,7 @@ import statistics
 import sys
 
 from tiercache.fleet.replicas import PREFILL_DECAY, PrefillFit
-from tiercache.fleet.routing import Rates
+from tiercache.fleet.routing import ReplicaRates
 
 WARM = 5
 
@@ -63,7 +63,7 @@ class Relative:
         self.fit.observe(n, c, s)
 
     def predict(self, n: int, c: int) -> float:
-        return self.fit.rates(Rates(1.0)).prefill_s(n, c)
+        return self.fit.rates(ReplicaRates(1.0)).prefill_s(n, c)
 
 
 FITS = {"one rate": OneRate, "two parts, absolute": Absolute, "two parts, relative": Relative}

@@ -283,7 +283,7 @@ def test_a_replica_measures_its_load_rates_per_medium_and_a_router_takes_them():
     from tiercache.engine.openai_api import measured_load_rates
     from tiercache.fleet.load_rates import load_tokens_per_s
     from tiercache.fleet.replicas import Replica
-    from tiercache.fleet.routing import Rates
+    from tiercache.fleet.routing import ReplicaRates
 
     with LLMEngine(engine_cfg=EngineConfig(enable_prefix_caching=False), offload=_offload()) as engine:
         assert measured_load_rates(engine) == {}                     # nothing loaded yet: nothing claimed
@@ -296,7 +296,7 @@ def test_a_replica_measures_its_load_rates_per_medium_and_a_router_takes_them():
                                           "redis→cpu": {"seconds": 1.0, "blocks": 8}}}}    # too few to tell
     assert load_tokens_per_s(transfers, "cpu", {"disk": "DISK", "redis": "REMOTE"}, 16) == {
         "CPU": 16_000.0, "DISK": 4_000.0}
-    replica = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0, "DISK": 150_000.0}))
+    replica = Replica("r", "http://r", ReplicaRates(20_000.0, {"CPU": 400_000.0, "DISK": 150_000.0}))
     replica.learn_rates(ReplicaDescriptor(model="m", instance="i", key_scheme="tiercache", block_size=16,
                                           chunk_tokens=64, load_tokens_per_s={"DISK": 4_000.0, "GPU": -1}))
     assert replica.rates.load == {"CPU": 400_000.0, "DISK": 4_000.0}
@@ -310,7 +310,7 @@ def test_a_replica_times_its_prefill_before_serving_and_a_router_takes_it_until_
 
     from tiercache.errors import ConfigError
     from tiercache.fleet.replicas import Replica
-    from tiercache.fleet.routing import Rates
+    from tiercache.fleet.routing import ReplicaRates
 
     prompts = shared_prompts(n=2)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -332,7 +332,7 @@ def test_a_replica_times_its_prefill_before_serving_and_a_router_takes_it_until_
     assert ReplicaDescriptor.from_dict(descriptor.as_dict(), "r") == descriptor
     with pytest.raises(ConfigError, match="r.prefill_tokens_per_s"):
         ReplicaDescriptor.from_dict({**descriptor.as_dict(), "prefill_tokens_per_s": -1}, "r")
-    replica = Replica("r", "http://r", Rates(20_000.0))
+    replica = Replica("r", "http://r", ReplicaRates(20_000.0))
     replica.learn_rates(descriptor)
     assert (replica.rates.prefill, replica.rates.attention_s) == (2_500.0, 1e-8)
     replica.learn_prefill(300, 2000, 0.2)                   # the router's own first token: 1,500 tokens/s

@@ -1,8 +1,8 @@
 """Routing policies on their own: how each ranks replicas for one request (no sockets)."""
 from tiercache.fleet.prefix_index import CachedTokens
-from tiercache.fleet.routing import Candidate, Rates, routing_policies
+from tiercache.fleet.routing import Candidate, ReplicaRates, routing_policies
 
-RATES = Rates(prefill=1000.0, load={"CPU": 20000.0})
+RATES = ReplicaRates(prefill=1000.0, load={"CPU": 20000.0})
 
 
 def replica(name: str, cached: int, waiting: int, prompt: int = 1000) -> Candidate:
@@ -92,7 +92,7 @@ def test_a_replicas_first_measured_prefill_rate_replaces_the_configured_guess():
     the attention part (all without context here) give one rate, their least-squares ratio."""
     from tiercache.fleet.replicas import PREFILL_DECAY, Replica
 
-    r = Replica("r", "http://r", Rates(20_000.0, {"CPU": 400_000.0}))
+    r = Replica("r", "http://r", ReplicaRates(20_000.0, {"CPU": 400_000.0}))
     r.learn_prefill(200, 0, 0.1)
     assert r.rates.prefill == 2_000.0 and r.rates.attention_s == 0.0 and r.rates.load == {"CPU": 400_000.0}
     r.learn_prefill(200, 0, 0.05)                             # 4K tokens/s: least squares of the relative error
@@ -116,14 +116,14 @@ def test_the_prefill_cost_grows_with_the_context_it_attends_to_and_the_fit_finds
         return n * 2e-4 + n * (c + n / 2) * 1e-7
 
     seen = [(300, 1200), (1500, 0), (300, 3400), (700, 2000), (1500, 0), (200, 4000)] * 3
-    r = Replica("r", "http://r", Rates(20_000.0))
+    r = Replica("r", "http://r", ReplicaRates(20_000.0))
     for n, c in seen:
         r.learn_prefill(n, c, true_s(n, c))
     assert math.isclose(r.rates.prefill, 5_000.0, rel_tol=1e-6)
     assert math.isclose(r.rates.attention_s, 1e-7, rel_tol=1e-6)
     probes = [(3000, 0), (300, 3000)]
     assert all(math.isclose(r.rates.prefill_s(n, c), true_s(n, c), rel_tol=1e-6) for n, c in probes)
-    one_rate = Rates(sum(n * n for n, _ in seen) / sum(n * true_s(n, c) for n, c in seen))   # least squares
+    one_rate = ReplicaRates(sum(n * n for n, _ in seen) / sum(n * true_s(n, c) for n, c in seen))   # least squares
     assert max(abs(one_rate.prefill_s(n, c) / true_s(n, c) - 1) for n, c in probes) > 0.2
     # a candidate's estimate uses it: 300 new tokens after a 3000-token history cost more than after none
     ranked = routing_policies.get("least-loaded")().rank([
@@ -138,7 +138,7 @@ def test_prefill_measurements_that_find_a_negative_part_fall_back_to_one_rate():
     rate, never a negative time."""
     from tiercache.fleet.replicas import Replica
 
-    r = Replica("r", "http://r", Rates(20_000.0))
+    r = Replica("r", "http://r", ReplicaRates(20_000.0))
     for n, c, s in [(300, 3000, 0.05), (1500, 0, 0.5), (300, 3000, 0.05), (1500, 0, 0.5)]:
         r.learn_prefill(n, c, s)          # the long-context turns are *faster* per token: no attention part
     assert r.rates.attention_s == 0.0 and r.rates.prefill > 0
@@ -295,16 +295,16 @@ def test_the_router_passes_a_requests_session_on_to_the_replica():
 
 
 def test_a_session_goes_back_to_its_replica_unless_it_is_gone_or_has_fallen_far_behind():
-    from tiercache.fleet.routing import STICKY_SLACK, stick
+    from tiercache.fleet.routing import STICKY_SLACK, prefer_session_replica
 
     a, b, c = (replica(n, 0, waiting) for n, waiting in (("a", 0), ("b", 500), ("c", 5000)))
     ranking = routing_policies.get("least-loaded")().rank([a, b, c])          # a 1.0 s, b 1.5 s, c 6.0 s
-    assert [r.name for r in stick(ranking, "b")] == ["b", "a", "c"]           # within twice the best: its own
-    assert stick(ranking, "b")[0].reason == "sticky"
-    assert [r.name for r in stick(ranking, "c")] == ["a", "b", "c"]           # six times the best: it moves on
-    assert [r.name for r in stick(ranking, "a")] == ["a", "b", "c"]
-    assert [r.name for r in stick(ranking, "gone")] == ["a", "b", "c"]        # down, or another model's
-    assert [r.name for r in stick(ranking, None)] == ["a", "b", "c"]
+    assert [r.name for r in prefer_session_replica(ranking, "b")] == ["b", "a", "c"]   # within twice the best: its own
+    assert prefer_session_replica(ranking, "b")[0].reason == "sticky"
+    assert [r.name for r in prefer_session_replica(ranking, "c")] == ["a", "b", "c"]   # six times the best: it moves on
+    assert [r.name for r in prefer_session_replica(ranking, "a")] == ["a", "b", "c"]
+    assert [r.name for r in prefer_session_replica(ranking, "gone")] == ["a", "b", "c"]   # down, or another model's
+    assert [r.name for r in prefer_session_replica(ranking, None)] == ["a", "b", "c"]
     assert STICKY_SLACK == 2.0
 
 

@@ -41,9 +41,9 @@ class ReplicaDescriptor:
     shared_tiers: tuple[str, ...] = ()  # the remote tiers it reads (grpc://host:port, the Redis URL): what any
                                         # replica with the same chains stores there, this one can load
     events: EventEndpoints | None = None
-    load_tokens_per_s: dict = field(default_factory=dict)   # measured per tier medium (`fleet.load_rates`)
-    prefill_tokens_per_s: float = 0.0            # its prefill, measured before serving (0: not measured):
-    prefill_attention_s_per_pair: float = 0.0    # the two parts of `routing.Rates.prefill_s`
+    load_tokens_per_s: dict = field(default_factory=dict)   # its own loads per tier medium (`fleet.load_rates`)
+    prefill_tokens_per_s: float = 0.0            # its prefill, timed before serving (0: not timed):
+    prefill_attention_s_per_pair: float = 0.0    # the two parts of `routing.ReplicaRates.prefill_s`
     version: int = DESCRIPTOR_VERSION
     extra: dict = field(default_factory=dict)
 

@@ -1,4 +1,5 @@
-"""How fast a replica loads KV from each of its tiers, measured: what a router weighs a cached prefix by.
+"""How fast a replica loads KV from each of its tiers, from its own copies: what a router weighs a cached
+prefix by.
 
 Replica side, from its rank 0's transfer statistics (`LinkStats` routes: bytes, busy seconds and blocks per
 "src→dst"). A chunk in L1 reaches the engine's pool in one copy (``L1 → device``); one in a lower tier is
@@ -15,7 +16,7 @@ MIN_BLOCKS = 32
 def load_tokens_per_s(transfers: dict[str, dict], l1: str, lower: dict[str, str], block_size: int,
                       l1_medium: str = "CPU") -> dict[str, float]:
     """Tokens per second into the pool per medium (``l1_medium`` for L1; ``lower``: tier name → its medium),
-    for the media whose loads have been measured."""
+    for the media it has loaded enough from to tell (`MIN_BLOCKS`)."""
     routes: dict[str, list[float]] = {}
     for link in transfers.values():
         for name, route in link.get("routes", {}).items():

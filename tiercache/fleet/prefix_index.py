@@ -173,20 +173,20 @@ class ReplicaIndex:
         sources = [(m, held) for m in TIER_MEDIA for held in (self.media.get(m),) if held]
         sources += [("REMOTE", held) for held in shared if held]
         chain = prompt.tier_blocks or prompt.block_hashes
-        bpc, bs = scheme.blocks_per_chunk, scheme.block_size
+        blocks_per_chunk, block_size = scheme.blocks_per_chunk, scheme.block_size
         found = []                                          # (medium, blocks it covers to, chunk key)
         for i, key in enumerate(prompt.chunk_keys):
             medium = _fastest(sources, key)
             if medium is None:
                 if scheme.partial_chunks:
-                    found += _longest_tail(sources, tail_keys(chain, bpc, i), i * bpc)
+                    found += _longest_tail(sources, tail_keys(chain, blocks_per_chunk, i), i * blocks_per_chunk)
                 break
-            found.append((medium, min((i + 1) * bpc, len(chain)), key))
+            found.append((medium, min((i + 1) * blocks_per_chunk, len(chain)), key))
         if scheme.resume_points:
-            found = _to_resume_point(sources, found, limit // bs)
+            found = _to_resume_point(sources, found, limit // block_size)
         covered = 0
         for medium, blocks, _ in found:
-            start, covered = covered, min(blocks * bs, limit)
+            start, covered = covered, min(blocks * block_size, limit)
             beyond = covered - max(start, engine)
             if beyond > 0:
                 tiers[medium] = tiers.get(medium, 0) + beyond

@@ -27,14 +27,14 @@ from tiercache.errors import ConfigError, RegistryError
 from tiercache.fleet.descriptor import GivenDescriptor, ReplicaDescriptor
 from tiercache.fleet.engine_queue import EngineQueue, engine_queue
 from tiercache.fleet.prefix_index import CachedTokens, KeyScheme, PromptKeys, ReplicaIndex, key_schemes
-from tiercache.fleet.routing import Candidate, Rates
+from tiercache.fleet.routing import Candidate, ReplicaRates
 from tiercache.fleet.subscriber import EventFollower
 from tiercache.fleet.vllm_keys import VllmKeys  # noqa: F401 — registers the "vllm" key scheme
 
 log = logging.getLogger(__name__)
 
-RUNNING_DECAY = 0.95     # a busy first token's weight in the running-request cost, per measurement since (~20)
-PREFILL_DECAY = 0.9      # an idle first token's weight in the prefill fit, per measurement since (~10 remembered)
+RUNNING_DECAY = 0.95     # a busy first token's weight in the running-request cost, per first token timed since
+PREFILL_DECAY = 0.9      # an idle first token's weight in the prefill fit, per first token timed since
 MIN_SPREAD = 0.05        # how far from proportional (1 - cos²) the two costs must have varied to be told apart
 
 
@@ -102,19 +102,17 @@ class DecayingSum:
 @dataclass(slots=True)
 class PrefillFit:
     """A replica's prefill cost learned from its idle first tokens: seconds ≈ ``tokens / prefill +
-    tokens·(context + tokens/2) · attention_s`` (`Rates.prefill_s`), fitted by least squares of the relative
-    error over the recent measurements, each weighing `PREFILL_DECAY` times less per measurement since. The
-    error is relative because a measurement's noise is: a core shared with a busy neighbour stretches a 2 s
-    prefill by as many percent as a 0.1 s one, and absolute least squares lets a few slow long prompts pull
-    the fit off every short turn (replayed on `bench route`'s idle first tokens: the relative fit's p90 error
-    is 0.20-0.54, the absolute one's 0.19-1.03, one averaged rate's 0.41-0.66 — RESULTS.md).
+    tokens·(context + tokens/2) · attention_s`` (`ReplicaRates.prefill_s`), fitted by least squares of the
+    relative error over the recent first tokens, each weighing `PREFILL_DECAY` times less per first token timed
+    since. The error is relative because a timing's noise is: a core shared with a busy neighbour stretches a
+    long prefill by as many percent as a short one, and absolute least squares would let a few slow long
+    prompts pull the fit off every short turn.
 
-    Both parts are taken once they have been told apart: the measurements have varied in how much of their
-    time is attention (a short turn after a long history, a long prompt after none) and the fit finds both
-    positive. Until then the cost is one rate per token, the measurements' weighted ratio — a replica's very
-    first measurement replaces the configured guess outright (a guess several times off would otherwise
-    weigh on a fresh fleet's opening seconds, exactly when moving a conversation away from its history looks
-    cheap)."""
+    Both parts are taken once they have been told apart: the first tokens timed have varied in how much of
+    their time is attention (a short turn after a long history, a long prompt after none) and the fit finds
+    both positive. Until then the cost is one rate per token, the timings' weighted ratio — a replica's very
+    first timing replaces the configured guess outright (a guess several times off would otherwise weigh on a
+    fresh fleet's opening seconds, exactly when moving a conversation away from its history looks cheap)."""
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)    # decayed Σ of t², tp, p², t, p: t, p the
                                                                      # two parts' features over the seconds
     measured: int = 0
@@ -122,13 +120,13 @@ class PrefillFit:
     def observe(self, tokens: int, context: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        t, p = tokens / seconds, tokens * (context + tokens / 2) / seconds     # relative: each measurement / y
+        t, p = tokens / seconds, tokens * (context + tokens / 2) / seconds     # relative: each timing / y
         for i, v in enumerate((t * t, t * p, p * p, t, p)):
             self.sums[i] = self.sums[i] * PREFILL_DECAY + v
         self.measured += 1
 
-    def rates(self, rates: Rates) -> Rates:
-        """``rates`` with the fitted prefill cost (unchanged before any measurement)."""
+    def rates(self, rates: ReplicaRates) -> ReplicaRates:
+        """``rates`` with the fitted prefill cost (unchanged before the first timing)."""
         if not self.measured:
             return rates
         tt, tp, pp, t_sum, p_sum = self.sums     # normal equations of Σ (t·per_token + p·per_pair - 1)²
@@ -142,14 +140,13 @@ class PrefillFit:
 
 @dataclass(slots=True)
 class RunningCost:
-    """What each request already running on a replica adds to a new one's wait (`Rates.per_request_s`), learned
-    from its busy first tokens: the time to first token past the request's own prefill and loads as estimated
-    and past the prefill still pending ahead of it when it was sent (`ReplicaLoad.waiting_prefill_s`), over the
-    requests running then — a least-squares slope through zero, each measurement weighing `RUNNING_DECAY` times
-    less per measurement since. Running requests decode between the steps that prefill a new one, and their
-    steps are not free: fitted over `bench route`'s requests on the reference engine (two replicas, two runs,
-    with and without the credit for work done), each one running added 13-31 ms where the configured guess
-    said 2 (RESULTS.md, "A queue that counts work done")."""
+    """What each request already running on a replica adds to a new one's wait (`ReplicaRates.per_request_s`),
+    learned from its busy first tokens: the time to first token past the request's own prefill and loads as
+    estimated and past the prefill still pending ahead of it when it was sent (`ReplicaLoad.waiting_prefill_s`),
+    over the requests running then — a least-squares slope through zero, each first token weighing
+    `RUNNING_DECAY` times less per first token timed since. Running requests decode between the steps that
+    prefill a new one, and their steps are not free: the cost a replica shows is learned rather than taken
+    from the configured guess, which does not know the engine or its load."""
     excess: float = 0.0      # decayed Σ excess·running
     spread: float = 0.0      # decayed Σ running²
     measured: int = 0
@@ -161,8 +158,8 @@ class RunningCost:
         self.spread = self.spread * RUNNING_DECAY + running * running
         self.measured += 1
 
-    def rates(self, rates: Rates) -> Rates:
-        """``rates`` with the learned cost of a running request (unchanged before any measurement; never < 0)."""
+    def rates(self, rates: ReplicaRates) -> ReplicaRates:
+        """``rates`` with the learned cost of a running request (unchanged before the first timing; never < 0)."""
         if not self.measured:
             return rates
         return replace(rates, per_request_s=max(self.excess / self.spread, 0.0))
@@ -172,10 +169,9 @@ class RunningCost:
 class ReplicaLoad:
     """What the router has sent a replica and not seen finish. The prefill still ahead of a new request is what
     was estimated for the requests not past their first token, less the time the replica has worked on them
-    since (`waiting_prefill_s`): counting a running prefill's whole estimate until its first token overstated a
-    busy replica's queue — on `bench route`'s requests the wait that came after an estimated 150 ms queue was
-    110 ms, after 250-300 ms 210 (RESULTS.md, "A queue that counts work done") — so a conversation left its
-    history for an idle replica more often than it paid."""
+    since (`waiting_prefill_s`): counting a running prefill's whole estimate until its first token would
+    overstate a busy replica's queue, and a conversation would leave its history for an idle replica more often
+    than that pays."""
     in_flight: int = 0
     pending_prefill: int = 0
     pending_prefill_s: float = 0.0  # their prefill as estimated when routed
@@ -252,7 +248,7 @@ class ReplicaLoad:
 class Replica:
     name: str
     url: str
-    rates: Rates
+    rates: ReplicaRates
     descriptor: ReplicaDescriptor | None = None
     given: GivenDescriptor | None = None     # from the router's replicas file: for one that serves none (vLLM)
     scheme: KeyScheme | None = None
@@ -283,9 +279,9 @@ class Replica:
                          self.load.foreign, self.load.foreign_prefill_s())
 
     def learn_rates(self, descriptor: ReplicaDescriptor | None) -> None:
-        """Take what the replica measured of itself (its descriptor, at each health check): load rates per
-        medium (media it has not measured keep theirs), and — until the router has timed a first token of its
-        own there — the prefill cost it measured before serving, in place of the configured guess."""
+        """Take the rates the replica found for itself (its descriptor, at each health check): load rates per
+        medium (media it has no rate for keep theirs), and — until the router has timed a first token of its
+        own there — the prefill cost it timed before serving, in place of the configured guess."""
         if descriptor is None:
             return
         measured = {m: float(r) for m, r in descriptor.load_tokens_per_s.items()
@@ -297,13 +293,13 @@ class Replica:
                                  attention_s=float(descriptor.prefill_attention_s_per_pair))
 
     def learn_prefill(self, tokens: int, context: int, seconds: float) -> None:
-        """A first token measured on an otherwise idle replica: ``tokens`` computed after ``context`` cached
+        """A first token timed on an otherwise idle replica: ``tokens`` computed after ``context`` cached
         ones in ``seconds`` (`PrefillFit`)."""
         self.prefill.observe(tokens, context, seconds)
         self.rates = self.prefill.rates(self.rates)
 
     def learn_running(self, excess_s: float, running: int) -> None:
-        """A first token measured with ``running`` requests in flight when it was sent: ``excess_s`` its wait
+        """A first token timed with ``running`` requests in flight when it was sent: ``excess_s`` its wait
         beyond its own estimated work and the prefill pending ahead of it (`RunningCost`)."""
         self.running.observe(excess_s, running)
         self.rates = self.running.rates(self.rates)
@@ -365,7 +361,7 @@ def check_url(url: str, source: str) -> str:
 class Fleet:
     """The replicas behind one router, and the HTTP session it reaches them with."""
 
-    def __init__(self, session, default_rates: Rates, health_interval: float) -> None:
+    def __init__(self, session, default_rates: ReplicaRates, health_interval: float) -> None:
         self.session = session
         self.default_rates = default_rates
         self.health_interval = health_interval

@@ -41,8 +41,8 @@ from tiercache.errors import ConfigError
 from tiercache.fleet.descriptor import GivenDescriptor
 from tiercache.fleet.prefix_index import PromptKeys
 from tiercache.fleet.replicas import Fleet, Replica, ReplicaEntry
-from tiercache.fleet.routing import Policy, Ranked, Rates, routing_policies, stick
-from tiercache.fleet.tenants import Tenant, Tenants, Unauthorized
+from tiercache.fleet.routing import Policy, Ranked, ReplicaRates, prefer_session_replica, routing_policies
+from tiercache.fleet.tenants import RoutedTenant, Tenants, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ RESPONSE_HEADERS = ("Content-Type", "Cache-Control")
 class RouterConfig:
     policy: str = "expected-ttft"
     health_interval_s: float = 2.0
-    prefill_tokens_per_s: float = 20_000.0    # until measured, by the replica (its descriptor) or the router
+    prefill_tokens_per_s: float = 20_000.0    # until the replica (its descriptor) or the router times its own
     load_tokens_per_s: tuple[tuple[str, float], ...] = (("CPU", 400_000.0), ("DISK", 150_000.0),
                                                         ("REMOTE", 100_000.0))
     per_request_s: float = 0.002
@@ -61,8 +61,8 @@ class RouterConfig:
     admin_key: str = ""
     sticky_sessions: bool = False             # a session's requests stay on the replica that served its last
 
-    def rates(self) -> Rates:
-        return Rates(self.prefill_tokens_per_s, dict(self.load_tokens_per_s), self.per_request_s)
+    def rates(self) -> ReplicaRates:
+        return ReplicaRates(self.prefill_tokens_per_s, dict(self.load_tokens_per_s), self.per_request_s)
 
 
 MAX_SESSIONS = 1 << 16      # sessions remembered for sticky routing, least recently used forgotten first
@@ -102,7 +102,7 @@ def session_of(request, body: dict) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Routed:
     """One request, checked and ranked."""
-    tenant: Tenant
+    tenant: RoutedTenant
     body: dict
     prompt_tokens: int
     ranking: list[Ranked]
@@ -111,7 +111,7 @@ class Routed:
 
 
 @dataclass(frozen=True, slots=True)
-class Ahead:
+class WorkAhead:
     """What was ahead of a request on its replica when it was sent: the prefill still pending there, and the
     requests in flight — this router's and those the replica reported beyond them (none: the replica was idle,
     and its first token measures the prefill alone)."""
@@ -133,10 +133,10 @@ class Router:
     def _encoder(self, replicas: list[Replica]) -> Encodes | None:
         return next((r.encoder for r in replicas if r.encoder is not None), None)
 
-    def route(self, tenant: Tenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]],
+    def route(self, tenant: RoutedTenant, body: dict, prompt_of: Callable[[Encodes, dict], list[int]],
               session: str | None = None) -> Routed:
         """Check, tokenize and rank one request (``body`` gets the tenant's cache salt); with sticky sessions, the
-        replica ``session`` was last served by goes first (`stick`)."""
+        replica ``session`` was last served by goes first (`prefer_session_replica`)."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError("model must be a string", "model")
@@ -165,7 +165,7 @@ class Router:
         ranking = self.policy.rank(candidates)
         key = (tenant.name, session) if session and self.config.sticky_sessions else None
         if key is not None:
-            ranking = stick(ranking, self.sessions.get(key))
+            ranking = prefer_session_replica(ranking, self.sessions.get(key))
         return Routed(tenant, body, len(tokens), ranking, key, blocks)
 
     # -- forwarding -----------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class Router:
             load = replica.load
             uncached, prefill_s = max(routed.prompt_tokens - ranked.cached_tokens, 0), ranked.prefill_s
             now = time.monotonic()
-            ahead = Ahead(load.waiting_prefill_s(now) + load.foreign_prefill_s(), load.in_flight + load.foreign)
+            ahead = WorkAhead(load.waiting_prefill_s(now) + load.foreign_prefill_s(), load.in_flight + load.foreign)
             load.sent(uncached, prefill_s, routed.prompt_tokens, now)
             blocks = routed.blocks.get(replica.name, ())
             replica.index.hold(blocks)
@@ -232,7 +232,7 @@ class Router:
         raise ApiError("no replica could take the request", status=503, kind="service_unavailable")
 
     def _record(self, replica: Replica, ranked: Ranked, usage: dict | None, ttft_s: float | None,
-                ahead: Ahead) -> None:
+                ahead: WorkAhead) -> None:
         if usage is None:
             return
         details = usage.get("prompt_tokens_details") or {}
@@ -257,10 +257,9 @@ class Router:
 
 async def _to_client(write: Awaitable) -> bool:
     """Await a write to the client; False when the client has closed its end. aiohttp raises that as
-    `ClientConnectionResetError` — a `ClientConnectionError`, like a replica's failures — and the router took it
-    for the replica's: a client that closed its connection once it had read the last event (the openai client,
-    here: "Cannot write to closing transport" at the end of the stream) made the router mark a replica that had
-    answered in full as down — every request to a lone replica then got a 503 until its next health check."""
+    `ClientConnectionResetError`, a `ClientConnectionError` like a replica's failures: caught here, it is never
+    taken for the replica's, so a client that closes its connection once it has read the last event (the openai
+    client does) does not mark a replica that answered in full as down."""
     try:
         await write
     except ConnectionResetError:
@@ -309,16 +308,31 @@ def _usage_from_stream(tail: bytes) -> dict | None:
 
 
 def build_app(router: Router):
+    """The router's aiohttp application: the OpenAI routes and the ranking, the status routes, the admin routes."""
     from aiohttp import web
 
-    def tenant_of(request) -> Tenant:
-        try:
-            return router.tenants.authenticate(request.headers.get("Authorization"))
-        except Unauthorized as err:
-            raise ApiError(str(err), status=401, code="invalid_api_key") from None
+    app = web.Application(middlewares=[openai_errors("tiercache route")])
+    _add_request_routes(app, router)
+    _add_status_routes(app, router)
+    _add_admin_routes(app, router)
+    return app
+
+
+def _tenant_of(router: Router, request) -> RoutedTenant:
+    """The request's tenant by its API key (401 without a known one, where the router has tenants)."""
+    try:
+        return router.tenants.authenticate(request.headers.get("Authorization"))
+    except Unauthorized as err:
+        raise ApiError(str(err), status=401, code="invalid_api_key") from None
+
+
+def _add_request_routes(app, router: Router) -> None:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` (routed and forwarded), ``POST /v1/score`` (the
+    ranking alone) and ``GET /v1/models``: what a tenant asks, each behind its API key."""
+    from aiohttp import web
 
     async def generate(request, path: str, prompt_of):
-        tenant = tenant_of(request)
+        tenant = _tenant_of(router, request)
         body = await json_body(request)
         routed = router.route(tenant, body, prompt_of, session_of(request, body))
         return await router.forward(request, path, routed)
@@ -330,7 +344,7 @@ def build_app(router: Router):
         return await generate(request, "/v1/chat/completions", chat_prompt)
 
     async def score(request):
-        tenant = tenant_of(request)
+        tenant = _tenant_of(router, request)
         body = await json_body(request)
         prompt_of = chat_prompt if "messages" in body else completion_prompt
         routed = router.route(tenant, body, prompt_of, session_of(request, body))
@@ -339,10 +353,20 @@ def build_app(router: Router):
                                   "replicas": [r.as_dict() for r in routed.ranking]})
 
     async def models(request):
-        tenant_of(request)
+        _tenant_of(router, request)
         now = int(time.time())
         return web.json_response({"object": "list", "data": [
             {"id": m, "object": "model", "created": now, "owned_by": "tiercache"} for m in router.fleet.models()]})
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/score", score)
+    app.router.add_get("/v1/models", models)
+
+
+def _add_status_routes(app, router: Router) -> None:
+    """``GET /health`` (503 while no replica is up) and ``GET /metrics`` (Prometheus), open to anyone."""
+    from aiohttp import web
 
     async def health(request):
         up = router.fleet.up(None)
@@ -356,21 +380,33 @@ def build_app(router: Router):
         return web.Response(body=generate_latest(registry_for(router)),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
-    def admin(request) -> None:
-        key = router.config.admin_key
-        import hmac
-        given = request.headers.get("Authorization", "").partition(" ")[2].strip()
-        if not key:
-            raise ApiError("the admin routes are off (start the router with --admin-key)", status=403)
-        if not hmac.compare_digest(key.encode(), given.encode()):
-            raise ApiError("the admin key is not valid", status=401, code="invalid_api_key")
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+
+def _check_admin(router: Router, request) -> None:
+    """Let the request through only with the router's admin key (403 where the router has none)."""
+    import hmac
+
+    key = router.config.admin_key
+    given = request.headers.get("Authorization", "").partition(" ")[2].strip()
+    if not key:
+        raise ApiError("the admin routes are off (start the router with --admin-key)", status=403)
+    if not hmac.compare_digest(key.encode(), given.encode()):
+        raise ApiError("the admin key is not valid", status=401, code="invalid_api_key")
+
+
+def _add_admin_routes(app, router: Router) -> None:
+    """``GET/POST /admin/replicas`` and ``DELETE /admin/replicas/{name}``: the fleet changed at run time, with
+    the admin key."""
+    from aiohttp import web
 
     async def list_replicas(request):
-        admin(request)
+        _check_admin(router, request)
         return web.json_response({"replicas": [_replica_state(r) for r in router.fleet.replicas.values()]})
 
     async def add_replica(request):
-        admin(request)
+        _check_admin(router, request)
         body = await json_body(request)
         url = body.get("url")
         if not isinstance(url, str):
@@ -389,23 +425,15 @@ def build_app(router: Router):
         return web.json_response(_replica_state(replica), status=201)
 
     async def remove_replica(request):
-        admin(request)
+        _check_admin(router, request)
         name = request.match_info["name"]
         if not await router.fleet.remove(name):
             raise ApiError(f"no replica {name!r} in the fleet", status=404)
         return web.json_response({"removed": name})
 
-    app = web.Application(middlewares=[openai_errors("tiercache route")])
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/score", score)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_post("/admin/replicas", add_replica)
     app.router.add_delete("/admin/replicas/{name}", remove_replica)
-    return app
 
 
 def _replica_state(replica: Replica) -> dict:

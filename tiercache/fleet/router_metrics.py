@@ -3,7 +3,7 @@
 Families (labels in braces):
 - ``tiercache_route_replica_up{replica}``, ``..._in_flight{replica}``,
   ``..._pending_prefill_tokens{replica}``, ``..._prefill_tokens_per_second{replica}`` and
-  ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as measured),
+  ``..._prefill_attention_seconds_per_pair{replica}`` (the two parts of its prefill cost, as timed),
   ``..._running_request_seconds{replica}`` (what each request running there adds to a new one's wait, as
   learned), ``..._waiting_prefill_seconds{replica}`` (the prefill estimated still ahead of a request now),
   ``..._engine_requests{replica}`` (requests in its engine by its own /metrics; -1: none it reads) and

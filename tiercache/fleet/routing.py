@@ -23,7 +23,7 @@ Policies (`routing_policies`):
   by one replica spreads to a second one instead of pulling in every
   conversation that starts with it).
 
-With sticky sessions (`stick`), whatever the policy, a session's next
+With sticky sessions (`prefer_session_replica`), whatever the policy, a session's next
 request goes first to the replica that served its last one, unless that
 replica is down or has fallen far behind the best.
 """
@@ -39,15 +39,15 @@ from tiercache.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
-class Rates:
-    """How fast a replica works (the router measures prefill, `replicas.PrefillFit`; loads are the replica's own
-    measurements, or set).
+class ReplicaRates:
+    """How fast a replica works: its prefill (learned by the router from its first tokens, `replicas.PrefillFit`),
+    its loads per medium (the replica's own, from its descriptor, or configured) and what a running request adds.
 
     Computing ``n`` prompt tokens after ``c`` cached ones takes ``n / prefill + n·(c + n/2) · attention_s``
     seconds: a part per token (the layers' weights) and a part per pair of a computed token and one it attends
-    to — the same 300 tokens take twice as long after a 3K-token history as after a 1K one on the reference
-    engine (RESULTS.md, "Prefill that grows with the context"), so one rate misjudges one kind of request or the
-    other: a short turn after a long history, or a long history recomputed from nothing elsewhere."""
+    to. The same tokens take longer after a long history than after a short one, so one rate misjudges one
+    kind of request or the other: a short turn after a long history, or a long history recomputed from nothing
+    elsewhere."""
     prefill: float                  # prompt tokens per second, the per-token part
     load: dict[str, float] = field(default_factory=dict)   # per tier medium: CPU, DISK, REMOTE
     per_request_s: float = 0.0      # what each request already running adds to a new one's wait
@@ -65,9 +65,10 @@ class Candidate:
     cached: CachedTokens
     in_flight: int             # requests sent to it and not finished
     pending_prefill: int       # prompt tokens it has yet to compute for requests not past their first token
-    pending_prefill_s: float   # what is left of their prefill: each one's estimate when routed (`Rates.prefill_s`)
-                               # less the time the replica has worked on them since (`ReplicaLoad`)
-    rates: Rates
+    pending_prefill_s: float   # what is left of their prefill: each one's estimate when routed
+                               # (`ReplicaRates.prefill_s`) less the time the replica has worked on them since
+                               # (`ReplicaLoad`)
+    rates: ReplicaRates
     recent_tokens: float = 0   # prompt tokens sent to it lately, each fading with age (`replicas.DecayingSum`):
                                # its share of the traffic, what a tie and the share guard go by
     foreign: int = 0           # requests it reported that this router did not send (`engine_queue`)
@@ -146,15 +147,15 @@ class ExpectedTTFT(Policy):
     never trips it), is ranked after the others, so that a popular prefix spreads over replicas instead of
     piling onto one.
 
-    The guard used to compare with the whole fleet's mean queue plus the largest compute: a replica winning
-    on expected time (``q_a + c_a < q_b + c_b``) can then never be over it — ``q_a > 2·mean + max c`` needs
-    a negative queue somewhere — so it never changed a decision. Against the others' queues and the mean
-    compute it trips in a window: a hot replica whose hit saves less than its queue has grown.
+    The guard compares with the *others'* queues and the *mean* compute, not the whole fleet's mean queue and
+    the largest compute: against those, a replica winning on expected time (``q_a + c_a < q_b + c_b``) could
+    never be over it — ``q_a > 2·mean + max c`` needs a negative queue somewhere. This way it trips in a
+    window: a hot replica whose hit saves less than its queue has grown.
 
     Replicas whose estimates are within ``tie_ratio`` of the best are a tie, and the one sent the fewest
     prompt tokens lately goes first: a new conversation (its system prompt everywhere, every replica idle)
     would otherwise always go to the same replica by name, and every later turn follows its history there.
-    The estimates' own rates are measured, so a difference that small is noise, not a reason.
+    The estimates' rates are learned from noisy timings, so a difference that small is noise, not a reason.
 
     Share guard: when the first replica has been sent more than ``1 + share_slack`` times the mean of the
     prompt tokens sent to the ranked replicas, the request goes to the replica sent the fewest among those
@@ -167,11 +168,11 @@ class ExpectedTTFT(Policy):
     replicas), a long conversation stays where its history is unless the imbalance is ten times that.
 
     "Sent" is recent traffic (``Candidate.recent_tokens``, each token fading over `replicas.SHARE_WINDOW_S`),
-    not a count since the router started: with counts since the start, an excess of the same 20 % grew with
-    the run's length, and so did the bound — late in a run, conversations whose whole history was on one
-    replica were moved to recompute it (RESULTS.md, "Shares of recent traffic"); and a replica added at run
-    time would draw every request it could take until it had caught up with replicas that had served for
-    hours. A window a few conversations long keeps the bound to the load now and just ahead."""
+    not a count since the router started: with counts since the start, an excess of the same share would grow
+    with the run's length, and so would the bound — late in a run, conversations whose whole history is on one
+    replica would be moved to recompute it; and a replica added at run time would draw every request it could
+    take until it had caught up with replicas that had served for hours. A window a few conversations long
+    keeps the bound to the load now and just ahead."""
 
     def __init__(self, hotspot_factor: float = 2.0, tie_ratio: float = 0.15, share_slack: float = 0.2,
                  rebalance_share: float = 0.1) -> None:
@@ -222,7 +223,7 @@ class ExpectedTTFT(Policy):
 STICKY_SLACK = 2.0     # a session leaves its replica once that replica's expected time is over twice the best's
 
 
-def stick(ranking: list[Ranked], replica: str | None, slack: float = STICKY_SLACK) -> list[Ranked]:
+def prefer_session_replica(ranking: list[Ranked], replica: str | None, slack: float = STICKY_SLACK) -> list[Ranked]:
     """``ranking`` with a session's ``replica`` (the one that served its last request) first — its history is
     there, in the replica's own pool too — unless it is not ranked (down, or serving another model) or its
     expected time to first token is over ``slack`` times the best's (it has fallen behind: the session moves)."""

@@ -33,7 +33,9 @@ from tiercache.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
-class Tenant:
+class RoutedTenant:
+    """A tenant as the router knows it: its name, and the cache group whose salt it sets on the tenant's requests
+    (the server's tenants, with their quotas and rights, are `tiercache.server.tenants.Tenant`)."""
     name: str
     cache_group: str = ""          # "" (anonymous): no salt of the router's
     cache_salt: str = ""           # the group's: a keyed hash of its name, never the name itself
@@ -45,7 +47,7 @@ def group_salt(secret: bytes, group: str) -> str:
     return hmac.new(secret, b"tiercache-cache-group\0" + group.encode(), hashlib.sha256).hexdigest()
 
 
-ANONYMOUS = Tenant("anonymous")
+ANONYMOUS = RoutedTenant("anonymous")
 
 
 class Unauthorized(Exception):
@@ -53,7 +55,7 @@ class Unauthorized(Exception):
 
 
 class Tenants:
-    def __init__(self, by_key: dict[str, Tenant] | None = None) -> None:
+    def __init__(self, by_key: dict[str, RoutedTenant] | None = None) -> None:
         self._by_key = dict(by_key or {})
 
     @property
@@ -73,7 +75,7 @@ class Tenants:
         keys_of_all = sorted(k for e in entries if isinstance(e, dict) for k in (e.get("api_keys") or [])
                              if isinstance(k, str))
         secret_bytes = (secret or "\0".join(keys_of_all)).encode()
-        by_key: dict[str, Tenant] = {}
+        by_key: dict[str, RoutedTenant] = {}
         names: set[str] = set()
         for i, entry in enumerate(entries):
             where = f"{source}: tenants[{i}]"
@@ -91,10 +93,10 @@ class Tenants:
             for key in keys:
                 if key in by_key:
                     raise ConfigError(f"{where}.api_keys", "…" + key[-4:], f"already held by {by_key[key].name}")
-                by_key[key] = Tenant(name, group, group_salt(secret_bytes, group))
+                by_key[key] = RoutedTenant(name, group, group_salt(secret_bytes, group))
         return cls(by_key)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
+    def authenticate(self, authorization: str | None) -> RoutedTenant:
         if not self._by_key:
             return ANONYMOUS
         scheme, _, key = (authorization or "").partition(" ")
