@@ -47,7 +47,7 @@ class _Elsewhere:
 
 ELSEWHERE: Final = _Elsewhere()     # `get`'s answer for a chunk this channel cannot see: ask the next channel
 
-Got = int | Failure | _Elsewhere
+ReadOutcome = int | Failure | _Elsewhere   # `get`'s answer per item: the raw length read, why not, or ELSEWHERE
 Receive = Callable[[ValueSource, int, BlockHash, memoryview], "int | Failure"]
 
 
@@ -98,5 +98,5 @@ class ValueChannel(ABC):
         """Store ``batch``; the keys not stored, and why. Raises `ChannelBusy`, or the transport's errors."""
 
     @abstractmethod
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """Each item's raw length, `Failure` or `ELSEWHERE`. Raises `ChannelBusy`, or the transport's errors."""

@@ -50,9 +50,8 @@ class GrpcIndex(RemoteIndex):
         """The server's health at start, or None — and the tier down, probed until it answers — when it is away.
 
         A server with a data channel or a shared-memory directory moves bytes with the GIL released, so its
-        jobs are split across transfer workers (two read files nearly twice as fast as one); one gRPC
-        stream at a time otherwise (two contend for the GIL and move less than one; benchmarks/RESULTS.md,
-        "Co-located clients" and "L3 history").
+        jobs are split across transfer workers (each reads files on its own); one gRPC stream at a time
+        otherwise (streams in parallel contend for the GIL and move less than one).
         """
         try:
             reply = self._server.health()

@@ -6,7 +6,7 @@ scheduler takes them (`take`) at its next step, applies them to L1 and its
 local tiers before anything else (`CacheManager.apply_purges`), and says so
 (`applied`): the next poll tells the store, and the purge that waits for
 the engines sees it. Each purge's time is moved from the store's clock to
-this host's (the offset measured at each poll), so a purge applied late
+this host's (the offset taken at each poll), so a purge applied late
 takes only what was stored before it was made. A store that says this engine
 fell behind its log (``lost``) gets everything stored until now purged.
 

@@ -10,7 +10,7 @@ one of them and is their one error path.
   a reader); a load asks each value's length (``STRLEN``), then reads it in
   ``GETRANGE`` pieces straight into its L1 slot, verified as it lands (a
   whole-value ``GET`` makes redis-server build the reply in fresh memory
-  first: benchmarks/RESULTS.md, "L3 Redis now").
+  first).
 - `PipelinedValues` (a cluster): redis-py's cluster pipeline, which routes
   each command to its node; values are staged in reusable per-thread buffers.
 """
@@ -26,7 +26,7 @@ from tiercache.codecs import copy_into
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.log_limits import ThrottledLog
-from tiercache.tiers.channels import Got, OutgoingBatch, Receive, ValueChannel
+from tiercache.tiers.channels import OutgoingBatch, ReadOutcome, Receive, ValueChannel
 from tiercache.tiers.resp import (
     ProtocolError,
     RangedReads,
@@ -100,10 +100,10 @@ class RawSocketValues(ValueChannel):
             return batch.failures(rejected)
         return self._on_connection(run)
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """Pipelined ``STRLEN``s, then each present value read in ``GETRANGE`` pieces (`RangedReads`) into
         its buffer, verified as it lands."""
-        def run(sock: socket.socket, reader: ReplyReader) -> list[Got]:
+        def run(sock: socket.socket, reader: ReplyReader) -> list[ReadOutcome]:
             sock.sendall(b"".join(command(b"STRLEN", self._rkey(key)) for key, _ in items))
             lengths = [self._strlen(reader, key) for key, _ in items]
             present = [(self._rkey(key), n) for (key, _), n in zip(items, lengths) if isinstance(n, int) and n]
@@ -121,7 +121,7 @@ class RawSocketValues(ValueChannel):
                                key.hex()[:16], err)
             return Failure.CORRUPT
 
-    def _receive(self, receive: Receive, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> Got:
+    def _receive(self, receive: Receive, value: RangedValue, n: int, key: BlockHash, buf: memoryview) -> ReadOutcome:
         """Read one value into ``buf``; a value that changed while it was read (replaced or deleted by another
         client between its ranges) is a miss."""
         try:
@@ -177,7 +177,7 @@ class PipelinedValues(ValueChannel):
             bufs[index] = bytearray(nbytes)
         return memoryview(bufs[index])[:nbytes]
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """redis-py's pipelined ``GET``s (a cluster's client routes each to its node)."""
         pipe = self._client.pipeline(transaction=False)
         for key, _ in items:

@@ -31,7 +31,7 @@ from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.errors import ChunkFormatError
 from tiercache.log_limits import ThrottledLog
 from tiercache.tiers.base import Transport
-from tiercache.tiers.channels import ELSEWHERE, ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
+from tiercache.tiers.channels import ELSEWHERE, ChannelBusy, OutgoingBatch, ReadOutcome, Receive, ValueChannel
 from tiercache.tiers.outage import Outage
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.codec_pipeline import CodecPipeline, CodecThreads, ReadBatch
@@ -137,7 +137,7 @@ class RemoteTransport(Transport):
         try:
             for channel in self._channels():
                 try:
-                    got: list[Got] = channel.get([items[i] for i in pending], receive)
+                    got: list[ReadOutcome] = channel.get([items[i] for i in pending], receive)
                 except ChannelBusy as err:
                     self._moving_on(channel, err)
                     continue

@@ -1,8 +1,8 @@
 """Pipelined Redis commands on a raw socket: values sent from, and replies read into, caller memory.
 
 redis-py (with hiredis) turns every bulk reply into a fresh ``bytes``: for a
-32 MiB chunk that is a 32 MiB allocation whose pages fault in on first touch
-(a first touch runs at a fraction of a warm copy's rate), then the tier's copy into the L1 slot.
+chunk that is an allocation of its whole size whose pages fault in on first
+touch (slower than a copy into warm memory), then the tier's copy into the L1 slot.
 `ReplyReader` parses RESP itself on a `StreamReader`: reply lines go through
 a small buffer, and a bulk string's bytes are received with ``recv_into``
 wherever the caller says — the L1 slot itself for a raw chunk — so they are
@@ -10,10 +10,10 @@ touched once by the kernel's copy and once by the checksum.
 
 A large value is read as a run of ``GETRANGE`` pieces (`RangedReads`),
 never with one ``GET``: redis-server builds a reply whole in its output
-buffer before sending it, so a 32 MiB ``GET`` costs the server a fresh
-32 MiB of page-faulted memory and a copy into it on every read (a third of
-its time in a profile: benchmarks/RESULTS.md, "L3 Redis now"). Asked for in 256 KiB ranges with a
-few in flight, its reply buffers stay small, reused and in cache.
+buffer before sending it, so a ``GET`` of a large value costs the server as
+much fresh page-faulted memory and a copy into it on every read. Asked for
+in pieces (`RANGE_PIECE`) with a few in flight (`RANGE_WINDOW`), its reply
+buffers stay small, reused and in cache.
 
 Writes go the same way: ``SET``'s framing around a value sent with
 ``sendall`` from where it lies (`set_command`), with no join into a staging
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from tiercache.arith import ceil_div
 from tiercache.wire.streams import ProtocolError, StreamReader
 
 __all__ = ["ProtocolError", "RangedReads", "RangedValue", "ReplyError", "ReplyReader", "ValueChanged"]
@@ -133,7 +134,7 @@ class RangedReads:
                  piece: int = RANGE_PIECE, window: int = RANGE_WINDOW) -> None:
         self._sock, self._reader = sock, reader
         self._pieces = [(key, start, min(piece, n - start)) for key, n in values for start in range(0, n, piece)]
-        self._values = [(-(-n // piece), n) for _, n in values]       # (pieces, bytes) per value
+        self._values = [(ceil_div(n, piece), n) for _, n in values]       # (pieces, bytes) per value
         self._window = window
         self._sent = self._opened = self._next_value = 0
 
@@ -180,13 +181,13 @@ class RangedValue:
         self._ranges, self._reader = ranges, reader
         self._unopened = pieces
         self._unread = nbytes    # bytes of the value not yet read or skipped
-        self._left = 0           # bytes of the open piece not yet read
+        self._piece_unread = 0           # bytes of the open piece not yet read
         self._open = False
 
     def _close_piece(self) -> None:
-        if self._left:
-            self._reader.skip(self._left)
-            self._left = 0
+        if self._piece_unread:
+            self._reader.skip(self._piece_unread)
+            self._piece_unread = 0
         if self._open:
             self._reader.end_of_bulk()
             self._open = False
@@ -196,16 +197,16 @@ class RangedValue:
         if not self._unopened:
             raise ValueChanged("read past the value's length")
         self._unopened -= 1
-        self._left = self._ranges.open_piece()
+        self._piece_unread = self._ranges.open_piece()
         self._open = True
 
     def _spans(self, n: int) -> Iterator[int]:
         """The next ``n`` bytes cut along piece boundaries, pieces opened as they are reached."""
         while n:
-            if not self._left:
+            if not self._piece_unread:
                 self._next_piece()
-            take = min(self._left, n)
-            self._left -= take
+            take = min(self._piece_unread, n)
+            self._piece_unread -= take
             self._unread -= take
             n -= take
             yield take

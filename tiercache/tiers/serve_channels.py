@@ -34,7 +34,7 @@ import grpc
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.plan import Failure, KeyFailures
 from tiercache.log_limits import ThrottledLog
-from tiercache.tiers.channels import ChannelBusy, Got, OutgoingBatch, Receive, ValueChannel
+from tiercache.tiers.channels import ChannelBusy, OutgoingBatch, ReadOutcome, Receive, ValueChannel
 from tiercache.tiers.shared_dir import SharedDirectory
 from tiercache.wire import data_frames as dw
 from tiercache.wire import tiercache_pb2 as pb
@@ -106,7 +106,7 @@ class SharedDirValues(ValueChannel):
             raise
         return batch.failures([BlockHash(k) for k in reply.rejected])
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """Each chunk's file read into its buffer, `ELSEWHERE` when there is none; the reads reported with
         ``Touch``, so the server's eviction sees them."""
         out = [self.directory.read(key, buf, receive) for key, buf in items]
@@ -166,7 +166,7 @@ class DataChannelValues(ValueChannel):
                 batch = OutgoingBatch(refused, batch.codec)
         return (*failed, *((meta.key, Failure.BUSY) for meta, _ in refused))
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """One ``GET``."""
         return self._call(lambda channel: channel.get(items, receive))
 
@@ -218,9 +218,9 @@ class StreamValues(ValueChannel):
                                                                  metadata=self._server.metadata)))
         return batch.failures([BlockHash(k) for k in reply.rejected])
 
-    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[Got]:
+    def get(self, items: Sequence[tuple[BlockHash, memoryview]], receive: Receive) -> list[ReadOutcome]:
         """One streamed ``Get``; a broken stream keeps what was placed, the rest are misses."""
-        out: list[Got] = [Failure.MISS] * len(items)
+        out: list[ReadOutcome] = [Failure.MISS] * len(items)
         request = pb.GetRequest(namespace=self._storage, keys=[k for k, _ in items]).SerializeToString()
         deadline = self._deadline(sum(len(buf) for _, buf in items))
 

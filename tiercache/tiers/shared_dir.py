@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
-from tiercache.tiers.channels import ELSEWHERE, Got, Receive
+from tiercache.tiers.channels import ELSEWHERE, ReadOutcome, Receive
 from tiercache.wire.chunk_files import chunk_path, write_all
 from tiercache.wire.values import FileSource
 
@@ -55,7 +55,7 @@ class SharedDirectory:
         log.info("chunks move through %s on this host", path)
         return cls(path / namespace.hex())
 
-    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> Got:
+    def read(self, key: BlockHash, buf: memoryview, receive: Receive) -> ReadOutcome:
         """``receive(source, n, key, buf)`` takes the chunk's file in; `ELSEWHERE` when there is no such file
         (or it went away mid-read)."""
         try:
