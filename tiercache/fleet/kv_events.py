@@ -49,6 +49,8 @@ class BlockStored(KVCacheEvent):
     lora_name: str | None
     extra_keys: list[Any] | None = None     # per block: (lora name, mm pairs, cache_salt, ...) — untagged
     group_idx: int | None = None            # vLLM's KV cache group (hybrid models have several)
+    kv_cache_spec_kind: str | None = None   # that group's kind, as vLLM names it ("sliding_window", "mamba", ...)
+    kv_cache_spec_sliding_window: int | None = None   # a sliding-window group's window, in tokens
 
 
 class BlockRemoved(KVCacheEvent):

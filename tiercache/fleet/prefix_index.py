@@ -166,6 +166,8 @@ class ReplicaIndex:
         token, whose resume point some medium holds."""
         limit = max(prompt.num_tokens - 1, 0)
         engine_blocks = _leading(prompt.block_hashes, self.media.get(MEDIUM_ENGINE, ()), self.in_flight)
+        if self.names is not None:                          # a hybrid vLLM: every group's rule cuts it
+            engine_blocks = self.names.resumable(prompt.block_hashes, engine_blocks, self.in_flight)
         engine = scheme.engine_tokens(engine_blocks, prompt.num_tokens)
         tiers: dict[str, int] = {}
         if not scheme.chunk_tokens:

@@ -22,12 +22,13 @@ chunk keys; with the connector's chain seed in the descriptor (``seed``,
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from tiercache.contracts.keys import BlockHasher, chunk_keys
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.kv_events import MEDIUM_ENGINE, BlockRemoved, BlockStored
 from tiercache.fleet.prefix_index import KeyScheme, PromptKeys, event_key, key_schemes
+from tiercache.fleet.vllm_groups import GroupBlocks, hybrid_hit
 
 ROUTER_SEED = hashlib.sha256(b"tiercache-route/vllm-blocks/v1").digest()
 
@@ -38,13 +39,19 @@ class BlockNames:
     def __init__(self, scheme: VllmKeys) -> None:
         self.scheme = scheme
         self.names: dict[bytes, bytes] = {}
+        self.groups: dict[int, GroupBlocks] = {}    # a hybrid model's groups beyond the first, by vLLM's index
         self.unnamed = 0          # blocks stored that could not be named (counted for /metrics)
 
     def clear(self) -> None:
         self.names.clear()
+        self.groups.clear()
 
     def stored(self, event: BlockStored) -> list[bytes]:
-        """The router's names of the blocks ``event`` stores, as far as they can be named."""
+        """The router's names of the blocks ``event`` stores in the first group, as far as they can be named;
+        another group's blocks are kept by that group (`GroupBlocks`), named by the first group's names."""
+        if event.group_idx not in (None, 0):
+            self._group(event).store([event_key(h) for h in event.block_hashes], self.names)
+            return []
         hashes = [event_key(h) for h in event.block_hashes]
         count = self.scheme.nameable(event, len(hashes))
         if event.parent_block_hash is None:
@@ -60,9 +67,25 @@ class BlockNames:
 
     def removed(self, event: BlockRemoved) -> list[bytes]:
         if event.group_idx not in (None, 0):
+            group = self.groups.get(event.group_idx)
+            if group is not None:
+                group.remove([event_key(h) for h in event.block_hashes])
             return []
         names = (self.names.pop(event_key(h), None) for h in event.block_hashes)
         return [name for name in names if name is not None]
+
+    def _group(self, event: BlockStored) -> GroupBlocks:
+        group = self.groups.get(event.group_idx)
+        if group is None:
+            group = self.groups[event.group_idx] = GroupBlocks(event.kv_cache_spec_kind or "",
+                                                               event.kv_cache_spec_sliding_window or 0)
+        return group
+
+    def resumable(self, blocks: Sequence[bytes], full_run: int, also: Collection[bytes]) -> int:
+        """Of the first ``full_run`` blocks (the first group's run), those every group can resume from."""
+        if not self.groups:
+            return full_run
+        return hybrid_hit(blocks, full_run, list(self.groups.values()), also, self.scheme.block_size)
 
 
 @key_schemes.register("vllm")
