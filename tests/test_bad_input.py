@@ -157,6 +157,8 @@ def test_a_bad_config_value_is_one_line_naming_it(tmp_path, monkeypatch, form, f
         argv += ["--config", str(tmp_path / "c.toml")]
     rc, lines = run_main(argv)
     assert_one_clear_line(rc, lines, "format" if section == "format" else field, shown)
+    if form == "env":           # the line names the variable as well as the field
+        assert f"TIERCACHE_{section.upper()}__{name.upper()}" in lines[-1], lines[-1]
 
 
 def _toml_number(value: str) -> bool:

@@ -55,8 +55,14 @@ def test_bad_values_name_the_field(override, field):
 
 
 def test_bad_env_and_file_name_their_source(tmp_path):
-    with pytest.raises(ConfigError, match="cpu.capacity"):
+    with pytest.raises(ConfigError, match="cpu.capacity.*; set by TIERCACHE_CPU__CAPACITY") as err:
         load_config(env={"TIERCACHE_CPU__CAPACITY": "-"})
+    assert err.value.field == "cpu.capacity"
+    with pytest.raises(ConfigError, match="cpu.capcity.*; set by TIERCACHE_CPU__CAPCITY"):
+        load_config(env={"TIERCACHE_CPU__CAPCITY": "1GiB"})
+    with pytest.raises(ConfigError) as err:         # --set wins over the environment: its value is the bad one
+        load_config(env={"TIERCACHE_CPU__CAPACITY": "1GiB"}, overrides=["cpu.capacity=-"])
+    assert "TIERCACHE_" not in str(err.value)
     bad = tmp_path / "bad.yaml"
     bad.write_text("cpu: [1, 2\n")
     with pytest.raises(ConfigError, match="--config"):

@@ -515,9 +515,62 @@ def load_config(
     base: Mapping[str, Any] | None = None,
 ) -> TierCacheConfig:
     """Defaults < ``base`` (a tool's own defaults, e.g. the demo's) < the file < env < overrides."""
+    env = os.environ if env is None else env
+    overrides = list(overrides)
     data: dict[str, Any] = _merge({}, base or {})
     if path is not None:
         data = _merge(data, _read_file(Path(path)))
-    data = _merge(data, env_overrides(os.environ if env is None else env))
+    data = _merge(data, env_overrides(env))
     data = _merge(data, cli_overrides(overrides))
-    return build_config(data)
+    try:
+        return build_config(data)
+    except ConfigError as err:
+        raise naming_its_variable(err, env, overrides) from None
+
+
+def naming_its_variable(err: ConfigError, env: Mapping[str, str], overrides: Iterable[str] = ()) -> ConfigError:
+    """``err`` saying which ``TIERCACHE_*`` variable set the field it names, when one did (with the value the
+    error shows) and no ``--set`` override replaced it: the one line then names both the field and where its
+    value came from."""
+    try:
+        variable = _variable_of(err.field, env_overrides(env), cli_overrides(overrides))
+    except ConfigError:         # the environment or an override is itself malformed: that error stands alone
+        return err
+    if variable is None or err.reason.endswith(f"set by {variable}"):
+        return err
+    if variable.removeprefix(ENV_PREFIX).lower().replace("__", ".") == err.field \
+            and not _same_value(env[variable], err.value):
+        return err           # the field's value came from elsewhere (a command's flag)
+    return ConfigError(err.field, err.value, f"{err.reason}; set by {variable}")
+
+
+def _same_value(text: str, value: object) -> bool:
+    """Whether ``value`` is what ``text`` reads as: the text itself, a number, or a size in bytes."""
+    if str(value) == text:
+        return True
+    for read in (float, parse_size):
+        try:
+            if read(text) == value:
+                return True
+        except (ValueError, ConfigError):
+            pass
+    return False
+
+
+def _variable_of(dotted: str, from_env: dict[str, Any], from_cli: dict[str, Any]) -> str | None:
+    """The environment variable that set ``dotted`` (a field, or a section holding one), else None."""
+    parts = dotted.split(".")
+    node: Any = from_env
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    while isinstance(node, dict) and node:          # a section: the first field the environment set in it
+        part, node = next(iter(node.items()))
+        parts.append(part)
+    overridden: Any = from_cli
+    for part in parts:
+        overridden = overridden.get(part) if isinstance(overridden, dict) else None
+    if overridden is not None:
+        return None
+    return ENV_PREFIX + "__".join(p.upper() for p in parts)

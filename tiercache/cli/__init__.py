@@ -7,11 +7,13 @@ here prints a traceback for a user's mistake.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 
 from tiercache import __version__
 from tiercache.cli import api, bench, cache, demo, generate, purge, route, serve, stats
+from tiercache.config import naming_its_variable
 from tiercache.errors import ConfigError, TierCacheError
 
 COMMANDS = (bench, demo, generate, api, route, serve, cache, purge, stats)   # in `--help` order
@@ -38,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"tiercache: error: {err}", file=sys.stderr)
+    except ConfigError as err:      # one found after the config loaded (building the stack) names its variable too
+        print(f"tiercache: error: {naming_its_variable(err, os.environ, getattr(args, 'set', []))}", file=sys.stderr)
         return 2
     except TierCacheError as err:
         print(f"tiercache: error: {err}", file=sys.stderr)
