@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tiercache.arith import ceil_div
+
 _SOURCE = r"""
 extern "C" __global__
 void gather_rows(const int4* __restrict__ pool, int4* __restrict__ out,
@@ -82,7 +84,7 @@ class CudaBlockCopier:
         cupy = self._cupy
         vecs = pool[0, 0, 0].numel() * pool.element_size() // 16
         total = rows.numel() * vecs
-        blocks = max(1, min(MAX_BLOCKS, -(-total // THREADS)))
+        blocks = max(1, min(MAX_BLOCKS, ceil_div(total, THREADS)))
         with cupy.cuda.ExternalStream(stream.cuda_stream):
             fn((blocks,), (THREADS,), (cupy.uint64(pool.data_ptr()), cupy.uint64(buffer.data_ptr()),
                                        cupy.uint64(rows.data_ptr()), cupy.int64(vecs), cupy.int64(rows.numel())))

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import torch
 
+from tiercache.arith import ceil_div
 from tiercache.codecs import Buffer, EncodeJob
 from tiercache.contracts.layout import ChunkLayout
 from tiercache.errors import CodecError, NonFiniteKVError
@@ -133,7 +134,7 @@ class _GroupQuantCodec(ABC):
         out = torch.frombuffer(payload, dtype=torch.uint8)
         codes, scales = out[:n], out[n:].view(torch.bfloat16)
         step = max(g, PIECE // g * g)
-        pieces = -(-n // step)
+        pieces = ceil_div(n, step)
         cuts = [min(n, pieces * i // parts * step) for i in range(parts + 1)]
         bits = _BITS[layout.dtype]
         steps = tuple(functools.partial(self._encode_range, src, codes, scales, bits, g, step, a, b)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tiercache.arith import ceil_div
 from tiercache.config import TierCacheConfig
 from tiercache.contracts.groups import KVGroup, KVGroups
 from tiercache.contracts.keys import BlockHasher, KVGeometry, Namespace
@@ -200,7 +201,7 @@ class LLMEngine:
         if len(tokens) + params.max_tokens > self.model_cfg.max_position:
             raise ValueError(f"prompt of {len(tokens)} + {params.max_tokens} tokens exceeds max_position "
                              f"{self.model_cfg.max_position}")
-        need = -(-(len(tokens) + params.max_tokens) // self.engine_cfg.block_size)
+        need = ceil_div(len(tokens) + params.max_tokens, self.engine_cfg.block_size)
         if need > self.engine_cfg.num_blocks:
             raise ValueError(f"request needs {need} blocks; the pool has {self.engine_cfg.num_blocks}")
         seq = Sequence(request_id or f"req-{next(self._ids)}", tokens, params, cache_salt, continues)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiercache.arith import ceil_div
 from tiercache.engine.config import ModelConfig
 from tiercache.machine import core_cache_bytes
 from tiercache.pool.kv_cache import PagedKVCache
@@ -141,7 +142,7 @@ class LinearAttention(nn.Module):
         h_out = torch.empty_like(u)
         for s in batch.seqs:
             first = s.context_len - (s.end - s.start)      # the position of the sequence's first new token
-            for block in range(first // bs, -(-s.context_len // bs)):
+            for block in range(first // bs, ceil_div(s.context_len, bs)):
                 lo, hi = max(first, block * bs), min(s.context_len, (block + 1) * bs)
                 rows = slice(s.start + lo - first, s.start + hi - first)
                 h0 = _state_before(states, s.block_table, block, lo, bs)

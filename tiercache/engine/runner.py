@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from tiercache.arith import ceil_div
 from tiercache.contracts.connector import ConnectorMetadata
 from tiercache.engine.model import AttentionBatch, LlamaModel, SeqSlice
 from tiercache.engine.sampler import sample
@@ -76,7 +77,7 @@ class ModelRunner:
         bs = self.block_size
         end = context + tokens
         positions = torch.arange(context, end)
-        table = torch.arange(-(-end // bs), dtype=torch.int64)
+        table = torch.arange(ceil_div(end, bs), dtype=torch.int64)
         batch = AttentionBatch([SeqSlice(0, tokens, end, table)], positions)   # block i holds positions i·bs…
         ids = torch.randint(0, self.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         start = time.perf_counter()
@@ -94,7 +95,7 @@ class ModelRunner:
             ids.append(torch.as_tensor(s.seq.token_ids[s.start:end], dtype=torch.int64))
             pos.append(positions)
             slots.append(table[positions // bs] * bs + positions % bs)
-            seqs.append(SeqSlice(row, row + s.num_tokens, end, table[: -(-end // bs)]))
+            seqs.append(SeqSlice(row, row + s.num_tokens, end, table[:ceil_div(end, bs)]))
             row += s.num_tokens
             if s.samples:
                 rows.append(row - 1)

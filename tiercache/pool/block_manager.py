@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from tiercache.arith import ceil_div
 from tiercache.contracts.keys import BlockHash
 from tiercache.pool.block_pool import Block, BlockPool
 
@@ -30,7 +31,7 @@ class BlockManager:
 
     # -- queries -------------------------------------------------------------
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return ceil_div(num_tokens, self.block_size)
 
     def block_ids(self, req: RequestId) -> list[int]:
         return [b.block_id for b in self.tables[req]]

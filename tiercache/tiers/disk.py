@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tiercache.arith import round_up
 from tiercache.codecs import Buffer
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.layout import ChunkLayout
@@ -269,7 +270,7 @@ class DiskTransport(Transport):
         try:
             size = os.fstat(fd).st_size
             buf = self._aligned(size)
-            padded = -(-size // ALIGN) * ALIGN
+            padded = round_up(size, ALIGN)
             got = 0
             while got < size:
                 n = os.preadv(fd, [buf[got:min(padded, got + WRITE_PIECE)]], got)
@@ -295,7 +296,7 @@ class DiskTransport(Transport):
         """This thread's page-aligned staging buffer, grown (and pre-faulted) when too small."""
         buf = getattr(self._staging, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
+            buf = mmap.mmap(-1, round_up(nbytes, ALIGN))
             buf.write(bytes(len(buf)))   # fault every page in now, not on the first copy
             self._staging.buf = buf
         return memoryview(buf)

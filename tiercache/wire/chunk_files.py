@@ -14,6 +14,7 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from pathlib import Path
 
+from tiercache.arith import round_up
 from tiercache.contracts.keys import BlockHash
 from tiercache.contracts.scan import ScanResult, StoredChunk
 from tiercache.errors import ChunkFormatError
@@ -47,7 +48,7 @@ def _write_direct(fd: int, staging: memoryview, header: memoryview, payload: mem
     from tiercache.codecs import copy_into
 
     size = len(header) + len(payload)
-    padded = -(-size // ALIGN) * ALIGN
+    padded = round_up(size, ALIGN)
     staging[:len(header)] = header
     copy_into(staging, payload, len(header))
     staging[size:padded] = bytes(padded - size)
