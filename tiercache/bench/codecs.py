@@ -2,7 +2,7 @@
 
 - `bench_speed`: bytes per chunk against raw, encode and decode GB/s (of raw bytes, medians) on KV of a
   realistic shape, beside this machine's disk write (fdatasync) and read rates of the same chunks,
-  measured in the same run.
+  timed in the same run.
 - `kv_error`: reconstruction error (relative L2 and max abs, per layer) on the KV the trained model
   computed for the accuracy prompts.
 - `bench_accuracy`: on the reference engine with a trained model (`tiercache.bench.trained`), greedy
@@ -33,7 +33,7 @@ BLOCK = 16
 
 def realistic_kv(shape: str, chunk_tokens: int, seed: int = 0) -> torch.Tensor:
     """One chunk ``[layers, k/v, blocks, tokens, heads, head_dim]`` with K's per-channel spread (a few
-    channels ~10× the rest, as RoPE'd keys have) and plain Gaussian V."""
+    channels an order of magnitude above the rest, as RoPE'd keys have) and plain Gaussian V."""
     geo = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn((geo.num_layers, 2, chunk_tokens // BLOCK, BLOCK, geo.num_kv_heads, geo.head_dim), generator=g)

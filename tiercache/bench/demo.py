@@ -65,7 +65,7 @@ def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCach
     with engine or LLMEngine(model_cfg=model_cfg, engine_cfg=engine_cfg, offload=offload,
                              metrics_port=metrics_port) as engine:
         # Warm-up on unrelated tokens: the first forwards after start-up (fresh allocator arenas,
-        # just-faulted L1 pages) run up to 3x slower here and would otherwise land in one run only.
+        # just-faulted L1 pages) run slower than the rest and would otherwise land in one run only.
         engine.add_request([WARMUP_TOKEN] * 300, params)
         engine.run()
 

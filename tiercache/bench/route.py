@@ -33,14 +33,14 @@ costs CPU at both ends) and of the replicas' threads by name (the engine's,
 the transfer threads', the HTTP server's: those of half a millisecond a
 request or more), and the chunks per request each tier loaded on the
 replicas (from their `tiercache_tier_loaded`). The router's own
-overhead is measured apart: the same 2K-token request (a pool hit) alternated
+overhead is timed apart: the same 2K-token request (a pool hit) alternated
 directly to a replica and through the router, medians compared.
 
 TTFT percentiles are given over every request and over the later half of
 them by send time: a fresh fleet starts with every cache empty, and its
 first seconds — each replica computing each system prompt once, several
 conversations opening at once on cold processes — set the whole-run p99 of
-every policy (RESULTS.md, "Where the four-replica p99 comes from"); the later
+every policy; the later
 half is the fleet at work. Each request's record (sent, TTFT, the replica
 the router named in its answer's headers, what it expected there, the rule
 that chose it) is in the JSON, with the run's moves: turns sent to another

@@ -1,7 +1,7 @@
-"""A reference-engine model trained for a few minutes on a synthetic corpus, for accuracy measurements.
+"""A reference-engine model trained for a few minutes on a synthetic corpus, for `bench codecs`' accuracy runs.
 
 Random weights give near-uniform next-token distributions that hide what a
-lossy KV codec changes, so `tiercache bench codecs` measures on a model that
+lossy KV codec changes, so `tiercache bench codecs` runs on a model that
 has learnt something: the reference engine's default Llama shape, trained
 with transformers' LlamaForCausalLM on byte tokens of a synthetic language —
 words drawn from a sparse bigram chain, sentences, and documents that repeat

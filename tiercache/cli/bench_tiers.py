@@ -62,7 +62,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
     if "disk" in args.tiers:
         args.disk_path = ready_directory(args.disk_path, "--disk-path") or ready_directory(cfg.disk.path,
                                                                                            "disk.path")
-    targets = _remote_targets(args, cfg, remotes)    # checked (or started) before any measurement
+    targets = _remote_targets(args, cfg, remotes)    # checked (or started) before any run
     try:
         report = _run(args, cfg, remotes, targets)
     finally:
