@@ -13,7 +13,7 @@ layout L0 has, so one layer of a chunk is one strided slice).
 - Rows are reinterpreted as the widest element type that divides them
   (16-byte ``complex128`` for every real KV shape): torch's indexed-copy
   kernels cost per element, and ``index_copy_`` moves bf16 KV much faster as
-  16-byte elements than as 2-byte ones (benchmarks/RESULTS.md, "L1").
+  16-byte elements than as 2-byte ones.
 """
 from __future__ import annotations
 

@@ -339,8 +339,7 @@ def build_worker_side(config: TierCacheConfig, kv: PagedKVCache | LayerTensorsKV
         raise
     engine = TransferEngine(workers=config.transfer.workers, limits=config.transfer.link_limits(),
                             name=f"tiercache-xfer-r{shard.rank}")
-    bpc = config.keys.blocks_per_chunk
-    _HANDLERS[type(kv)](kv, slab, bpc, L1).register(engine)
+    _HANDLERS[type(kv)](kv, slab, config.keys.blocks_per_chunk, L1).register(engine)
 
     def chunk_meta(key: BlockHash, chunk_blocks: int, parent: BlockHash | None = None,
                    stored_at: float = 0.0) -> ChunkMeta:

@@ -5,7 +5,7 @@ down to disk or a remote tier, and decoded straight into its L1 slot when it
 comes back up, so L0 and L1 hold the engine's own dtype and only the tiers
 below hold 8-bit codes. Both codecs are lossy: opt-in (``format.codec``), named
 in the storage digest (`tiercache.contracts.keys.Namespace.storage_digest`), and
-measured by ``tiercache bench codecs``.
+their size, speed and accuracy are what ``tiercache bench codecs`` reports.
 
 Payload: one code byte per value, in the chunk's own order, then one bf16
 scale per group of `group_size` consecutive values along the innermost axis —

@@ -25,9 +25,8 @@ from tiercache.engine.config import ModelConfig
 from tiercache.machine import core_cache_bytes
 from tiercache.pool.kv_cache import PagedKVCache
 
-# A tile of attention scores stays within one core's L2: 8 MiB tiles, which spill into the L3 that every core
-# shares, made attention 1.2-2.1x slower than 1 MiB tiles on a 1 MiB-L2 machine, and slower still beside a second
-# engine on the other core (benchmarks/RESULTS.md, "Attention tiles that fit a core's cache").
+# A tile of attention scores stays within one core's L2: larger tiles spill into the L3 that every core shares,
+# which slows attention, and slows it more beside a second engine on another core.
 ATTN_TILE_BYTES = min(max(core_cache_bytes(2), 256 << 10), 4 << 20)
 
 
@@ -181,12 +180,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: i
     Each KV head's query heads are stacked into one matrix product against its keys, so the keys are never
     repeated per query head, and a tile of query rows is scored only against the columns its last row sees (a
     fresh prompt's later keys are never multiplied by its earlier queries), the rest of them masked. Query rows
-    go in tiles that keep the score matrix under ``ATTN_TILE_BYTES`` (a core's L2): a 2K-token prefill in one call
-    page-faults ~140 MB of fresh temporaries per layer (benchmarks/RESULTS.md, "Reference engine"), and tiles
-    larger than the core's own cache are paid for in the shared L3. Against repeating the
-    keys and calling SDPA with a boolean mask over the whole context, a cold 2K-token prompt takes about half
-    the time and a 330-token turn after a 2K-token hit three quarters (benchmarks/RESULTS.md, "Attention without
-    repeated keys").
+    go in tiles that keep the score matrix under ``ATTN_TILE_BYTES`` (a core's L2): a long prefill in one call
+    page-faults large fresh temporaries per layer, and tiles larger than the core's own cache are paid for in
+    the shared L3. This does less work than repeating the keys and calling SDPA with a boolean mask over the
+    whole context, for a cold prompt and for a turn after a hit alike.
     """
     new, heads, head_dim = q.shape
     ctx, kv_heads, _ = keys.shape

@@ -6,7 +6,7 @@ Chosen by name (``engine.preemption``) from `preemption_policies`:
   tiers still hold of it is a hit then, like any request's prefix).
 - ``swap``: copy its KV to L1 and back (`SchedulerConnector.swap_out`; recompute when L1 has no room).
 - ``auto``: per sequence, the cheaper of the two by a cost in seconds of waiting, from rates the engine
-  measures as it runs (`Rates`):
+  observes as it runs (`Rates`):
 
       recompute = unstored × prefill_s_per_token × (1 + others) + stored × load_s_per_token
       swap      = tokens × (swap_out_s_per_token + load_s_per_token) + SWAP_JOB_S
@@ -18,10 +18,10 @@ Chosen by name (``engine.preemption``) from `preemption_policies`:
   swapped sequence waits for them. So a long sequence under a busy queue is swapped, and a short one, or
   one whose tokens are mostly stored already, is recomputed.
 
-The rates are measured, never set: prefill time per token from the engine's steps (the slope of forward
+The rates are observed, never set: prefill time per token from the engine's steps (the slope of forward
 seconds over tokens computed, `Rates.observe_step`), copy times per token from the connector's transfer statistics
 (device → L1 and L1 → device, once `MIN_BLOCKS` blocks have moved each way; a prior from this machine
-class's copy rate until then).
+class's host copy rate until then).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Protocol
 from tiercache.registry import Registry
 
 SWAP_JOB_S = 2e-3              # a swap's fixed cost: two jobs through the connector (plan, copy, report), ~a step
-PRIOR_COPY_S_PER_BYTE = 1 / 4e9    # until measured: 4 GB/s each way (MACHINE_NOTES: 1.5-13 GB/s host copies)
+PRIOR_COPY_S_PER_BYTE = 1 / 4e9    # each way, until observed: a host copy rate typical of this machine class
 MIN_BLOCKS = 32                # a copy route's rate is taken once it has moved this many blocks
 DECAY = 0.98                   # a step's weight in the prefill fit, per step since (about 50 steps' memory)
 
@@ -46,7 +46,7 @@ class Victim:
 
 @dataclass(slots=True)
 class Rates:
-    """Seconds per token, measured by the engine as it runs (`observe_step`, `observe_copies`)."""
+    """Seconds per token, observed by the engine as it runs (`observe_step`, `observe_copies`)."""
     kv_bytes_per_token: int
     prefill_s_per_token: float | None = None
     swap_out_s_per_token: float | None = None
@@ -111,7 +111,7 @@ class ByCost:
 
     @staticmethod
     def costs(victim: Victim, rates: Rates) -> tuple[float, float]:
-        """(swap, recompute) in seconds of waiting; before any step was measured, recompute is free."""
+        """(swap, recompute) in seconds of waiting; before any step was observed, recompute is free."""
         load = rates.copy_s_per_token(rates.load_s_per_token)
         out = rates.copy_s_per_token(rates.swap_out_s_per_token)
         prefill = rates.prefill_s_per_token or 0.0

@@ -59,7 +59,7 @@ class Scheduler:
         self._admitted: set[str] = set()
         self.num_preemptions = 0
         self.preemption = preemption_policies.get(cfg.preemption)()
-        self.rates = Rates(kv_bytes_per_token)     # measured by the engine as it runs: what `auto` weighs
+        self.rates = Rates(kv_bytes_per_token)     # observed by the engine as it runs: what `auto` weighs
 
     def add(self, seq: Sequence) -> None:
         seq.update_hashes(self.hasher)

@@ -328,7 +328,7 @@ class LFUDAPolicy:
         self._counts.resize(self.HISTORY * 512)
         self._entries: dict[Key, tuple[float, int, int]] = {}   # resident key → (priority, clock, count)
         self._heap: list[tuple[float, int, Key]] = []
-        self._left: dict[Key, int] = {}                        # keys gone since the last flush → count
+        self._unflushed_counts: dict[Key, int] = {}           # keys gone since the last flush → count
         self._age = 0
         self._clock = 0
 
@@ -351,12 +351,12 @@ class LFUDAPolicy:
         entry = self._entries.get(key)
         if entry is not None:
             return entry[2]
-        count = self._left.get(key)
+        count = self._unflushed_counts.get(key)
         return count if count is not None else self._counts.estimate(key)
 
     def insert(self, key: Key) -> None:
         count = self._count(key) + 1
-        self._left.pop(key, None)
+        self._unflushed_counts.pop(key, None)
         self._push(key, count if count < CountMinSketch.SATURATE else CountMinSketch.SATURATE)
         if len(self._entries) * self.HISTORY > self._counts.halve_every:
             self._counts.resize(2 * len(self._entries) * self.HISTORY)
@@ -368,15 +368,15 @@ class LFUDAPolicy:
             self._push(key, count if count < CountMinSketch.SATURATE else CountMinSketch.SATURATE)
 
     def _leave(self, key: Key, count: int) -> None:
-        left = self._left
-        left[key] = count
-        if len(left) >= self.FLUSH:
+        unflushed = self._unflushed_counts
+        unflushed[key] = count
+        if len(unflushed) >= self.FLUSH:
             self._flush()
 
     def _flush(self) -> None:
-        left = self._left
-        self._counts.raise_many(list(left), list(left.values()))
-        left.clear()
+        unflushed = self._unflushed_counts
+        self._counts.raise_many(list(unflushed), list(unflushed.values()))
+        unflushed.clear()
 
     def remove(self, key: Key) -> None:
         entry = self._entries.pop(key, None)
@@ -384,15 +384,15 @@ class LFUDAPolicy:
             self._leave(key, entry[2])
 
     def pop_victim(self) -> Key | None:
-        heap, entries, left = self._heap, self._entries, self._left
+        heap, entries, unflushed = self._heap, self._entries, self._unflushed_counts
         while heap:
             priority, clock, key = heapq.heappop(heap)
             entry = entries.get(key)
             if entry is not None and entry[1] == clock:        # the key's live entry (each push has its own clock)
                 del entries[key]
                 self._age = priority
-                left[key] = entry[2]                            # `_leave`, written out: this is the hot path
-                if len(left) >= self.FLUSH:
+                unflushed[key] = entry[2]                       # `_leave`, written out: this is the hot path
+                if len(unflushed) >= self.FLUSH:
                     self._flush()
                 return key
         return None
@@ -412,16 +412,13 @@ class StateLFUDAPolicy(LFUDAPolicy):
     other — tail first, the oldest finished request's first — and leave the
     age as it is; a use or a later hint takes one back.
 
-    Why it is not the default: on one tier it beats LFU-DA on the Mooncake
-    trace at every capacity and cut but one and never falls below LRU (its
-    finished one-offs leave first, which is what the offline optimum does
-    with most of them); with L1 over L2 through the real manager it loses to
-    LFU-DA, because what L1 gives up first is spilled into L2 at once and
-    pushes out what L2 would have kept (benchmarks/RESULTS.md, "Request-state
-    hints").
+    Why it is not the default: on one tier its finished one-offs leave first,
+    which is what the offline optimum does with most of them; with L1 over
+    L2 through the real manager, what L1 gives up first is spilled into L2 at
+    once and pushes out what L2 would have kept.
     """
 
-    # what a hint is worth, in uses: from 0 to 16 the hit ratio moved by under 1 % on the conversation traces
+    # what a hint is worth, in uses: a small lead, enough to order hinted chunks above their peers
     RETAIN_BONUS = {RequestState.PREEMPTED: 4, RequestState.CONTINUES: 2}
 
     def __init__(self) -> None:

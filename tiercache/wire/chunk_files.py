@@ -116,12 +116,11 @@ class ChunkFileBatch:
     it and only then renames it into place — a chunk becomes visible once it
     is durable, as with ``fsync=True`` — while this thread writes the next
     file: the device's flush of one file overlaps the copy of the next into
-    the page cache (benchmarks/RESULTS.md, "Durable writes flushed behind":
-    bare 32 MiB files 1.36× as fast as flushing after each write, the tier's
-    puts 1.13×). At most ``window`` files wait for their flush (open
-    descriptors, dirty pages). `finish` waits for every flush and returns the
-    keys whose flush failed, with the error (their temp files deleted); a
-    write that fails raises from `write` at once, as before.
+    the page cache, which is faster than flushing after each write. At most
+    ``window`` files wait for their flush (open descriptors, dirty pages).
+    `finish` waits for every flush and returns the keys whose flush failed,
+    with the error (their temp files deleted); a write that fails raises from
+    `write` at once, as without a flusher.
     """
 
     def __init__(self, flusher: Executor | None, window: int = 8) -> None:

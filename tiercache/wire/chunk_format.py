@@ -154,7 +154,7 @@ KEYED = (SIGNED, SEALED)                    # chunks only their tenant's clients
 KEYS_CHECK_S = 1.0      # how often a sealer looks for a rotated keys file (a stat when nothing changed)
 _keys_log = ThrottledLog(logging.getLogger(__name__))
 
-SEAL_PIECE = 4 << 20    # bytes encrypted or decrypted per step: each piece still in cache (8+ GB/s with AES-NI)
+SEAL_PIECE = 4 << 20    # bytes encrypted or decrypted per step: each piece still in cache
 
 
 class ChunkSealer:

@@ -48,9 +48,9 @@ class CodecThreads:
     """One worker's codec threads (``transfer.codec_threads``), shared by its transports and transfer
     threads, each keeping its torch ops to one core (`keep_torch_to_one_core`): the I/O they overlap with
     needs a core too, and a torch op split across every core waits for its slowest part — the one sharing a
-    core with the I/O. Beside a thread writing files, an encode kept to one core ran faster than one on
-    torch's whole team (`benchmarks/codec_beside_io.py`; benchmarks/RESULTS.md, "KV quantization"); two
-    such threads work side by side, and the engine's threads keep every core."""
+    core with the I/O. Beside a thread writing files, an encode kept to one core runs faster than one on
+    torch's whole team (`benchmarks/codec_beside_io.py` compares them); two such threads work side by side,
+    and the engine's threads keep every core."""
 
     def __init__(self, threads: int, name: str = "tiercache-codec") -> None:
         if threads < 1:
@@ -76,12 +76,12 @@ class Encoded:
 
 
 class SealBuffers:
-    """Buffers that encrypted payloads are written into, made once and used again: a fresh 32 MiB buffer per
-    chunk cost more in first-touch page faults than AES-GCM did. A buffer is given back when the writer asks
+    """Buffers that encrypted payloads are written into, made once and used again: a fresh buffer per chunk
+    costs more in first-touch page faults than AES-GCM does. A buffer is given back when the writer asks
     for the chunk after its own (every writer is done with a chunk's payload by then); a few are kept."""
 
     def __init__(self, keep: int) -> None:
-        self._keep = keep
+        self._max_free = keep            # buffers kept for reuse at most
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
 
@@ -95,7 +95,7 @@ class SealBuffers:
     def give(self, buf: bytearray | None) -> None:
         if buf is not None:
             with self._lock:
-                if len(self._free) < self._keep:
+                if len(self._free) < self._max_free:
                     self._free.append(buf)
 
 

@@ -2,7 +2,7 @@
 
 Python gRPC hands every received message over as a fresh ``bytes`` on its
 channel thread, which caps a streamed ``Get`` well below the socket's rate
-even with no work of ours (benchmarks/RESULTS.md, "L3 now"). The data channel carries only what is bulk — ``GET`` and
+even with no work of ours. The data channel carries only what is bulk — ``GET`` and
 ``PUT`` of chunk values — so the client can receive a value straight into
 its L1 slot (``recv_into``) and send one straight out of it; lookups,
 deletes, stats, health and the local path stay on gRPC. The server

@@ -2,9 +2,8 @@
 
 A `Chunk` carries one stored chunk (tens of MiB for a large model), split
 into pieces of `PART_BYTES` (`split_chunk`): gRPC Python wants each message
-as one fresh ``bytes``, and a 32 MiB one costs first-touch page faults every
-time where 4 MiB pieces reuse warm heap memory (about 4× the rate through a
-bare stream: benchmarks/RESULTS.md, "L3 history"). Building a message with
+as one fresh ``bytes``, and a large one costs first-touch page faults every
+time where pieces of a few MiB reuse warm heap memory. Building a message with
 protobuf would copy the value once more; here each piece is one ``join``
 (memcpy speed), and parsing gives
 zero-copy views of the received bytes. The bytes are exactly the

@@ -4,9 +4,9 @@ Worker side. A value — a chunk file, a Redis reply, a data-channel value,
 gRPC message pieces, a file in a co-located server's directory — is read
 from a `ValueSource` by `receive_value`: the header into a scratch and
 checked against the namespace and key, then a raw payload straight into its
-destination (an L1 slot), hashed piece by piece as it lands (a separate pass
-over 32 MiB cost the data channel about twice the rate that hashing 4 MiB
-pieces while still in cache does: benchmarks/RESULTS.md, "L3 now"), or an
+destination (an L1 slot), hashed piece by piece as it lands (while each piece is
+still in cache, where a separate pass over the whole value would read it all
+from memory again), or an
 encoded payload into one of its batch's landing buffers, verified and decoded
 into place (`tiercache.wire.codec_pipeline`: on a codec thread, while the next
 value comes in). A value that fails any check raises a
