@@ -4,9 +4,10 @@ Requests are sent one after another, so time to first token is the request's
 own prefill latency. Both runs use the same seeded model and prompts; every
 request's greedy tokens are compared. Each warm request is put down to where
 its prefix came from — nowhere (cold), the engine's own L0, L1, the disk, a
-remote tier — by the tier counters it moved, and the report gives, per tier,
-the hit tokens, chunks and bytes it served, and time to first token of the
-requests it served.
+remote tier — by the slowest tier whose counters it moved, and the report gives,
+per source, the requests it served, their time to first token and the hit
+tokens, chunks and bytes they loaded; the tiers' own totals are
+``chunks_loaded_by_tier``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tiercache.engine.sequence import Sequence
 
 WARMUP_TOKEN = 7  # a control byte that no workload prompt contains
 SOURCES = ("cold", "L0", "cpu", "disk", "redis", "grpc")   # where a request's prefix came from, slowest last
+L1 = "cpu"    # every chunk a request loads into L0 comes from here, whichever tier it was promoted from
 
 
 @dataclass(slots=True)
@@ -34,6 +36,7 @@ class RunRecord:
     ttft_s: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)     # per request: where its prefix came from
+    chunks_into_l0: list[int] = field(default_factory=list)   # per request: chunks it loaded from L1 into L0
     prompt_tokens: int = 0
     l0_hit_tokens: int = 0
     tier_hit_tokens: int = 0
@@ -74,8 +77,10 @@ def run_workload(spec: WorkloadSpec, engine_cfg: EngineConfig, offload: TierCach
             seq: Sequence = engine.add_request(prompt, params)
             engine.run()
             m = seq.metrics
-            source = _source(before, _loaded(engine), seq)
+            after = _loaded(engine)
+            source = _source(before, after, seq)
             record.sources.append(source)
+            record.chunks_into_l0.append(after.get(L1, 0) - before.get(L1, 0))
             record.ttft_s.append(m.ttft or 0.0)
             record.prompt_tokens += seq.num_prompt_tokens
             record.l0_hit_tokens += m.l0_hit_tokens
@@ -112,8 +117,9 @@ def _load_gbps(transfers: dict[str, dict], tier: str) -> float | None:
 
 
 def _by_tier(warm: RunRecord, chunk_bytes: int) -> dict[str, dict[str, object]]:
-    """Per tier: what it served (hit tokens of the requests it served, chunks and bytes it loaded, at what
-    rate) and the time to first token of those requests."""
+    """Per source, the requests whose prefix came from there: how many, their time to first token, and the hit
+    tokens, chunks and bytes they loaded into L0 (a request served from the disk loads the chunks L1 still held
+    too: all count in its row), beside the rate that tier loads at."""
     tiers = warm.stats.get("connector", {}).get("tiers", {})
     transfers = warm.stats.get("connector", {}).get("transfers", {})
     out = {}
@@ -122,7 +128,7 @@ def _by_tier(warm: RunRecord, chunk_bytes: int) -> dict[str, dict[str, object]]:
         row: dict[str, object] = {"requests": len(ttfts),
                                   "ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 2) if ttfts else None}
         if source in tiers:
-            loaded = tiers[source]["loaded"]
+            loaded = sum(n for n, s in zip(warm.chunks_into_l0, warm.sources) if s == source)
             row.update({"hit_tokens": warm.tier_hits.get(source, 0), "chunks_loaded": loaded,
                         "load_gbps": _load_gbps(transfers, source)})
             if chunk_bytes:     # chunks of one size (a hybrid model's resume points are of another)
