@@ -189,12 +189,7 @@ class CacheManager:
         group_tables: Sequence[Sequence[int]] = (),
     ) -> list[TransferPlan]:
         """Plans that load ``lookup``'s hit (all of it in L1: see `in_l1`) into the request's table ``block_ids``
-        (with KV-cache groups: its table per group, ``group_tables``).
-
-        Loads blocks ``lookup.num_computed_blocks .. upto_blocks`` (default:
-        the whole hit); the chunks involved are pinned in L1 until the result
-        is applied.
-        """
+        (with KV-cache groups: its table per group, ``group_tables``), up to ``upto_blocks`` (`L0Copies`)."""
         return self.l0_copies.plan_load(lookup, block_ids, upto_blocks, group_tables)
 
     def plan_store(
@@ -219,8 +214,7 @@ class CacheManager:
                           group_tables: Sequence[Sequence[int]] = (), points: Sequence[int] = ()
                           ) -> TransferPlan | None:
         """Like `plan_store`, for explicit keys of chunks over the first ``num_blocks`` blocks; ``private``
-        chunks (a swap copy) stay in L1. An L1 admission policy cuts the chain at its first refused chunk (a
-        swap copy is not asked: its request is coming back)."""
+        chunks (a swap copy) stay in L1 (`L0Copies.plan_store`)."""
         return self.l0_copies.plan_store(keys, block_ids, num_blocks, first_chunk, private, group_tables, points)
 
     # -- purges ----------------------------------------------------------------
