@@ -135,3 +135,30 @@ def test_a_tenant_over_its_own_share_takes_nothing_back_from_another():
     b.release(bs)
     t.join(5)
     assert got and got[0] is not None and set(revoked) == {("A", "a1"), ("B", "b1")}
+
+
+def test_a_tenant_taken_back_from_gets_no_more_than_its_share_until_its_probation_ends():
+    """A's silent connection a1 holds all 8 units and is taken back for B. A reconnects (a2) and declares 6
+    units again: while B is active, that first value over A's share of 4 is refused — A would otherwise take
+    the room back in every pause between B's values. Once its probation is over, a first value larger than
+    the share is admitted again."""
+    clock, revoked = Clock(), []
+    b = InflightBytes(8 * UNIT, clock=clock, silent_s=1.0, active_s=1.0, probation_s=10.0)
+    silent = ask(b, "A", "a1", 8, revoked)
+    clock.now += 1.5
+
+    def lets_go():
+        while not revoked:
+            threading.Event().wait(0.01)
+        b.release(silent)
+    t = threading.Thread(target=lets_go)
+    t.start()
+    mine = ask(b, "B", "b1", 1, revoked, wait_s=5.0)
+    t.join(5)
+    assert mine is not None and revoked == [("A", "a1")]
+    assert ask(b, "A", "a2", 6, revoked) is None           # on probation, B active: no more than its share
+    within = ask(b, "A", "a2", 4, revoked)
+    assert within is not None                              # within its share: granted at once
+    b.release(within)
+    clock.now += 10.0                                      # probation over; B still holds its unit, active
+    assert ask(b, "A", "a3", 6, revoked) is not None       # a first value over the share, admitted again

@@ -3,12 +3,15 @@
 A `HostileTenant` holds a valid token of its own and runs, from threads of this process, every kind of client
 the server must withstand (`KINDS`), each kept up — reopened whenever the server ends it — until `stop`:
 
-- ``silent_puts``: data-channel PUTs declaring 16 MiB values, sending 1 MiB of each, then nothing — the
-  whole in-flight budget, held silently;
+- ``silent_puts``: data-channel PUTs (four unless told) declaring 16 MiB values (unless told), sending 1 MiB
+  of each, then nothing — the whole in-flight budget, held silently, and held again on a new connection
+  whenever the server ends one;
 - ``stalled_streams``: gRPC Put streams that stop mid-chunk (every stream slot it can get);
 - ``silent_flood``: data connections that never say hello, and unary calls whose request never comes;
 - ``maximal_calls``: rounds of concurrent gRPC Puts and Contains of one message of the server's largest size;
-- ``reconnect_loop``: data connections opened (with its token), said hello on, and closed, in a loop.
+- ``reconnect_loop``: data connections opened (with its token), said hello on, and closed, in a loop;
+- ``maximal_reads``: chunks of the largest message stored once, then read back as fast as it can, over
+  data-channel ``GET``s and gRPC ``Get`` streams from several threads at once (the server's sending work).
 
 `tenant_run` is one victim tenant's turn: a reference engine stores a workload through the server, a fresh
 one takes its prefixes back; what comes out is that tenant's hit ratio, store success and outputs.
@@ -34,13 +37,15 @@ from tiercache.config import TierCacheConfig
 from tiercache.contracts.keys import BlockHash
 from tiercache.engine import EngineConfig
 from tiercache.wire import data_frames as dw
+from tiercache.wire import tiercache_pb2 as pb
 from tiercache.wire.chunk_format import ChunkFormat, ChunkMeta
 from tiercache.wire.grpc_messages import AUTH_HEADER, encode_chunk, method
 
 MiB = 1 << 20
 NS = b"\xee" * 16
 STOP_WITHIN_S = 15.0        # `HostileTenant.stop` waits this long at most for its clients' threads
-KINDS = ("silent_puts", "stalled_streams", "silent_flood", "maximal_calls", "reconnect_loop")
+KINDS = ("silent_puts", "stalled_streams", "silent_flood", "maximal_calls", "reconnect_loop", "maximal_reads")
+READERS = 4                 # threads of each kind of maximal read
 
 
 def rss_mib(pid: int) -> float:
@@ -96,7 +101,8 @@ class HostileTenant:
     """The kinds of clients in the module docstring, run as the tenant of ``token``, until `stop`."""
 
     def __init__(self, address: str, data_port: int, token: str, max_message: int,
-                 kinds: tuple[str, ...] = KINDS, calls_per_round: int = 100, round_pause_s: float = 0.2) -> None:
+                 kinds: tuple[str, ...] = KINDS, calls_per_round: int = 100, round_pause_s: float = 0.2,
+                 silent_puts: int = 4, silent_value_bytes: int = 16 * MiB) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"unknown hostile kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -108,18 +114,23 @@ class HostileTenant:
         self.kinds = kinds
         self.calls_per_round = calls_per_round
         self.round_pause_s = round_pause_s
+        self.silent_puts = silent_puts
+        self.silent_value_bytes = silent_value_bytes
         self.rounds = 0                       # rounds of maximal calls sent
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         jobs: dict[str, list[Callable[[int], None]]] = {
-            "silent_puts": [self._silent_put] * 4,
+            "silent_puts": [self._silent_put] * self.silent_puts,
             "stalled_streams": [self._stalled_stream] * 8,
             "silent_flood": [self._never_hello] + [self._silent_unary] * 16,
             "maximal_calls": [self._maximal_calls],
             "reconnect_loop": [self._reconnect_loop],
+            "maximal_reads": [self._data_reads] * READERS + [self._stream_reads] * READERS,
         }
+        if "maximal_reads" in self.kinds:
+            self._store_read_chunks()
         for kind in self.kinds:
             for i, job in enumerate(jobs[kind]):
                 thread = threading.Thread(target=job, args=(i,), name=f"hostile-{kind}", daemon=True)
@@ -155,13 +166,13 @@ class HostileTenant:
                 return
 
     def _silent_put(self, i: int) -> None:
-        key = bytes([200 + i]) * 32
-        head = header_for(key, 16 * MiB - 4096)
+        key = bytes([200 + i % 56]) * 32
+        head = header_for(key, self.silent_value_bytes - 4096)
         while not self._stop.is_set():
             try:
                 with self._hello() as sock:
                     sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key)
-                                 + dw.U64.pack(len(head) + 16 * MiB - 4096) + head + b"\1" * MiB)
+                                 + dw.U64.pack(len(head) + self.silent_value_bytes - 4096) + head + b"\1" * MiB)
                     self._until_closed(sock)
             except OSError:
                 self._stop.wait(0.1)
@@ -184,6 +195,52 @@ class HostileTenant:
             with contextlib.suppress(OSError):
                 self._hello().close()
             self._stop.wait(0.005)
+
+    def _read_keys(self) -> list[bytes]:
+        return [bytes([60 + i]) * 32 for i in range(4)]
+
+    def _store_read_chunks(self) -> None:
+        """The chunks `maximal_reads` reads: one message of the server's largest size each, stored once."""
+        payload = self.max_message - 4096
+        with self._hello() as sock:
+            for key in self._read_keys():
+                head = header_for(key, payload)
+                sock.sendall(dw.REQUEST.pack(dw.OP_PUT, NS, 1) + dw.key_field(key) + dw.U64.pack(len(head) + payload)
+                             + head)
+                sock.sendall(bytes(payload))
+                if sock.recv(1) not in (bytes([dw.PUT_STORED]), bytes([dw.PUT_PRESENT])):
+                    raise ConnectionError("the server did not store the chunks to read")
+
+    def _data_reads(self, i: int) -> None:
+        keys = self._read_keys()
+        request = dw.REQUEST.pack(dw.OP_GET, NS, len(keys)) + b"".join(dw.key_field(k) for k in keys)
+        buf = bytearray(1 << 20)
+        while not self._stop.is_set():
+            try:
+                with self._hello() as sock:
+                    while not self._stop.is_set():
+                        sock.sendall(request)
+                        for _ in keys:
+                            (size,) = dw.U64.unpack(_exactly(sock, dw.U64.size))
+                            while size:
+                                got = sock.recv_into(buf, min(size, len(buf)))
+                                if not got:
+                                    raise ConnectionError("closed")
+                                size -= got
+            except OSError:
+                self._stop.wait(0.1)
+
+    def _stream_reads(self, i: int) -> None:
+        request = pb.GetRequest(namespace=NS, keys=self._read_keys()).SerializeToString()
+        options = [("grpc.max_receive_message_length", 1 << 30)]
+        with grpc.insecure_channel(self.address, options=options) as channel:
+            get = channel.unary_stream(method("Get"), lambda b: b, lambda b: b)
+            while not self._stop.is_set():
+                try:
+                    for _ in get(request, timeout=5, metadata=self.metadata):
+                        pass
+                except grpc.RpcError:
+                    self._stop.wait(0.1)
 
     # -- gRPC ------------------------------------------------------------------------------------------------
     def _stalled_stream(self, i: int) -> None:
@@ -235,6 +292,16 @@ class HostileTenant:
         asyncio.run(rounds())
 
 
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            raise ConnectionError("closed")
+        data += got
+    return data
+
+
 def _closed(sock: socket.socket) -> bool:
     sock.setblocking(False)
     try:
@@ -255,11 +322,25 @@ class TenantRun:
     stores: int                 # chunks the first engine stored on the server
     store_failures: int         # ... and those that failed (refused, or the tier away)
     outputs_match: bool         # the fresh engine generated the tokens the first one did
-    ttft_ms_p50: float
+    ttft_ms_p50: float          # the fresh engine's
+    ttft_ms_p99: float          # both engines' requests
+    store_planned: int = 0      # stores the first engine planned for the server's tier
+    store_dropped: int = 0      # ... given up by the engine (busy, deadline, full queue, ...), by any reason
+    store_rejected: int = 0     # ... refused by the server's door
 
     @property
     def store_success(self) -> float:
         return self.stores / max(1, self.stores + self.store_failures)
+
+    @property
+    def uncounted(self) -> int:
+        """Planned stores that ended in no counted outcome (stored, rejected, dropped by a reason, failed)."""
+        return self.store_planned - self.stores - self.store_rejected - self.store_dropped - self.store_failures
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def tenant_run(tenant: str, address: str, token_file: Path | None, spec: WorkloadSpec,
@@ -277,9 +358,12 @@ def tenant_run(tenant: str, address: str, token_file: Path | None, spec: Workloa
     first = run_workload(spec, engine_cfg, cfg, drain=True)
     second = run_workload(spec, engine_cfg, cfg)
     tier = first.stats["connector"]["tiers"]["grpc"]
-    ttft = sorted(second.ttft_s)
+    dropped = sum(v for k, v in tier.items() if k.startswith("store_dropped_"))
     return TenantRun(tenant, second.tier_hit_tokens / max(1, second.prompt_tokens), tier["stored"],
-                     tier["errors"], first.outputs == second.outputs, round(ttft[len(ttft) // 2] * 1e3, 2))
+                     tier["store_failed"], first.outputs == second.outputs,
+                     round(_percentile(second.ttft_s, 0.5) * 1e3, 2),
+                     round(_percentile(first.ttft_s + second.ttft_s, 0.99) * 1e3, 2),
+                     tier["store_planned"], dropped, tier["store_rejected"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,12 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}")
     parser.add_argument("--calls-per-round", type=int, default=100)
     parser.add_argument("--round-pause", type=float, default=0.2, help="seconds between rounds of maximal calls")
+    parser.add_argument("--silent-puts", type=int, default=4, help="silent data-channel PUT connections")
+    parser.add_argument("--silent-value-mib", type=int, default=16, help="the value each silent PUT declares")
     args = parser.parse_args(argv)
     token = Path(args.token_file).read_text().strip()
     kinds = tuple(k for k in args.kinds.split(",") if k)
     try:
         tenant = HostileTenant(args.address, args.data_port, token, args.max_message, kinds, args.calls_per_round,
-                               args.round_pause)
+                               args.round_pause, args.silent_puts, args.silent_value_mib * MiB)
     except ValueError as err:
         parser.error(str(err))
     # Blocked before any thread starts (they inherit the mask) and taken by `sigwait`: no handler runs inside a

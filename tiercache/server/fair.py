@@ -1,9 +1,8 @@
 """The server's in-flight byte budget, divided fairly: per tenant, then per connection within a tenant (server).
 
 Bytes a client has declared and not yet delivered are reserved from one budget (``--max-inflight``) before
-any of them is received (`tiercache.server.limits`). A single budget lets one client hold all of it: one
-silent 64 MiB PUT kept every other tenant's stores out for as long as its read deadline ran, renewably.
-`InflightBytes` divides it:
+any of them is received (`tiercache.server.limits`). A single budget would let one client hold all of it by
+declaring values and sending none of their bytes. `InflightBytes` divides it:
 
 - **Shares.** A *group* is a tenant, and within a tenant one connection (a data-channel socket, a gRPC
   stream). A group is *active* while it holds bytes, waits for some, or asked within ``ACTIVE_S``. The
@@ -18,9 +17,15 @@ silent 64 MiB PUT kept every other tenant's stores out for as long as its read d
   ``SILENT_S`` is taken back: its connection is ended (`Hold.revoke`), its bytes released. A holder whose
   bytes keep arriving is never taken back, however slow; one that stops is — it does not take a fixed
   clock, only a peer that needs the room and a holder that is not using it.
+- **Probation.** A tenant one of whose holders was taken back loses the first-value exemption for
+  ``PROBATION_S``: while its peers are active, each of its connections — new ones included — gets no more
+  than its share. Without it a client that reconnects and declares a large value again would take the
+  room back in every pause between a peer's values, and each of the peer's next values would wait out
+  ``SILENT_S`` once more.
 
-So one tenant can exhaust only its own share: the others' shares come back to them within ``SILENT_S``
-plus the time the taken-back handler needs to let go, well inside the ``ADMIT_WAIT_S`` a value waits.
+So one tenant, or one connection within a tenant, can exhaust only its own share: the others' shares come
+back to them within ``SILENT_S`` plus the time the taken-back handler needs to let go, inside the
+``ADMIT_WAIT_S`` a value waits, and stay theirs while they use them.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 ACTIVE_S = 1.0       # a group that asked this recently still counts for the shares (demand between requests)
-SILENT_S = 1.0       # a holder over its group's share with no bytes for this long is taken back when others wait
+SILENT_S = 0.25      # a holder over its group's share with no bytes for this long is taken back when others wait
+PROBATION_S = 10.0   # a tenant whose holder was taken back borrows nothing beyond its shares for this long
 
 
 @dataclass(eq=False, slots=True)
@@ -50,10 +56,11 @@ class InflightBytes:
     divided fairly (module docstring). Its state is guarded by one condition; handlers of any thread call it."""
 
     def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic,
-                 silent_s: float = SILENT_S, active_s: float = ACTIVE_S) -> None:
+                 silent_s: float = SILENT_S, active_s: float = ACTIVE_S, probation_s: float = PROBATION_S) -> None:
         self.limit = limit
         self.silent_s = silent_s
         self.active_s = active_s
+        self.probation_s = probation_s
         self._clock = clock
         self._cond = threading.Condition()
         self._used = 0
@@ -62,6 +69,7 @@ class InflightBytes:
         self._by_connection: Counter[tuple[str, Hashable]] = Counter()
         self._asked: dict[str, float] = {}                              # tenant → last reserve (start or wait)
         self._asked_conn: dict[tuple[str, Hashable], float] = {}
+        self._taken_from: dict[str, float] = {}                         # tenant → its last holder taken back
         self.refused = 0
         self.taken_back = 0
 
@@ -86,17 +94,23 @@ class InflightBytes:
         connections = self._active_connections(hold.tenant, now) | {hold.connection}
         return tenant_share, tenant_share // len(connections), len(tenants) > 1, len(connections) > 1
 
+    def _on_probation(self, tenant: str, now: float) -> bool:
+        taken = self._taken_from.get(tenant)
+        return taken is not None and now - taken < self.probation_s
+
     def _fits(self, hold: Hold, now: float) -> bool:
         if self._used + hold.nbytes > self.limit:
             return False
         tenant_share, connection_share, other_tenants, other_connections = self._shares(hold, now)
         # past its share only while no peer wants room — or for a first value: a group holding nothing may
-        # take one value, even one larger than its share (it is taken back if it goes silent)
+        # take one value, even one larger than its share (it is taken back if it goes silent), unless its
+        # tenant is on probation
+        strict = self._on_probation(hold.tenant, now)
         held = self._by_tenant[hold.tenant]
-        if other_tenants and held and held + hold.nbytes > tenant_share:
+        if other_tenants and (held or strict) and held + hold.nbytes > tenant_share:
             return False
         held = self._by_connection[(hold.tenant, hold.connection)]
-        if other_connections and held and held + hold.nbytes > connection_share:
+        if other_connections and (held or strict) and held + hold.nbytes > connection_share:
             return False
         return True
 
@@ -144,6 +158,7 @@ class InflightBytes:
                 for victim in victims:
                     victim.revoked = True
                     self.taken_back += 1
+                    self._taken_from[victim.tenant] = now
                 left = deadline - time.monotonic()
                 if victims:
                     self._cond.release()        # ending a connection is the victim's handler's business
