@@ -303,6 +303,10 @@ def test_serve_flags_are_checked():
         assert proc.returncode == 2 and f"flag {flag}:" in proc.stderr and "Traceback" not in proc.stderr
     proc = serve("--data-port", "70000", "--port", "0")
     assert proc.returncode == 2 and "--data-port" in proc.stderr
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:   # a port in use: tiercache's one line, not gRPC's too
+        proc = serve("--port", str(taken.getsockname()[1]))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "flag --port: cannot listen" in proc.stderr
 
 
 def test_grpc_config_errors_name_the_field():

@@ -47,6 +47,22 @@ log = logging.getLogger("tiercache.server")
 MAX_MESSAGE_LIMIT = 1 << 30   # gRPC's message limits are 32-bit
 
 
+def _can_listen(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now, as gRPC binds it (``SO_REUSEADDR``, no ``SO_REUSEPORT``); port 0
+    always can."""
+    if port == 0:
+        return True
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     host: str = "127.0.0.1"
@@ -188,6 +204,9 @@ class CacheServer:
         # client that opens calls and never sends their request holds no handler thread
         self._pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc")
         self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool, self.audit)
+        if not _can_listen(config.host, config.port):      # before gRPC tries: its failed bind logs a line of its own
+            raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port} (in use, or "
+                                                     "not an address of this host)")
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tiercache-grpc-loop", daemon=True)
         self._loop_thread.start()
@@ -221,7 +240,7 @@ class CacheServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0),
                      # a stream's receive window stays gRPC's initial one (64 KiB) instead of growing with
-                     # the measured bandwidth-delay product: a call whose messages no handler reads yet
+                     # the bandwidth-delay product gRPC estimates: a call whose messages no handler reads yet
                      # holds that much, not megabytes
                      ("grpc.http2.bdp_probe", 0),
                      ("grpc.max_concurrent_streams", MAX_CALLS_PER_CONNECTION)],

@@ -5,11 +5,10 @@ A finished gRPC call's memory — its received message among it, up to
 collected, and some of them are found only by the cyclic garbage collector.
 The collector's own thresholds count new container objects, which a server
 that mostly moves bytes makes few of, so the older generations are rarely
-examined and that memory piles up: under a tenant's rounds of 200 concurrent
-maximal calls a second, a 64 MiB server went past 1.4 GiB of RSS in a minute
-and kept growing; with a full collection every second it levels off under its
-memory bound (`benchmarks/RESULTS.md`: a peak of 746 MiB in 120 s, bound
-960 MiB). `freeze`, for a process that is
+examined and that memory piles up under a tenant's rounds of concurrent
+maximal calls, past any bound; with a full collection on a clock it levels off
+under the server's memory bound (`tiercache.server.limits.memory_bound`).
+`freeze`, for a process that is
 only the server (`tiercache serve`), takes what exists once it has started
 (modules, the store's first contents) out of the collections, so each one
 examines only what came since.

@@ -15,7 +15,7 @@
   ``max_streams`` stream slots (`tiercache.server.service`); gRPC refuses a
   message over ``--max-message`` from its length prefix; a call that holds no
   slot yet holds gRPC's initial receive window (64 KiB: the window does not
-  grow with the measured bandwidth), and gRPC admits at most ``MAX_CALLS``
+  grow with the bandwidth gRPC estimates), and gRPC admits at most ``MAX_CALLS``
   calls, ``MAX_CALLS_PER_CONNECTION`` on one connection. So the server's memory
   stays within `memory_bound`: capacity + in-flight budget + a message per slot
   + a window per call + a constant, logged at start — provided a finished
@@ -58,7 +58,8 @@ import grpc
 
 IDLE_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 10.0
-MIN_RATE_BYTES_S = 8 << 20          # 8 MiB/s: a 32 MiB chunk may take 4 s beyond the read timeout
+MIN_RATE_BYTES_S = 8 << 20          # the slowest a value may arrive: its deadline is the read timeout plus its
+                                    # length at this rate
 RESERVED_HANDLERS = 2               # gRPC handler threads no stream may take
 MIN_REQUESTS = 16                   # request slots (unary calls received or being worked on), at least
 MAX_CONNECTIONS = 256
@@ -70,7 +71,7 @@ ADMIT_WAIT_S = 0.5                  # how long a value waits for room in the in-
                                     # client's own timeout) before it is refused as busy
 
 
-# What `memory_bound` counts beyond the chunks and the in-flight budget (measured: an idle server is ~55 MiB)
+# What `memory_bound` counts beyond the chunks and the in-flight budget
 MESSAGE_COPIES = 3          # a message being read lives as gRPC's slices and as the bytes made of them; a Get's
                             # message being sent, once more in gRPC's send buffer
 CALL_BYTES = 96 << 10       # a call waiting: gRPC's initial receive window (64 KiB) and the call's state

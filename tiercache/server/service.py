@@ -171,10 +171,9 @@ async def _uncancelled(operation) -> Any:
     grpc.aio frees what an operation holds in C — a received message's buffer, a sent one's — only when its
     awaiter sees it complete; an awaiter cancelled first drops it, and that memory is never given back
     (grpc/grpc#43360). Calls are cancelled all the time here (a client's deadline, a slot taken back), and
-    each could lose a message of up to ``max_message`` bytes — with the collector's delay
-    (`tiercache.server.collector`), the reason a 64 MiB server passed 12 GiB of RSS under a hostile
-    tenant's rounds of maximal calls. Shielded, the operation runs to its end — the call's end
-    completes it — and its awaiter frees it, while the handler is cancelled at once."""
+    each could lose a message of up to ``max_message`` bytes, without bound under a hostile tenant's rounds
+    of maximal calls. Shielded, the operation runs to its end — the call's end completes it — and its
+    awaiter frees it, while the handler is cancelled at once."""
     task = asyncio.ensure_future(operation)
     task.add_done_callback(_retrieve)
     return await asyncio.shield(task)
@@ -314,8 +313,8 @@ class CacheService:
 
         No exception leaves a handler, and none keeps its frames: gRPC holds the exception that ends a call
         in the call's state, its traceback holds the handler's frames, and they hold the call — a cycle that
-        keeps every message the handler read (a refused 8 MiB Put, a 16 MiB malformed request) until the
-        garbage collector happens to run. 400 refused Puts kept a 64 MiB server at 1 GiB that way."""
+        keeps every message the handler read (a refused Put, a malformed request) until the garbage collector
+        happens to run."""
         if isinstance(err, _Rejected):
             self._reject(name, context, err)
         elif not isinstance(err, grpc.RpcError | grpc.aio.AbortError | GeneratorExit | asyncio.CancelledError):

@@ -80,9 +80,9 @@ def check_value(namespace: bytes, key: bytes, header: memoryview, total_len: int
 class BufferPool:
     """Value buffers of chunks that left memory, kept for the next chunk of the same size.
 
-    A fresh 32 MiB ``bytearray`` pays its page faults on first touch:
-    receiving into fresh ones ran at a fraction of the socket's rate, into
-    reused ones close to it (benchmarks/RESULTS.md, "L3 now"). Only a buffer nobody else holds is
+    A fresh ``bytearray`` pays its page faults on first touch, so receiving
+    into fresh ones runs well below the socket's rate and into reused ones
+    close to it. Only a buffer nobody else holds is
     taken back — a value being sent or spilled holds a reference (a
     memoryview, a `Spill`), and CPython's reference count says so — so a
     buffer is never written while someone reads it. The memory tier counts
