@@ -122,6 +122,7 @@ class CacheManager:
 
     def _build_parts(self, modes: Sequence[str], admission: AdmissionPolicy | None,
                      l1_admission: AdmissionPolicy | None, transfer_workers: int, promotion: str) -> None:
+        """The parts of the manager, each the one owner of its state, wired to the parts they plan through."""
         self.finder = PrefixFinder(self.tiers, self.block_size, self.blocks_per_chunk, self.partial_chunks)
         self.resume_points = ResumePoints(self.finder, self.sizes)
         self.jobs = JobBook(self.sizes, transfer_workers)
