@@ -52,7 +52,7 @@ def test_sighting_admission_is_the_default_below_l1_and_l1_takes_everything():
     assert DEFAULT_ADMISSION == "adaptive-sighting" and DEFAULT_EVICTION == "lfu-da"
     assert config.disk.admission == ServeConfig().admission == StoreConfig(1).admission == DEFAULT_ADMISSION
     assert inspect.signature(replay_hierarchy).parameters["admission"].default == DEFAULT_ADMISSION
-    assert config.redis.admission == "second-sighting" and config.cpu.admission == "always"
+    assert config.redis.admission == DEFAULT_ADMISSION and config.cpu.admission == "always"
     args = build_parser().parse_args(["bench", "trace", "--trace", "t.jsonl"])
     assert f"{DEFAULT_EVICTION}+{DEFAULT_ADMISSION}" in args.policy and "lru" in args.policy
 
@@ -239,7 +239,7 @@ def test_two_engines_over_one_redis_count_each_others_sightings(redis_server):
     try:
         a, b, c = engines = [Stack(num_blocks=tokens // BLOCK, cpu_chunks=2, chunk_tokens=BIG_CHUNK,
                                    redis={"enabled": True, "url": redis_server.url, "retry_interval": 0.2,
-                                          "timeout": 2.0})
+                                          "timeout": 2.0, "admission": "second-sighting"})
                              for _ in range(3)]
         prompt = a.hasher.hash_blocks([5000 + t for t in range(tokens)])     # `put`'s tokens for seed 5
         assert not lookup(a, prompt).runs                      # A's lookup: a first sighting

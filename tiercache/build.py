@@ -404,6 +404,7 @@ def build_scheduler_side(config: TierCacheConfig, handshakes: Sequence[WorkerHan
             if scans and index.rebuild(scans):
                 log.warning("tier %s: chunks found on some ranks only (a store died midway) are deleted", name)
             index.attach([h.storage for h in writers])
+            index.size_for(GuardedTier(0, l1.slots.num_slots))     # a door the tier keeps (Redis's) models L1
     except BaseException:
         for index in lower:
             index.close()

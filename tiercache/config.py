@@ -169,7 +169,7 @@ class DiskTierConfig:
         _check(self.retention >= 0, "retention", self.retention, "must be 0 (no limit) or positive seconds")
 
 
-REDIS_ADMISSIONS = ("second-sighting", "always")     # `redis.admission`: its history is kept in Redis
+REDIS_ADMISSIONS = ("adaptive-sighting", "second-sighting", "always")   # `redis.admission`: its state is in Redis
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +186,11 @@ class RedisTierConfig:
                                        "tier counts as down")
     retry_interval: float = _opt(1.0, "seconds between background probes of a down tier")
     write_mode: str = _opt("write-through", "write-through (every stored chunk, so replicas see it) | write-back")
-    admission: str = _opt("second-sighting", "which chunks Redis takes: second-sighting (those lookups asked for "
-                                             "twice, any replica's, counted in Redis itself; anything while Redis "
-                                             "is under its maxmemory) | always")
+    admission: str = _opt(DEFAULT_ADMISSION, "which chunks Redis takes while it is full (anything while it is "
+                                             "under its maxmemory): adaptive-sighting (second-sighting while it "
+                                             "pays, everything while not, judged on every replica's requests) | "
+                                             "second-sighting (those lookups asked for twice, any replica's) | "
+                                             "always; the history is kept in Redis itself")
 
     @property
     def expiry(self) -> int:

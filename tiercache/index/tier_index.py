@@ -23,6 +23,7 @@ from tiercache.contracts.keys import BlockHash, first_held, tail_keys
 from tiercache.contracts.medium import Medium
 from tiercache.contracts.plan import Failure
 from tiercache.contracts.purge import PurgeOrder
+from tiercache.policies.admission import GuardedTier
 
 # A store given up on before it landed, by why (`Failure`): its reason in the counters (``store_dropped_<reason>``)
 STORE_DROPS = {Failure.BUSY: "busy", Failure.TIMEOUT: "deadline", Failure.DROPPED: "queue",
@@ -186,6 +187,10 @@ class TierIndex(ABC):
     def retain(self, keys: Sequence[BlockHash], state: RequestState) -> None:
         """The engine's word on the request that wanted ``keys`` (`RequestState`), for an eviction policy that
         takes hints; tiers whose eviction is not this engine's (a remote tier's is its server's) ignore it."""
+
+    def size_for(self, tier: GuardedTier) -> None:
+        """The shape of the hierarchy above it (``tier.l1_chunks``: this engine's L1), for an admission door
+        the tier keeps itself (Redis's); other tiers ignore it."""
 
     def take_purges(self) -> list[PurgeOrder]:
         """Purges this tier's store made since the last call, for the engine to apply to its own tiers (a
