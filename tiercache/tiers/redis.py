@@ -67,9 +67,8 @@ def fast_client(url: str, cluster: bool = False, **kwargs):
     """A redis-py client (a cluster client with ``cluster``) packing commands with redis-py's Python serializer.
 
     With hiredis installed redis-py packs commands through hiredis, which
-    copies every value: several times slower for large values than the Python
-    packer (benchmarks/RESULTS.md, the Redis rows). Replies are
-    still parsed by hiredis.
+    copies every value, where the Python packer sends large values as they
+    are. Replies are still parsed by hiredis.
     """
     import redis
     from redis.connection import Connection
