@@ -193,10 +193,10 @@ def test_a_chunk_promoted_from_the_write_back_tier_stays_there_or_moves_up(promo
     order = manager.take_write_back()
     if promotion == "copy":
         assert l2.has(k(1)) and l2.has(k(2)) and l2.counters.deleted == 0
-        assert order is None or not {k(1), k(2)} & order.keep
+        assert order is None or not {k(1), k(2)} & order.unwritten
     else:
         assert not l2.has(k(1)) and not l2.has(k(2)) and l2.counters.deleted == 2
-        assert {k(1), k(2)} <= order.keep
+        assert {k(1), k(2)} <= order.unwritten
     written = l2.counters.stored
     for i in range(7, 11):                                  # pushed down again
         _run(manager, [manager.plan_store_chunks([k(i)], range(1), 1)])

@@ -111,9 +111,9 @@ class OffloadWorker(WorkerConnector):
         order = meta.write_back
         if order is not None:
             self._write_back = (order.tier, order.link)
-            for slot in order.left:              # before this step's jobs, which may reuse these slots
+            for slot in order.freed_slots:              # before this step's jobs, which may reuse these slots
                 self._only_in_l1.pop(slot, None)
-            self._write_down_candidates |= order.keep
+            self._write_down_candidates |= order.unwritten
 
     def _note_l1_arrivals(self, results: list[TransferResult]) -> None:
         """Chunks named for the write-down that reached this rank's L1: their slots are written down at close."""

@@ -123,12 +123,12 @@ KeyFailures = tuple[tuple[BlockHash, Failure], ...]
 class WriteBackOrder:
     """Scheduler → every rank, with each step's plans: what a rank writes down at a clean shutdown, when no
     step follows to carry a plan (vLLM stops its workers before its scheduler). A chunk is written down if it
-    reached this rank's L1 by a job of the step that named it in ``keep`` and has not left since."""
+    reached this rank's L1 by a job of the step that named it in ``unwritten`` and has not left since."""
     tier: str                          # the write-back tier
     link: str
-    keep: frozenset[BlockHash] = frozenset()   # chunks this step's stores and promotions bring to L1 that the
-                                               # write-back tier lacks
-    left: tuple[int, ...] = ()         # L1 slots whose chunk left L1 since the last order, in order
+    unwritten: frozenset[BlockHash] = frozenset()   # chunks this step's stores and promotions bring to L1 that
+                                                    # the write-back tier lacks
+    freed_slots: tuple[int, ...] = ()  # L1 slots whose chunk left L1 since the last order, in order
 
 
 @dataclass(frozen=True, slots=True)
