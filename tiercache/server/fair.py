@@ -24,8 +24,9 @@ declaring values and sending none of their bytes. `InflightBytes` divides it:
   ``SILENT_S`` once more.
 
 So one tenant, or one connection within a tenant, can exhaust only its own share: the others' shares come
-back to them within ``SILENT_S`` plus the time the taken-back handler needs to let go, inside the
-``ADMIT_WAIT_S`` a value waits, and stay theirs while they use them.
+back to them within ``SILENT_S`` plus the time the taken-back handler needs to let go — a value that waited
+out its ``ADMIT_WAIT_S`` first is answered busy and sent again by its client — and stay theirs while they use
+them.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 ACTIVE_S = 1.0       # a group that asked this recently still counts for the shares (demand between requests)
-SILENT_S = 0.25      # a holder over its group's share with no bytes for this long is taken back when others wait
+SILENT_S = 0.5       # a holder over its group's share with no bytes for this long is taken back when others wait:
+                     # two of the receive steps after which a value's handler reports progress
 PROBATION_S = 10.0   # a tenant whose holder was taken back borrows nothing beyond its shares for this long
 
 
