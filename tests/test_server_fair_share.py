@@ -122,6 +122,8 @@ def test_two_silent_connections_of_the_engines_own_tenant_holding_the_budget_kee
     the engine's values. Every store the engine planned is counted."""
     quiet = undisturbed(tmp_path)
     tier, counters = under_attack(tmp_path, "acme", "silent_puts", "--silent-puts", "2", "--silent-value-mib", "32")
+    print(f"stored {tier['stored']} of {quiet['stored']} undisturbed; taken back "
+          f"{counters['inflight_taken_back']}, answered busy {counters.get('data_put_busy', 0)}")
     assert tier["stored"] >= 0.9 * quiet["stored"], (quiet, tier)
     assert tier["store_failed"] == 0 and tier["errors"] == 0, tier
     assert counters["inflight_taken_back"] >= 1
