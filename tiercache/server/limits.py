@@ -20,7 +20,7 @@
   stays within `memory_bound`: capacity + in-flight budget + a message per slot
   + a window per call + a constant, logged at start — provided a finished
   call's memory is given back, which takes grpc.aio's reads and writes
-  shielded from cancellation (`tiercache.server.service`) and the cyclic
+  shielded from cancellation (`tiercache.server.rpc_calls`) and the cyclic
   garbage collector run on a clock (`tiercache.server.collector`).
 - **Time.** Every read from a client has a deadline of the server's own:
   ``read_timeout_s`` for any progress within a request, ``idle_timeout_s``
