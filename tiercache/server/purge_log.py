@@ -54,7 +54,7 @@ class PurgeLog:
 
     def __init__(self, keep: int = 4096, max_watchers: int = 1024) -> None:
         self.instance = secrets.token_hex(8)
-        self._keep = keep
+        self._max_kept = keep
         self._max_watchers = max_watchers
         self._logs: dict[str, deque[LoggedPurge]] = {}
         self._seq: dict[str, int] = {}
@@ -67,7 +67,7 @@ class PurgeLog:
             seq = self._seq[tenant] = self._seq.get(tenant, 0) + 1
             log = self._logs.setdefault(tenant, deque())
             log.append(LoggedPurge(seq, tenant, order))
-            if len(log) > self._keep:
+            if len(log) > self._max_kept:
                 self._dropped[tenant] = log.popleft().seq
             return seq
 
