@@ -96,3 +96,23 @@ def test_a_block_the_full_group_dropped_stays_in_the_group_that_holds_it_and_a_r
 
 def test_a_kind_the_router_does_not_know_cuts_nothing():
     assert hybrid_hit([b"a", b"b"], 2, [GroupBlocks("some_future_kind")], (), BLOCK) == 2
+
+
+def test_full_attention_names_the_blocks_whichever_group_it_is_and_groups_published_before_it_wait_for_it():
+    """Qwen3-Next's layout in vLLM: three Mamba groups, then full attention (group 3). vLLM publishes a step's
+    groups in order, so the Mamba groups' states come before the blocks' names; they wait for them."""
+    scheme, index = _replica()
+    states = [_stored([1003], 0, 8, group=g, kind="mamba") for g in range(3)]
+    _apply(index, *states, _stored([1000 + i for i in range(8)], 0, 8, group=3))
+    assert index.names.naming_group == 3 and _cached(index, scheme) == 4 * BLOCK
+    _apply(index, BlockRemoved(block_hashes=[1003], medium="GPU", group_idx=1))
+    assert _cached(index, scheme) == 0
+    assert _cached(index, scheme, blocks=3) == 0 and index.names.unnamed == 0
+
+
+def test_events_without_kinds_are_named_from_group_0_as_before():
+    scheme, index = _replica()
+    event = _full()
+    event.kv_cache_spec_kind = None
+    _apply(index, event)
+    assert index.names.naming_group == 0 and _cached(index, scheme) == 8 * BLOCK

@@ -3,11 +3,12 @@ vLLM's hybrid KV-cache manager finds across them (router side).
 
 With several KV-cache groups (full attention beside sliding-window or Mamba layers), vLLM publishes one
 ``BlockStored`` per group, each tagged with its group and the group's kind (``kv_cache_spec_kind``, and
-``kv_cache_spec_sliding_window``). Full attention, which vLLM puts first, holds every block of a prefix; the
-other groups keep only some (a sliding window's blocks behind it are freed; a Mamba group in ``align`` mode
-keeps a state only where a step ended), and their events carry those blocks' hashes only. A group's block
-hashes equal full attention's for the same tokens, so the router names them by group 0's names
-(`BlockNames`) and keeps, per group, the names it holds (`GroupBlocks`).
+``kv_cache_spec_sliding_window``). Full attention holds every block of a prefix, so its events name the
+blocks (the naming group, `BlockNames`; not always group 0: vLLM may list Mamba groups first); the other
+groups keep only some (a sliding window's blocks behind it are freed; a Mamba group in ``align`` mode keeps a
+state only where a step ended), and their events carry those blocks' hashes only. A group's block hashes
+equal full attention's for the same tokens, so each keeps the names of the blocks it holds by those hashes
+(`GroupBlocks`).
 
 A prompt's hit is vLLM's own (`HybridKVCacheCoordinator.find_longest_cache_hit`): the longest prefix every
 group can resume from, found by letting each group's rule cut the full-attention run until none cuts further.
@@ -34,6 +35,10 @@ class HitRule(ABC):
 
 
 hit_rules: Registry[HitRule] = Registry("vLLM KV-cache group kind")
+
+# groups of these kinds hold every block of a prefix: the first of them names the blocks (`BlockNames`)
+NAMING_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention", "chunked_local_attention"})
+MAX_PENDING = 1 << 16     # a group's hashes waiting for the naming group's event, at most
 
 
 class LeadingRun(HitRule):
@@ -84,25 +89,43 @@ for _kind, _rule in (("full_attention", LeadingRun()), ("mla_attention", Leading
 
 @dataclass
 class GroupBlocks:
-    """One group beyond the first: its kind, its window, and the router's names of the blocks it holds
-    (its own hash → name map, so a block it drops is found though full attention dropped it first)."""
+    """One group other than the naming one: its kind, its window, and the router's names of the blocks it
+    holds (its own hash → name map, so a block it drops is found though the naming group dropped it first).
+    A hash the naming group has not named yet (vLLM publishes its groups' events in group order, and the
+    naming group need not be the first) waits in ``pending`` until it is, a bounded number of them."""
     kind: str
     window: int = 0
     names: dict[bytes, bytes] = field(default_factory=dict)
     held: set[bytes] = field(default_factory=set)
+    pending: dict[bytes, None] = field(default_factory=dict)
 
     def store(self, hashes: Sequence[bytes], known: dict[bytes, bytes]) -> None:
         for h in hashes:
             name = known.get(h)
             if name is not None:
-                self.names[h] = name
-                self.held.add(name)
+                self._hold(h, name)
+            else:
+                self.pending[h] = None
+        while len(self.pending) > MAX_PENDING:
+            del self.pending[next(iter(self.pending))]
+
+    def resolve(self, named: dict[bytes, bytes]) -> None:
+        """The naming group named ``named`` (hash → name): those of them this group waited for are held."""
+        if self.pending:
+            for h, name in named.items():
+                if self.pending.pop(h, 0) is None:
+                    self._hold(h, name)
 
     def remove(self, hashes: Sequence[bytes]) -> None:
         for h in hashes:
+            self.pending.pop(h, None)
             name = self.names.pop(h, None)
             if name is not None:
                 self.held.discard(name)
+
+    def _hold(self, h: bytes, name: bytes) -> None:
+        self.names[h] = name
+        self.held.add(name)
 
     def hit(self, blocks: Sequence[bytes], upto: int, also: Collection[bytes], block_size: int) -> int:
         if self.kind not in hit_rules:

@@ -28,18 +28,23 @@ from tiercache.contracts.keys import BlockHasher, chunk_keys
 from tiercache.fleet.descriptor import ReplicaDescriptor
 from tiercache.fleet.kv_events import MEDIUM_ENGINE, BlockRemoved, BlockStored
 from tiercache.fleet.prefix_index import KeyScheme, PromptKeys, event_key, key_schemes
-from tiercache.fleet.vllm_groups import GroupBlocks, hybrid_hit
+from tiercache.fleet.vllm_groups import NAMING_KINDS, GroupBlocks, hybrid_hit
 
 ROUTER_SEED = hashlib.sha256(b"tiercache-route/vllm-blocks/v1").digest()
 
 
 class BlockNames:
-    """One vLLM replica's block hashes → the router's names for those blocks (its pool only: ``GPU``)."""
+    """One vLLM replica's block hashes → the router's names for those blocks (its pool only: ``GPU``).
+
+    The blocks are named from the events of the group that holds every block of a prefix — the first whose
+    kind is full attention (or MLA), group 0 where vLLM names no kinds; a hybrid model's other groups keep
+    theirs by those names (`GroupBlocks`)."""
 
     def __init__(self, scheme: VllmKeys) -> None:
         self.scheme = scheme
         self.names: dict[bytes, bytes] = {}
-        self.groups: dict[int, GroupBlocks] = {}    # a hybrid model's groups beyond the first, by vLLM's index
+        self.naming_group: int | None = None        # the group whose events name blocks, once seen
+        self.groups: dict[int, GroupBlocks] = {}    # a hybrid model's other groups, by vLLM's index
         self.unnamed = 0          # blocks stored that could not be named (counted for /metrics)
 
     def clear(self) -> None:
@@ -47,12 +52,12 @@ class BlockNames:
         self.groups.clear()
 
     def stored(self, event: BlockStored) -> list[bytes]:
-        """The router's names of the blocks ``event`` stores in the first group, as far as they can be named;
-        another group's blocks are kept by that group (`GroupBlocks`), named by the first group's names."""
-        if event.group_idx not in (None, 0):
-            self._group(event).store([event_key(h) for h in event.block_hashes], self.names)
-            return []
+        """The router's names of the blocks ``event`` stores in the naming group, as far as they can be
+        named; another group's blocks are kept by that group, under the names the naming group gives them."""
         hashes = [event_key(h) for h in event.block_hashes]
+        if not self._names_blocks(event):
+            self._group(event).store(hashes, self.names)
+            return []
         count = self.scheme.nameable(event, len(hashes))
         if event.parent_block_hash is None:
             root = self.scheme.root(event)
@@ -61,18 +66,34 @@ class BlockNames:
         if root is None:
             count = 0
         names = self.scheme.hasher.hash_blocks(event.token_ids[:count * self.scheme.block_size], parent=root)
-        self.names.update(zip(hashes, names))
+        named = dict(zip(hashes, names))
+        self.names.update(named)
+        for group in self.groups.values():
+            group.resolve(named)
         self.unnamed += len(hashes) - count
         return names
 
     def removed(self, event: BlockRemoved) -> list[bytes]:
-        if event.group_idx not in (None, 0):
+        hashes = [event_key(h) for h in event.block_hashes]
+        if event.group_idx is not None and event.group_idx != self._naming_index():
             group = self.groups.get(event.group_idx)
             if group is not None:
-                group.remove([event_key(h) for h in event.block_hashes])
+                group.remove(hashes)
             return []
-        names = (self.names.pop(event_key(h), None) for h in event.block_hashes)
+        names = (self.names.pop(h, None) for h in hashes)
         return [name for name in names if name is not None]
+
+    def _naming_index(self) -> int:
+        return 0 if self.naming_group is None else self.naming_group
+
+    def _names_blocks(self, event: BlockStored) -> bool:
+        """Whether ``event`` is the naming group's (the first group of a naming kind, seen once for all)."""
+        if event.group_idx is None:
+            return True
+        if self.naming_group is None and (event.kv_cache_spec_kind in NAMING_KINDS or
+                                          (event.kv_cache_spec_kind is None and event.group_idx == 0)):
+            self.naming_group = event.group_idx
+        return event.group_idx == self.naming_group
 
     def _group(self, event: BlockStored) -> GroupBlocks:
         group = self.groups.get(event.group_idx)
@@ -82,7 +103,7 @@ class BlockNames:
         return group
 
     def resumable(self, blocks: Sequence[bytes], full_run: int, also: Collection[bytes]) -> int:
-        """Of the first ``full_run`` blocks (the first group's run), those every group can resume from."""
+        """Of the first ``full_run`` blocks (the naming group's run), those every group can resume from."""
         if not self.groups:
             return full_run
         return hybrid_hit(blocks, full_run, list(self.groups.values()), also, self.scheme.block_size)
@@ -123,9 +144,10 @@ class VllmKeys(KeyScheme):
         return self.hasher.seed_for(first[0] if first else "", event.lora_name or "")
 
     def nameable(self, event: BlockStored, count: int) -> int:
-        """How many of the event's blocks, from its first, the router can name: whole blocks of text in group
-        0, with no extra keys beyond the first block's salt and the adapter's name."""
-        if event.group_idx not in (None, 0) or len(event.token_ids) != count * self.block_size:
+        """How many of the event's blocks, from its first, the router can name: whole blocks of text (every
+        block of its range, as the naming group holds them), with no extra keys beyond the first block's salt
+        and the adapter's name."""
+        if len(event.token_ids) != count * self.block_size:
             return 0
         start = 1 if event.parent_block_hash is None else 0
         for i in range(start, count):
