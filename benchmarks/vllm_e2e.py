@@ -110,7 +110,7 @@ def child(spec_path: str, out_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
     phases, cold_counters = [], {}
     for i, prompts in enumerate(spec["phases"]):
-        if i:
+        if i and spec.get("reset", True):
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
