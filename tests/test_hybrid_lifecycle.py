@@ -5,8 +5,6 @@ tenant's key opens. Each checks greedy tokens against a run with every cache off
 import random
 import time
 
-import pytest
-
 from tests.support.engine_runs import offload, run_sequential
 from tiercache.engine import EngineConfig, LLMEngine, SamplingParams
 from tiercache.engine.config import HYBRID_MODEL
