@@ -41,6 +41,7 @@ class Launch:
     tp: int = 1
     after: tuple[str, ...] = ()           # launches whose stores this one reads
     prefix_caching: bool = True           # vLLM's own (off: Qwen3-Next keeps no states at block boundaries)
+    step_tokens: int = 0                  # vLLM's max_num_batched_tokens (0: its default)
 
 
 LAUNCHES = {
@@ -56,6 +57,9 @@ LAUNCHES = {
     "qwen-l1": Launch("qwen3_next", ("disk",), phases=("warm", "turn1", "turn2")),
     "qwen-disk": Launch("qwen3_next", ("disk",), phases=("turn2",), after=("qwen-l1",)),
     "qwen-no-states": Launch("qwen3_next", (), phases=("warm",), prefix_caching=False),
+    # prefill steps of one 256-token block: vLLM keeps a state at every block, so a document is resumable
+    "qwen-doc-base": Launch("qwen3_next", None, phases=("warm", "a", "b"), step_tokens=256),
+    "qwen-doc": Launch("qwen3_next", (), phases=("warm", "a", "b"), step_tokens=256),
 }
 
 
@@ -90,7 +94,7 @@ class Runs:
         for dependency in launch.after:
             self._runs[dependency].result()
         spec = {"model": self.models[launch.model], "dtype": DTYPES[launch.model], "max_tokens": 8,
-                "prefix_caching": launch.prefix_caching,
+                "prefix_caching": launch.prefix_caching, "max_num_batched_tokens": launch.step_tokens,
                 "phases": [{"prompts": [self.prompts[p]], "reset_prefix_cache": True} for p in launch.phases]}
         if launch.connector is not None:
             spec["kv_transfer_config"] = {"kv_connector": "TierCacheConnector",
@@ -235,6 +239,17 @@ def test_a_linear_attention_model_resumes_in_a_fresh_process_from_disk(runs):
     (_, _, cached), = runs.by_prompt("qwen-disk").values()
     assert cached >= 1024
     assert runs.result("qwen-disk")["metrics"]["tier/disk/loaded"] >= 5     # four chunks and the state
+
+
+@pytest.mark.slow
+def test_a_linear_attention_model_reuses_a_document_when_its_prefill_steps_end_at_every_chunk(runs):
+    """With prefill steps of one block (``max_num_batched_tokens`` 256) vLLM keeps a state at every block
+    boundary, so after a reset the document's two whole chunks and the state at their end come from L1 for a
+    new question — and the tokens are those of the run without the connector (the same step size)."""
+    assert_same_outputs(runs, "qwen-doc", "qwen-doc-base")
+    got = runs.by_prompt("qwen-doc")
+    assert got["a"][2] == 0 and got["b"][2] >= REUSABLE
+    assert runs.result("qwen-doc")["metrics"]["tier/cpu/loaded"] >= 3      # two chunks and the state
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ request outputs, its Prometheus metrics (`LLM.get_metrics`, where the connector'
 ``vllm:tiercache_*``) and its KV-event publisher (ZMQ), as a router would see them.
 
 SPEC: {"model": dir, "tp": 1, "max_tokens": n, "prefix_caching": false, "kv_transfer_config": {...} or null,
-       "dtype": "float32" (the default; Qwen3-Next's CPU kernels need "bfloat16"),
+       "dtype": "float32" (the default; Qwen3-Next's CPU kernels need "bfloat16"), "max_num_batched_tokens": n,
        "phases": [{"prompts": [[ids...] or {"ids": [...], "cache_salt": s, "continues": b}...], "together": false,
                    "reset_prefix_cache": false, "pause_s": 0}...],
        "events_port": port or null}
@@ -88,6 +88,8 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
                                       "endpoint": f"tcp://*:{spec['events_port']}"}
         subscriber = subscribe(spec["events_port"], events, stop)
+    if spec.get("max_num_batched_tokens"):      # a prefill step ends every this many tokens (chunked prefill)
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     llm = LLM(model=spec["model"], tokenizer=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=spec.get("prefix_caching", False),
               seed=0, max_num_seqs=8, tensor_parallel_size=spec.get("tp", 1), disable_log_stats=False, **kwargs)
