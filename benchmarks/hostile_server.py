@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
-from tiercache.bench.hostile import KINDS, RssSampler, TenantRun, rss_mib, tenant_run  # noqa: E402
+from tiercache.bench.hostile import KINDS, RssSampler, TenantRun, cpu_seconds, rss_mib, tenant_run  # noqa: E402
 from tiercache.bench.remote import Subprocess  # noqa: E402
 from tiercache.bench.workloads import WorkloadSpec  # noqa: E402
 from tiercache.server.app import ServeConfig  # noqa: E402
@@ -57,7 +58,8 @@ ATTACKS["own-silent-puts"] = (("silent_puts",), "acme", ("--silent-puts", "2", "
 ATTACKS["all"] = (KINDS, "rival", ())
 TARGETS = {"stores": 0.9, "hit_ratio": 0.8}     # of the quiet turn's, at least
 TTFT_P99_MAX = 2.0                              # times the quiet turn's, at most
-COUNTERS = ("streams_taken_back", "inflight_taken_back", "requests_taken_back", "data_hello_dropped",
+COUNTERS = ("cpu_waits", "cpu_waited_ms", "streams_taken_back", "inflight_taken_back", "requests_taken_back",
+            "data_hello_dropped",
             "data_idle_closed", "data_refused_connections", "rejected_resource_exhausted", "handler_faults")
 
 
@@ -67,12 +69,26 @@ def call(address: str, name: str, request: bytes, token: str | None = None) -> b
         return channel.unary_unary(method(name), lambda b: b, lambda b: b)(request, timeout=10, metadata=metadata)
 
 
-def turn(address: str, pid: int, tokens: Path, seed: int, requests: int) -> tuple[dict[str, TenantRun], float]:
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn: each victim's run, the server's peak RSS, and the CPU the server and the hostile client used
+    (in cores: CPU seconds per second of the turn)."""
+    runs: dict[str, TenantRun]
+    rss_peak_mib: float
+    server_cores: float
+    hostile_cores: float
+
+
+def turn(address: str, pid: int, tokens: Path, seed: int, requests: int, hostile_pid: int | None = None) -> Turn:
+    start = time.monotonic()
+    server_cpu, hostile_cpu = cpu_seconds(pid), cpu_seconds(hostile_pid) if hostile_pid else 0.0
     with RssSampler(pid) as rss:
         runs = {t: tenant_run(t, address, tokens / f"{t}.token",
                               WorkloadSpec("shared-prefix", requests=requests, prefix_tokens=512, output_tokens=2,
                                            seed=seed + i)) for i, t in enumerate(VICTIMS)}
-    return runs, rss.peak_mib
+    seconds = time.monotonic() - start
+    hostile = (cpu_seconds(hostile_pid) - hostile_cpu) / seconds if hostile_pid else 0.0
+    return Turn(runs, rss.peak_mib, (cpu_seconds(pid) - server_cpu) / seconds, hostile)
 
 
 def start_hostile(address: str, data_port: int, tmp: Path, args, attack: str) -> subprocess.Popen:
@@ -119,8 +135,10 @@ def soak(server: Subprocess, data_port: int, tmp: Path, args, bound_mib: float) 
     return 0
 
 
-def record(runs: dict[str, TenantRun], peak: float) -> dict:
-    return {"server_rss_peak_mib": round(peak, 1)} | {
+def record(done: Turn) -> dict:
+    runs = done.runs
+    return {"server_rss_peak_mib": round(done.rss_peak_mib, 1), "server_cores": round(done.server_cores, 2),
+            "hostile_cores": round(done.hostile_cores, 2)} | {
         t: {"hit_ratio": round(r.hit_ratio, 4), "stores": r.stores, "store_planned": r.store_planned,
             "store_dropped": r.store_dropped, "store_failed": r.store_failures, "uncounted": r.uncounted,
             "ttft_ms_p99": r.ttft_ms_p99, "outputs_match": r.outputs_match} for t, r in runs.items()}
@@ -137,7 +155,9 @@ def summarize(repeats: list[dict[str, dict]], bound_mib: float) -> dict:
     for attack in repeats[0]:
         if attack == "quiet":
             continue
-        row = {"server_rss_peak_mib": max(r[attack]["server_rss_peak_mib"] for r in repeats)}
+        row = {"server_rss_peak_mib": max(r[attack]["server_rss_peak_mib"] for r in repeats),
+               **{k: statistics.median(r[attack][k] for r in repeats) for k in ("server_cores", "hostile_cores")},
+               "quiet_server_cores": statistics.median(r["quiet"]["server_cores"] for r in repeats)}
         for t in VICTIMS:
             pairs = [(r[attack][t], r["quiet"][t]) for r in repeats]
             row[t] = {"stores": statistics.median(ratio(a["stores"], q["stores"]) for a, q in pairs),
@@ -156,13 +176,14 @@ def summarize(repeats: list[dict[str, dict]], bound_mib: float) -> dict:
 def table(summary: dict, bound_mib: float) -> str:
     """The summary as Markdown: one row per attack, each victim's median ratios."""
     lines = ["| attack | stores acme / beta | hit ratio acme / beta | TTFT p99 acme / beta | uncounted | "
-             f"RSS peak (bound {bound_mib:.0f} MiB) | targets |", "|---|---|---|---|---|---|---|"]
+             f"RSS peak (bound {bound_mib:.0f} MiB) | server / hostile cores | targets |",
+             "|---|---|---|---|---|---|---|---|"]
     for attack, row in summary.items():
         a, b = row["acme"], row["beta"]
         lines.append(f"| {attack} | {a['stores']:.2f} / {b['stores']:.2f} | {a['hit_ratio']:.2f} / "
                      f"{b['hit_ratio']:.2f} | {a['ttft_p99']:.2f}× / {b['ttft_p99']:.2f}× | "
                      f"{a['uncounted'] + b['uncounted']} | {row['server_rss_peak_mib']:.0f} MiB | "
-                     f"{'met' if row['met'] else 'missed'} |")
+                     f"{row['server_cores']:.2f} / {row['hostile_cores']:.2f} | {'met' if row['met'] else 'missed'} |")
     return "\n".join(lines)
 
 
@@ -174,6 +195,9 @@ def main() -> int:
     parser.add_argument("--calls-per-round", type=int, default=200, help="the hostile tenant's maximal calls")
     parser.add_argument("--round-pause", type=float, default=1.0)
     parser.add_argument("--soak", type=float, default=0, help="seconds of the hostile tenant alone (see above)")
+    parser.add_argument("--cpu-cores", type=float, default=1.0,
+                        help="the server's --cpu-cores: the CPU its tenants share (one core of the machine, the "
+                             "other left to the engines; a large number shares none)")
     parser.add_argument("--json")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -186,7 +210,7 @@ def main() -> int:
     for name, token in tokens.items():
         (tmp / f"{name}.token").write_text(token)
     flags = ("--capacity", str(CAPACITY), "--max-message", str(MAX_MESSAGE), "--read-timeout", "20",
-             "--auth-token-file", str(tmp / "tenants.toml"))
+             "--auth-token-file", str(tmp / "tenants.toml"), "--cpu-cores", str(args.cpu_cores))
     config = ServeConfig(capacity=CAPACITY, max_message=MAX_MESSAGE, read_timeout=20)
     bound_mib = memory_bound(config.limits(), CAPACITY, MAX_MESSAGE) / MiB
     server = Subprocess("tiercache.cli", "serve", *flags)
@@ -206,12 +230,12 @@ def main() -> int:
             for i, mode in enumerate(order if rep % 2 == 0 else order[::-1]):
                 hostile = start_hostile(server.address, data_port, tmp, args, mode) if mode != "quiet" else None
                 try:
-                    runs, peak = turn(server.address, server.proc.pid, tmp, seed=1000 * rep + 10 * i,
-                                      requests=args.requests)
+                    done = turn(server.address, server.proc.pid, tmp, seed=1000 * rep + 10 * i,
+                                requests=args.requests, hostile_pid=hostile.pid if hostile else None)
                 finally:
                     if hostile is not None:
                         stop(hostile)
-                repeats[-1][mode] = record(runs, peak)
+                repeats[-1][mode] = record(done)
                 print(rep, mode, json.dumps(repeats[-1][mode]), file=sys.stderr, flush=True)
         counters = dict(pb.StatsReply.FromString(call(server.address, "Stats", b"", tokens["ops"])).counters)
     finally:

@@ -92,6 +92,8 @@ FLAG_CASES = [
     (["serve", "--capacity", "lots"], "--capacity", "lots"),
     (["serve", "--max-message", "1"], "--max-message", "1"),
     (["serve", "--workers", "0"], "--workers", "0"),
+    (["serve", "--cpu-cores", "-0.5"], "--cpu-cores", "-0.5"),
+    (["serve", "--cpu-cores", "inf"], "--cpu-cores", "inf"),
     (["serve", "--eviction", "bogus"], "--eviction", "bogus"),
     (["serve", "--disk-capacity", "1GiB"], "--disk-capacity", str(1 << 30)),
     (["serve", "--port", "0", "--disk", "/proc/tiercache-l2"], "--disk", "/proc/tiercache-l2"),

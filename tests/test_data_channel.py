@@ -163,6 +163,7 @@ def data_server(capacity: int = 1 << 20, limits: dict | None = None, **kwargs):
     fields of its `ServerLimits`)."""
     import collections
 
+    from tiercache.server.cpu_shares import CpuShares
     from tiercache.server.data_server import DataServer
     from tiercache.server.fair import InflightBytes
     from tiercache.server.limits import ServerLimits
@@ -170,7 +171,7 @@ def data_server(capacity: int = 1 << 20, limits: dict | None = None, **kwargs):
     from tiercache.server.tenants import Tenancy, load_tenants
     bounds = ServerLimits.for_server(capacity, workers=4, **(limits or {}))
     server = DataServer(Tenancy(load_tenants(""), StoreConfig(capacity)), "127.0.0.1", 0, bounds,
-                        InflightBytes(bounds.max_inflight_bytes), collections.Counter(), **kwargs)
+                        InflightBytes(bounds.max_inflight_bytes), CpuShares(1.0), collections.Counter(), **kwargs)
     server.start()
     return server
 

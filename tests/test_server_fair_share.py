@@ -7,9 +7,11 @@ take the engine's cores), and a reference engine in the test's process that stor
 server (write-through) and drains. The checks are counts, never times: the suite passes with every core busy.
 """
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -17,13 +19,14 @@ grpc = pytest.importorskip("grpc", reason="grpcio is not installed (pip install 
 
 pytestmark = pytest.mark.slow     # real servers and engines under attack: seconds each
 
-from tests.conftest import CacheServerProcess  # noqa: E402
+from tests.conftest import CacheServerProcess, free_port  # noqa: E402
 from tests.support.grpc_clients import raw_call  # noqa: E402
 from tiercache.bench.demo import run_workload  # noqa: E402
 from tiercache.bench.workloads import WorkloadSpec  # noqa: E402
 from tiercache.config import TierCacheConfig  # noqa: E402
 from tiercache.engine import EngineConfig  # noqa: E402
 from tiercache.index.tier_index import DROP_REASONS  # noqa: E402
+from tiercache.server.cpu_shares import BURST_S, MAX_DEBT_S  # noqa: E402
 from tiercache.wire import tiercache_pb2 as pb  # noqa: E402
 
 TENANTS = ("acme", "rival", "ops")
@@ -142,3 +145,46 @@ def test_another_tenant_reading_or_holding_as_much_as_it_can_leaves_every_store_
     assert tier["store_failed"] == 0 and tier["errors"] == 0, tier
     assert_every_store_counted(tier)
     assert counters.get("handler_faults", 0) == 0
+
+
+def tenant_cpu_seconds(metrics_port: int) -> dict[str, float]:
+    """The server's CPU seconds charged to each tenant, as Prometheus scrapes them."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {m[1]: float(m[2]) for m in
+            re.finditer(r'^tiercache_server_tenant_cpu_seconds_total\{tenant="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_rival_reading_as_fast_as_it_can_is_held_to_its_share_of_the_servers_cpu(tmp_path):
+    """``--cpu-cores 0.2``: while tenant acme asks for something every 50 ms, the two active tenants may use
+    0.1 of a core each. Tenant rival reads maximal chunks as fast as it can over the data channel and gRPC
+    streams. Over 8 s, the server's CPU charged to rival — its threads' time and its part of gRPC's by the
+    bytes it moved — stays within its share of that time, plus the burst and debt a tenant may run up and
+    the pieces of work already begun (unshared, the reads take several times that); rival was made to wait,
+    and every one of acme's calls was answered."""
+    metrics = free_port()
+    server = CacheServerProcess(tmp_path, "--capacity", "64MiB", "--max-message", "8MiB", "--read-timeout", "30",
+                                "--auth-token-file", str(tenants_file(tmp_path)), "--cpu-cores", "0.2",
+                                "--metrics-port", str(metrics))
+    acme = (("authorization", f"Bearer {(tmp_path / 'acme.token').read_text()}"),)
+    lookup = pb.ContainsRequest(namespace=bytes(16), keys=[bytes(32)]).SerializeToString()
+    proc = None
+    try:
+        proc = hostile(server, tmp_path, "rival", "maximal_reads")
+        time.sleep(1.5)
+        before, start, answered = tenant_cpu_seconds(metrics), time.monotonic(), 0
+        while time.monotonic() - start < 8.0:
+            answered += pb.ContainsReply.FromString(raw_call(server, "Contains", lookup, metadata=acme)).present == 0
+            time.sleep(0.05)
+        elapsed, after = time.monotonic() - start, tenant_cpu_seconds(metrics)
+        counters = server_counters(server, tmp_path)
+    finally:
+        try:
+            if proc is not None:
+                stop(proc)
+        finally:
+            server.stop()
+    rival = after["rival"] - before.get("rival", 0.0)
+    print(f"rival charged {rival:.2f} s of CPU in {elapsed:.1f} s; waited {counters['cpu_waits']} times, "
+          f"{counters['cpu_waited_ms']} ms; acme {answered} calls answered")
+    assert 0 < rival <= 0.1 * elapsed + BURST_S + MAX_DEBT_S + 0.5, (rival, elapsed)
+    assert counters["cpu_waits"] > 0 and answered >= 8.0 / 0.5

@@ -133,6 +133,20 @@ def test_a_tenant_at_its_share_is_refused_free_slots_while_another_tenant_is_act
         watch.close()
 
 
+def test_a_tenant_alone_leaves_the_headroom_free_so_a_tenant_that_comes_never_waits_for_a_slot():
+    """Eight slots and a headroom of two: tenant A alone, its calls all moving (none to take back), holds six;
+    tenant B's first calls find the two left, and A, no longer alone, takes none while over its share."""
+    clock = Clock()
+    watch = StreamWatch(limit=8, stall_s=3600.0, clock=clock, headroom=2)
+    try:
+        assert all(watch.admit(Call(), "A") is not None for _ in range(6))
+        assert watch.admit(Call(), "A") is None
+        assert watch.admit(Call(), "B") is not None and watch.admit(Call(), "B") is not None
+        assert watch.admit(Call(), "A") is None
+    finally:
+        watch.close()
+
+
 def test_request_slots_go_from_a_silent_request_to_a_newcomer_of_the_same_tenant():
     """The request slots (``take_back_own``): a unary call's request comes with its headers, so a slot whose
     request has not come for ``share_silent_s`` is ended for a newcomer even of the same tenant — silent

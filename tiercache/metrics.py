@@ -28,7 +28,7 @@ Families (labels in braces):
   present and rejected, get hits and misses, bytes in and out, rejected calls
   per status code, purges and what they took; ``tiercache_server_namespaces``;
   with tenants, ``tiercache_server_tenant_*{tenant}``: bytes, namespaces,
-  purges;
+  purges, the CPU seconds its calls were charged;
 - ``tiercache_thread_cpu_seconds{thread}``: CPU seconds of the process's threads
   alive now, by name (a pool's numbered threads together; threads Python did
   not start by the kernel's name for them) — where a process's CPU goes (a
@@ -158,6 +158,13 @@ class StatsCollector(Collector):
                 yield used
                 yield spaces
                 yield from purges.values()
+            cpu = stats.get("tenant_cpu_seconds")
+            if cpu:
+                family = CounterMetricFamily("tiercache_server_tenant_cpu_seconds", "the server's CPU a tenant's "
+                                             "calls were charged (its share of it: --cpu-cores)", labels=["tenant"])
+                for name, seconds in sorted(cpu.items()):
+                    family.add_metric([name], float(seconds))
+                yield family
         if "lookups" in connector:
             for name in CONNECTOR_COUNTERS:
                 yield CounterMetricFamily(f"tiercache_connector_{name}", f"connector {name.replace('_', ' ')}",

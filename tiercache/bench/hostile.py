@@ -60,6 +60,16 @@ def rss_mib(pid: int) -> float:
     raise ProcessLookupError(f"process {pid} has ended: no resident memory to read")
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time process ``pid`` has used, user and system, all its threads."""
+    from tiercache.metrics import stat_cpu_seconds
+
+    try:
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())[1]
+    except FileNotFoundError:
+        raise ProcessLookupError(f"process {pid} has ended: no CPU time to read") from None
+
+
 class RssSampler:
     """The peak RSS of a process, sampled every ``every_s`` from /proc while running (a context manager). A
     process that ends meanwhile is an error on leaving, never a peak read too low."""

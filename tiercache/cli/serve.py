@@ -70,6 +70,9 @@ def _add_limit_flags(v: argparse.ArgumentParser) -> None:
                    help="bytes being received from all clients at once, reserved before they arrive "
                         "(default: four of the largest values, at most --capacity); memory stays within "
                         "--capacity + this + a constant")
+    v.add_argument("--cpu-cores", type=finite, default=0.0,
+                   help="the CPU the server's tenants share: while several are active each may use an equal "
+                        "part of this many cores (0: every core the server may run on)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -85,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_message=args.max_message, workers=args.workers, grace=args.grace,
                          max_value=args.max_value, max_inflight=args.max_inflight,
                          read_timeout=args.read_timeout, idle_timeout=args.idle_timeout,
-                         metrics_port=args.metrics_port, audit_log=args.audit_log)
+                         metrics_port=args.metrics_port, audit_log=args.audit_log, cpu_cores=args.cpu_cores)
     return run(config, args.log_format)
 
 

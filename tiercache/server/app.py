@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -28,6 +29,7 @@ from tiercache.machine import physical_memory
 from tiercache.policies import DEFAULT_ADMISSION, DEFAULT_EVICTION, eviction_policies
 from tiercache.server.admission import check_admission
 from tiercache.server.collector import Collector
+from tiercache.server.cpu_shares import CpuShares
 from tiercache.server.data_server import DataServer
 from tiercache.server.fair import InflightBytes
 from tiercache.server.limits import (
@@ -86,6 +88,7 @@ class ServeConfig:
     retention: float = 0.0      # seconds a chunk is kept after it came (0: no limit); tenants may set their own
     namespace_retention: tuple[str, ...] = ()   # "NAMESPACE_HEX=SECONDS": one namespace's own, in every store
     audit_log: str = ""         # a file the audit trail's JSON lines are appended to (they are in the log too)
+    cpu_cores: float = 0.0      # the CPU the tenants share (0: every core this process may run on)
 
     def namespace_retentions(self) -> dict[bytes, float]:
         """``--namespace-retention`` checked (a `ConfigError` naming it otherwise)."""
@@ -130,6 +133,9 @@ class ServeConfig:
         for flag, value in (("--read-timeout", self.read_timeout), ("--idle-timeout", self.idle_timeout)):
             if not (math.isfinite(value) and 0 < value <= 86400):
                 raise ConfigError(flag, value, "must be a number of seconds in (0, 86400]")
+        if not math.isfinite(self.cpu_cores) or self.cpu_cores < 0:
+            raise ConfigError("--cpu-cores", self.cpu_cores, "must be 0 (every core it may run on) or a positive "
+                                                             "number of cores")
         if not math.isfinite(self.grace) or self.grace < 0:
             raise ConfigError("--grace", self.grace, "must be a finite number of seconds >= 0")
         try:
@@ -141,6 +147,10 @@ class ServeConfig:
         except RegistryError as err:
             raise ConfigError("--eviction", self.eviction, str(err)) from None
         check_admission(self.admission)
+
+    def cores(self) -> float:
+        """The CPU the tenants share: ``--cpu-cores``, or every core this process may run on."""
+        return self.cpu_cores or len(os.sched_getaffinity(0))
 
     def limits(self) -> ServerLimits:
         return ServerLimits.for_server(self.capacity, self.workers, self.max_value, self.max_inflight,
@@ -203,7 +213,8 @@ class CacheServer:
         # gRPC's asyncio server reads requests on its event loop and runs the calls' work in the pool: a
         # client that opens calls and never sends their request holds no handler thread
         self._pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="tiercache-rpc")
-        self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool, self.audit)
+        cpu = CpuShares(config.cores())
+        self.service = CacheService(self.tenancy, config.max_message, limits, inflight, self._pool, cpu, self.audit)
         if not _can_listen(config.host, config.port):      # before gRPC tries: its failed bind logs a line of its own
             raise ConfigError("--port", config.port, f"cannot listen on {config.host}:{config.port} (in use, or "
                                                      "not an address of this host)")
@@ -222,7 +233,7 @@ class CacheServer:
         self.data: DataServer | None = None
         if config.data_port >= 0:
             try:
-                self.data = DataServer(self.tenancy, config.host, config.data_port, limits, inflight,
+                self.data = DataServer(self.tenancy, config.host, config.data_port, limits, inflight, cpu,
                                        counters=self.service.counters)
             except OSError as err:
                 self._end_loop()
@@ -277,6 +288,7 @@ class CacheServer:
                         "capacity": self.config.capacity, "admission": self.config.admission,
                         "disk": self.config.disk or None, "shm_dir": self.config.shm_dir or None,
                         "auth": self.config.auth_token_file != "",
+                        "cpu_cores": self.config.cores(),
                         "memory_bound": memory_bound(self.service.limits, self.config.capacity,
                                                      self.config.max_message),
                         "tenants": sorted(self.tenancy.tenants),

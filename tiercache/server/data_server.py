@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from tiercache.errors import ChunkFormatError
 from tiercache.log_limits import ThrottledLog
+from tiercache.server.cpu_shares import CpuShares, ThreadMeter
 from tiercache.server.fair import InflightBytes
 from tiercache.server.limits import ServerLimits
 from tiercache.server.store import PutOutcome
@@ -117,10 +118,12 @@ class DataServer:
     """Server: the data channel's listener, its accept thread and a thread per admitted connection."""
 
     def __init__(self, tenancy: Tenancy, host: str, port: int, limits: ServerLimits,
-                 inflight: InflightBytes, counters: Counter[str], hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
+                 inflight: InflightBytes, cpu: CpuShares, counters: Counter[str],
+                 hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
         self.tenancy = tenancy
         self.limits = limits
         self.inflight = inflight
+        self.cpu = cpu                     # a connection's thread charges its CPU to its tenant, value by value
         self.hello_timeout_s = hello_timeout_s
         self.counters = counters
         self._warn = ThrottledLog(log)     # hostile or broken clients: one line per kind and 10 s
@@ -297,6 +300,7 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = StreamReader(conn)
         state = self._connections.get(conn)
+        meter = self.cpu.meter(tenant.name)
         try:
             while True:
                 if state is not None:
@@ -316,9 +320,9 @@ class DataServer:
                 if count > MAX_KEYS_PER_CALL:
                     raise _Refused(f"{count} chunks in one request, limit {MAX_KEYS_PER_CALL}")
                 if op == dw.OP_GET:
-                    self._get(conn, reader, tenant, namespace, count)
+                    self._get(conn, reader, tenant, namespace, count, meter)
                 elif op == dw.OP_PUT:
-                    self._put(conn, reader, tenant, namespace, count, busy)
+                    self._put(conn, reader, tenant, namespace, count, busy, meter)
                 else:
                     raise _Refused(f"unknown op {op}")
         except (_Refused, ProtocolError) as err:
@@ -342,10 +346,12 @@ class DataServer:
             raise _Refused(f"key of {n} bytes (1..{MAX_KEY_BYTES})")
         return reader.exactly(n)
 
-    def _get(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int) -> None:
+    def _get(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int,
+             meter: ThreadMeter) -> None:
         keys = [self._key(reader) for _ in range(count)]
         stores = self.tenancy.readable(tenant)
         for key in keys:
+            meter.step()            # each value sent within the tenant's share of the CPU
             pieces = next((p for p in (s.get_value(namespace, key) for s in stores) if p is not None), None)
             if pieces is None:
                 send_by(conn, [dw.U64.pack(0)], time.monotonic() + self.limits.read_timeout_s)
@@ -356,12 +362,13 @@ class DataServer:
             self.counters["bytes_out"] += total
 
     def _put(self, conn: socket.socket, reader: StreamReader, tenant: Tenant, namespace: bytes, count: int,
-             busy: int) -> None:
+             busy: int, meter: ThreadMeter) -> None:
         if not tenant.write:
             raise _Refused(f"tenant {tenant.name!r} may not write")
         store = self.tenancy.own(tenant)
         outcomes = bytearray()
         for _ in range(count):
+            meter.step()            # each value received within the tenant's share of the CPU
             key = self._key(reader)
             (size,) = dw.U64.unpack(reader.exactly(dw.U64.size))
             if size == 0:             # withdrawn by the client

@@ -128,7 +128,8 @@ class StreamWatch:
 
     Slots are shared fairly among tenants. A tenant's share is the slots divided among the tenants holding
     some or asking within ``active_s``, its own counted. A tenant at its share is refused a new slot while
-    another tenant is active, even with slots free — they are the other's; alone, it may take them all.
+    another tenant is active, even with slots free — they are the other's; alone, it may take all but
+    ``headroom``, which stay free for a tenant that comes (its first call never waits on another's).
     When every slot is taken, a newcomer below its share gets one from the tenant holding the most, if that
     tenant is over its share and one of its streams has waited on its client for ``share_silent_s`` — that
     stream is ended. A tenant's streams that keep moving are never cut for another. With ``take_back_own``
@@ -137,8 +138,10 @@ class StreamWatch:
     """
 
     def __init__(self, limit: int, stall_s: float, clock: Callable[[], float] = time.monotonic,
-                 share_silent_s: float = 1.0, active_s: float = 1.0, take_back_own: bool = False) -> None:
+                 share_silent_s: float = 1.0, active_s: float = 1.0, take_back_own: bool = False,
+                 headroom: int = 0) -> None:
         self.limit = limit
+        self.headroom = min(headroom, limit - 1)
         self.take_back_own = take_back_own
         self.stall_s = stall_s
         self.share_silent_s = share_silent_s
@@ -165,8 +168,8 @@ class StreamWatch:
         with self._lock:
             now = self._clock()
             self._asked[tenant] = now
-            held, share, alone = self._share(tenant, now)
-            if len(self._streams) >= self.limit or (held >= share and not alone):
+            held, share = self._share(tenant, now)
+            if len(self._streams) >= self.limit or held >= share:
                 victim = self._take_back_for(tenant, held, share, now)
                 if victim is None:
                     self.refused += count
@@ -189,11 +192,13 @@ class StreamWatch:
             held[entry[2]] = held.get(entry[2], 0) + 1
         return held
 
-    def _share(self, tenant: str, now: float) -> tuple[int, int, bool]:
-        """Under the lock: (slots ``tenant`` holds, its share, whether no other tenant is active)."""
+    def _share(self, tenant: str, now: float) -> tuple[int, int]:
+        """Under the lock: (slots ``tenant`` holds, its share). Alone, its share is every slot but the
+        headroom."""
         held = self._held()
         active = held.keys() | {t for t, at in self._asked.items() if now - at <= self.active_s} | {tenant}
-        return held.get(tenant, 0), max(1, self.limit // len(active)), len(active) == 1
+        share = self.limit - self.headroom if len(active) == 1 else max(1, self.limit // len(active))
+        return held.get(tenant, 0), share
 
     def _take_back_for(self, tenant: str, mine: int, share: int, now: float):
         """Under the lock: end (and forget) the longest-silent stream of the tenant most over its share, if

@@ -13,6 +13,7 @@ import grpc
 
 from tiercache.errors import ChunkFormatError
 from tiercache.server.access import check_names, require
+from tiercache.server.cpu_shares import CpuShares
 from tiercache.server.fair import Hold, InflightBytes
 from tiercache.server.limits import ServerLimits, end_call
 from tiercache.server.rpc_calls import Rejected
@@ -28,11 +29,12 @@ class PutStreams:
     """Server: receives ``Put`` streams into the tenants' stores. ``stream_slot(context, tenant)`` is the
     service's context manager for a stream slot (yielding the watchdog's ``waiting`` and ``moved``)."""
 
-    def __init__(self, tenancy: Tenancy, limits: ServerLimits, inflight: InflightBytes, counters: Counter[str],
-                 stream_slot: Callable) -> None:
+    def __init__(self, tenancy: Tenancy, limits: ServerLimits, inflight: InflightBytes, cpu: CpuShares,
+                 counters: Counter[str], stream_slot: Callable) -> None:
         self.tenancy = tenancy
         self.limits = limits
         self.inflight = inflight
+        self.cpu = cpu
         self.counters = counters
         self.stream_slot = stream_slot
 
@@ -41,15 +43,18 @@ class PutStreams:
         store = self.tenancy.own(tenant)
         reply = pb.PutReply()
         holds: list[Hold] = []            # the in-flight reservations of the chunk being received
+        meter = self.cpu.meter(tenant.name)
         with self.stream_slot(context, tenant) as (waiting, moved):
             def messages() -> Iterator[bytes]:
                 pending = iter(requests)
                 while True:
+                    meter.step()             # the CPU of the last message charged; within its share, the next
                     waiting()
                     m = next(pending, None)
                     moved()
                     if m is None:
                         return
+                    self.cpu.moved(tenant.name, len(m))
                     for hold in holds:       # its bytes are arriving: the reservation is in use
                         self.inflight.moved(hold)
                     yield m

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -50,7 +51,9 @@ import grpc
 from tiercache import __version__
 from tiercache.audit import AuditTrail
 from tiercache.errors import ChunkFormatError
+from tiercache.log_limits import ThrottledLog
 from tiercache.server.access import authorize, caller, check_names, parse, require
+from tiercache.server.cpu_shares import CpuShares
 from tiercache.server.fair import InflightBytes
 from tiercache.server.limits import ServerLimits, StreamWatch
 from tiercache.server.purge_calls import AfterEngines, PurgeCalls
@@ -67,6 +70,8 @@ log = logging.getLogger("tiercache.server")
 STREAM_SILENT_S = 0.25   # a stream of a tenant over its share silent this long gives its slot to another tenant
 REQUEST_SILENT_S = 0.1    # a call whose one request has not come for this long gives its slot to a newcomer
                           # (a client sends a unary call's request with its headers, in one write)
+REQUEST_HEADROOM = 2     # request slots a tenant alone leaves free, for the first calls of a tenant that comes
+STREAM_HEADROOM = 1      # stream slots a tenant alone leaves free
 INCOMING_NAME = re.compile(r"[0-9a-f]{32}\.tmp")   # what clients name the chunk files they hand in (Adopt)
 
 
@@ -74,21 +79,27 @@ class CacheService:
     """Server: the gRPC methods, on grpc.aio's event loop, their work on the handler pool."""
 
     def __init__(self, tenancy: Tenancy, max_message_bytes: int, limits: ServerLimits,
-                 inflight: InflightBytes, pool: Executor, audit: AuditTrail | None = None) -> None:
+                 inflight: InflightBytes, pool: Executor, cpu: CpuShares, audit: AuditTrail | None = None) -> None:
         self.tenancy = tenancy
         self.max_message_bytes = max_message_bytes
         self.limits = limits
         self.inflight = inflight
+        self.cpu = cpu                      # each tenant's share of the server's CPU
         self.pool = pool                    # the handler threads: every call's work runs there
-        self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s, share_silent_s=STREAM_SILENT_S)
+        shared = len(tenancy.tenants) > 1        # headroom is for another tenant: none on a server of one
+        self.streams = StreamWatch(limits.max_streams, limits.read_timeout_s, share_silent_s=STREAM_SILENT_S,
+                                   headroom=STREAM_HEADROOM if shared else 0)
         self.requests = StreamWatch(limits.max_requests, limits.read_timeout_s,
-                                    share_silent_s=REQUEST_SILENT_S, take_back_own=True)
+                                    headroom=REQUEST_HEADROOM if shared else 0, share_silent_s=REQUEST_SILENT_S,
+                                    take_back_own=True)
         self.serving = True
         self.data_port = 0          # set by the server when its data channel listens
         self.purge_log = PurgeLog()
         self.audit = audit or AuditTrail()      # purges, per tenant (the server's, which closes it)
         self.counters: Counter[str] = Counter()
-        self.puts = PutStreams(tenancy, limits, inflight, self.counters, self._stream_slot)
+        self._waiting_for_slots: Counter[str] = Counter()    # per tenant: calls waiting for a request slot
+        self._warn = ThrottledLog(log)      # load shed by the slots: one line per call and 10 s, with a count
+        self.puts = PutStreams(tenancy, limits, inflight, cpu, self.counters, self._stream_slot)
         self.purges = PurgeCalls(tenancy, self.purge_log, self.audit, self.counters)
 
     # -- registration --------------------------------------------------------
@@ -117,6 +128,10 @@ class CacheService:
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
                     work = (lambda: fn(request, context, tenant)) if auth else (lambda: fn(request, context))
+                    if tenant is not None:         # its CPU counted and shared, before its work begins
+                        self.cpu.moved(tenant.name, len(request), calls=1)
+                        await self.cpu.pace_async(tenant.name)
+                        work = functools.partial(self.cpu.run, tenant.name, work)
                     reply = await asyncio.get_running_loop().run_in_executor(self.pool, work)
                 if isinstance(reply, AfterEngines):      # outside its slot, holding no thread
                     reply = await reply.settle(self.purge_log)
@@ -134,15 +149,24 @@ class CacheService:
                 tenant = authorize(self.tenancy, context)
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
-                    namespace, keys = await loop.run_in_executor(self.pool, self._get_request, request)
+                    self.cpu.moved(tenant.name, len(request), calls=1)
+                    await self.cpu.pace_async(tenant.name)
+                    namespace, keys = await loop.run_in_executor(self.pool, self.cpu.run, tenant.name,
+                                                                 functools.partial(self._get_request, request))
                 del request
                 call = TaskCall(loop)
                 with call.ended_as_rejection(), self._stream_slot(call, tenant) as (waiting, moved):
                     messages = self.get(namespace, keys, tenant)
-                    while (message := await loop.run_in_executor(self.pool, next, messages, None)) is not None:
+                    next_message = functools.partial(next, messages, None)
+                    while True:
+                        await self.cpu.pace_async(tenant.name)     # between messages: no client waited on
+                        message = await loop.run_in_executor(self.pool, self.cpu.run, tenant.name, next_message)
+                        if message is None:
+                            break
                         waiting()            # until the client has taken it (gRPC's flow control)
                         await uncancelled(context.write(message))
                         moved()
+                        self.cpu.moved(tenant.name, len(message))
             except BaseException as err:
                 self._end("get", context, err)
         return run
@@ -170,21 +194,40 @@ class CacheService:
         call's work is done; yields the `_Request` to read it with."""
         call = TaskCall(asyncio.get_running_loop())
         name = tenant.name if tenant else ""
-        give_up = time.monotonic() + self.limits.admit_wait_s
-        # a slot held by a request that has not come for REQUEST_SILENT_S is taken back for a newcomer, so a
-        # newcomer refused at first may find one a little later: it asks again while it waits
-        while (sid := self.requests.admit(call, name, count=False)) is None and time.monotonic() < give_up:
-            await asyncio.sleep(REQUEST_SILENT_S / 5)
+        if tenant is not None:          # a tenant past its share of the CPU waits before it asks for a slot
+            await self.cpu.pace_async(name)
+        sid = self.requests.admit(call, name, count=False)
         if sid is None:
-            self.requests.refused += 1
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"no request slot free for tenant {name!r} (its share of {self.requests.limit}); "
-                            f"try again")
+            sid = await self._wait_for_request_slot(call, name)
         try:
             with call.ended_as_rejection():
                 yield SlotRequest(context, lambda: self.requests.waiting(sid), lambda: self.requests.moved(sid))
         finally:
             self.requests.done(sid)
+
+    async def _wait_for_request_slot(self, call: TaskCall, name: str) -> int:
+        """A request slot for a call of tenant ``name`` refused one at first. A slot held by a request that has
+        not come for REQUEST_SILENT_S is taken back for a newcomer, so it asks again while it waits, up to
+        the server's admission wait — one of at most as many waiting calls of its tenant as there are slots:
+        a client opening calls by the hundred is refused the rest at once, not polled for each of them."""
+        refusal = Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"no request slot free for tenant {name!r} (its share of {self.requests.limit}); try again")
+        if self._waiting_for_slots[name] >= self.requests.limit:
+            self.requests.refused += 1
+            raise refusal
+        self._waiting_for_slots[name] += 1
+        try:
+            give_up = time.monotonic() + self.limits.admit_wait_s
+            while time.monotonic() < give_up:
+                await asyncio.sleep(REQUEST_SILENT_S / 5)
+                if (sid := self.requests.admit(call, name, count=False)) is not None:
+                    return sid
+        finally:
+            self._waiting_for_slots[name] -= 1
+            if not self._waiting_for_slots[name]:
+                del self._waiting_for_slots[name]
+        self.requests.refused += 1
+        raise refusal
 
     @contextlib.contextmanager
     def _stream_slot(self, context, tenant: Tenant):
@@ -222,8 +265,12 @@ class CacheService:
 
     def _reject(self, name: str, context: grpc.ServicerContext, err: Rejected) -> None:
         self.counters[f"rejected_{err.code.name.lower()}"] += 1
-        log.warning("rejected %s from %s: %s: %s", name, context.peer(), err.code.name, err.details,
-                    extra={"event": "rpc_rejected", "rpc": name, "peer": context.peer(), "code": err.code.name})
+        args = ("rejected %s from %s: %s: %s", name, context.peer(), err.code.name, err.details)
+        extra = {"event": "rpc_rejected", "rpc": name, "peer": context.peer(), "code": err.code.name}
+        if err.code is grpc.StatusCode.RESOURCE_EXHAUSTED:     # a busy server, maybe a flood: counted, not each logged
+            self._warn.warning(f"busy {name}", *args, extra=extra)
+        else:
+            log.warning(*args, extra=extra)
         context.set_code(err.code)        # not abort: see `_end`
         context.set_details(err.details)
 
@@ -368,10 +415,12 @@ class CacheService:
                     s["tenants"][name].update(purges=purges["events"], purged_chunks=purges["chunks"],
                                               purged_bytes=purges["bytes"])
         s["audit"] = self.audit.counts()
+        s["tenant_cpu_seconds"] = {name: round(cpu_s, 3) for name, cpu_s in self.cpu.used().items()}
         s["server"] = {**s["server"], **self.counters, "inflight_bytes": self.inflight.used,
                        "inflight_refused": self.inflight.refused, "inflight_taken_back": self.inflight.taken_back,
                        "streams_open": self.streams.open,
                        "streams_refused": self.streams.refused, "streams_taken_back": self.streams.taken_back,
                        "streams_stalled": self.streams.cancelled, "requests_refused": self.requests.refused,
-                       "requests_taken_back": self.requests.taken_back}
+                       "requests_taken_back": self.requests.taken_back, "cpu_waits": self.cpu.waits,
+                       "cpu_waited_ms": round(self.cpu.waited_s * 1e3)}
         return s
