@@ -80,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tiercache.arith import ceil_div
 from tiercache.build import check_config
 from tiercache.config import TierCacheConfig, load_config
 from tiercache.connector.scheduler import OffloadScheduler
@@ -143,10 +144,22 @@ if (_outside := check_vllm_version(vllm.__version__)) is not None:
     log.warning(_outside)
 
 
+@dataclass(frozen=True)
+class StateRefresh:
+    """A state a load wrote, copied onto the block the request's step runs in: vLLM's ``align`` mode copies
+    the state at the last computed block onto that block before the step's loads land (`preprocess_mamba`),
+    so a state loaded in the same step is copied again after them. Group ``group`` (tiercache's position),
+    blocks ``src`` onto ``dst``."""
+    group: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
 @dataclass
 class TierCacheMetadata(KVConnectorMetadata):
     """Scheduler → every worker, once per step: tiercache's plans (plain data)."""
     inner: ConnectorMetadata = field(default_factory=ConnectorMetadata)
+    state_refreshes: tuple[StateRefresh, ...] = ()
 
 
 @dataclass
@@ -292,6 +305,15 @@ def group_pages(kv_cache_config: "KVCacheConfig", groups: KVGroups,
     return GroupPagesKV(groups, pages, num_blocks)
 
 
+def state_groups(kv_cache_config: "KVCacheConfig | None", groups: KVGroups | None) -> list[tuple[int, int, int]]:
+    """(tiercache's position, vLLM's group id, block size) of each group that keeps a recurrent state."""
+    if kv_cache_config is None or groups is None:
+        return []
+    ids = transfer_group_ids(kv_cache_config)
+    return [(pos, ids[pos], kv_cache_config.kv_cache_groups[ids[pos]].kv_cache_spec.block_size)
+            for pos, group in enumerate(groups.groups) if group.kind == "state"]
+
+
 def transfer_group_ids(kv_cache_config: "KVCacheConfig") -> list[int]:
     """The groups whose KV leaves the engine (vLLM rebuilds the others from them after a load)."""
     return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
@@ -338,6 +360,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests: dict[str, Request] = {}
             self._hashes: dict[str, list[BlockHash]] = {}
             self._reported: dict[str, int] = {}
+            self._state_groups = state_groups(kv_cache_config, self.groups)
+            self._state_loads: set[str] = set()     # requests whose load this step writes a state
             if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("tiercache: kv_load_failure_policy is %r: a chunk that fails to load on a rank fails "
                             "its request; set it to \"recompute\" to have vLLM recompute those tokens",
@@ -399,7 +423,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _register_groups(self, kv_caches: dict[str, Any]) -> None:
         """A model with KV-cache groups: every group's pages, moved by each group's own block table."""
-        kv = group_pages(self._kv_cache_config, self.groups, kv_caches)
+        kv = self._pages = group_pages(self._kv_cache_config, self.groups, kv_caches)
         self._layer_index = {}    # no layer-by-layer loads: a chunk's groups land whole
         shard = self._shard(f"vllm-pages:{self.groups.describe()}")
         if self._worker is not None:
@@ -428,6 +452,10 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._idle = getattr(forward_context, "attn_metadata", None) is None   # a step without a forward
         worker.bind_connector_meta(meta.inner)
         worker.start_load_kv()
+        if meta.state_refreshes:
+            worker.settle_loads()           # the states landed, then onto the blocks the step runs in
+            for refresh in meta.state_refreshes:
+                self._pages.copy_blocks(refresh.group, refresh.src, refresh.dst)
         if not worker.layerwise:
             worker.wait_for_layer_load(0)   # whole-chunk loads land before the forward reads the cache
 
@@ -508,6 +536,8 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return group_tables(block_ids, self._group_ids) if self.groups is not None else ()
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if num_external_tokens and self._state_groups:
+            self._state_loads.add(request.request_id)
         block_ids = blocks.get_block_ids()
         self.offload_scheduler.update_state_after_alloc(self._view(request), block_ids[0], num_external_tokens,
                                                         self._tables(block_ids))
@@ -522,7 +552,29 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
             steps.append(StepRequest(self._view(request), block_ids[0], request.num_computed_tokens + num_scheduled,
                                      self._tables(block_ids)))
         preempted = tuple(scheduler_output.preempted_req_ids or ())
-        return TierCacheMetadata(self.offload_scheduler.build_connector_meta(steps, preempted))
+        return TierCacheMetadata(self.offload_scheduler.build_connector_meta(steps, preempted),
+                                 self._state_refreshes(scheduler_output))
+
+    def _state_refreshes(self, scheduler_output: "SchedulerOutput") -> tuple[StateRefresh, ...]:
+        """For each request whose load writes a state this step, the state's block onto the block vLLM's step
+        runs in (`StateRefresh`), where they differ."""
+        if not self._state_loads or self._kv_cache_manager is None:
+            return ()
+        moves: dict[int, list[tuple[int, int]]] = {}
+        for rid in self._state_loads & scheduler_output.num_scheduled_tokens.keys():
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            tables = self._kv_cache_manager.get_block_ids(rid)
+            computed, scheduled = request.num_computed_tokens, scheduler_output.num_scheduled_tokens[rid]
+            for position, group_id, block_size in self._state_groups:
+                loaded, running = (computed - 1) // block_size, ceil_div(computed + scheduled, block_size) - 1
+                table = tables[group_id]
+                if loaded != running and running < len(table) and table[loaded] and table[running]:
+                    moves.setdefault(position, []).append((table[loaded], table[running]))
+        self._state_loads.clear()
+        return tuple(StateRefresh(g, tuple(a for a, _ in pairs), tuple(b for _, b in pairs))
+                     for g, pairs in moves.items())
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -539,6 +591,7 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         delay = self.offload_scheduler.request_finished(self._view(request), block_ids[0], self._tables(block_ids))
         self._requests.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._state_loads.discard(rid)
         return delay, None   # True: a store still reads the blocks on some rank; every rank says when it ends
 
     def take_events(self):

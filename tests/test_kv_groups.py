@@ -122,6 +122,20 @@ def test_pages_go_out_and_come_back_exactly_into_other_blocks():
     assert written <= {12, 13, 16 + 12, 16 + 13, 32 + 14, 32 + 15}   # nothing outside the named pages
 
 
+def test_a_groups_blocks_are_copied_onto_others_in_every_layer_and_nothing_else_changes():
+    """What the vLLM connector does after a load wrote a state: that group's block onto the block the step
+    runs in, every layer; other groups and blocks untouched."""
+    groups = gemma_like()
+    memory, kv = pool(16, groups, seed=3)
+    before = memory.clone()
+    expected = [kv.pages[0][layer][[5, 9]].clone() for layer in range(2)]
+    kv.copy_blocks(0, (5, 9), (6, 11))
+    for layer in range(2):
+        assert torch.equal(kv.pages[0][layer][[6, 11]], expected[layer])
+    written = {int(i) // 128 for i in (memory != before).nonzero().flatten()}
+    assert written <= {6, 11, 16 + 6, 16 + 11}
+
+
 def test_a_page_view_that_does_not_fit_its_allocation_is_refused():
     backing = torch.zeros(1000, dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not fit"):

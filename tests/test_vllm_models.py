@@ -42,6 +42,7 @@ class Launch:
     after: tuple[str, ...] = ()           # launches whose stores this one reads
     prefix_caching: bool = True           # vLLM's own (off: Qwen3-Next keeps no states at block boundaries)
     step_tokens: int = 0                  # vLLM's max_num_batched_tokens (0: its default)
+    reset: bool = True                    # reset vLLM's prefix cache before every phase (False: it keeps its own)
 
 
 LAUNCHES = {
@@ -60,7 +61,12 @@ LAUNCHES = {
     # prefill steps of one 256-token block: vLLM keeps a state at every block, so a document is resumable
     "qwen-doc-base": Launch("qwen3_next", None, phases=("warm", "a", "b"), step_tokens=256),
     "qwen-doc": Launch("qwen3_next", (), phases=("warm", "a", "b"), step_tokens=256),
+    # three conversations at once: their second turns resumed from L1 in one batch, against vLLM resuming
+    # them from its own prefix cache (no reset)
+    "qwen-batch-own": Launch("qwen3_next", None, phases=("warm", "turns1", "turns2"), reset=False),
+    "qwen-batch": Launch("qwen3_next", (), phases=("warm", "turns1", "turns2")),
 }
+BATCHES = 3               # conversations in ``turns1`` and ``turns2``
 
 
 class Runs:
@@ -76,6 +82,8 @@ class Runs:
         self.prompts["warm"] = [rng.randrange(3, 150) for _ in range(300)]
         self.prompts["turn1"] = [rng.randrange(3, 150) for _ in range(1040)]
         self.prompts["turn2"] = self.prompts["turn1"] + [rng.randrange(3, 150) for _ in range(300)]
+        firsts = [[rng.randrange(3, 150) for _ in range(1040)] for _ in range(BATCHES)]
+        self.batches = {"turns1": firsts, "turns2": [t + [rng.randrange(3, 150) for _ in range(300)] for t in firsts]}
         self.server = CacheServerProcess(base, "--capacity", "256MiB")
         self.counter = itertools.count()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-model")
@@ -95,7 +103,8 @@ class Runs:
             self._runs[dependency].result()
         spec = {"model": self.models[launch.model], "dtype": DTYPES[launch.model], "max_tokens": 8,
                 "prefix_caching": launch.prefix_caching, "max_num_batched_tokens": launch.step_tokens,
-                "phases": [{"prompts": [self.prompts[p]], "reset_prefix_cache": True} for p in launch.phases]}
+                "phases": [{"prompts": self.batches.get(p) or [self.prompts[p]], "reset_prefix_cache": launch.reset}
+                           for p in launch.phases]}
         if launch.connector is not None:
             spec["kv_transfer_config"] = {"kv_connector": "TierCacheConnector",
                                           "kv_connector_module_path": "tiercache.connectors.vllm",
@@ -110,6 +119,12 @@ class Runs:
         proc, out = self._runs[name].result()
         assert proc.returncode == 0, proc.stderr[-6000:]
         return json.loads(out.read_text())
+
+    def batch(self, name: str, phase: str) -> tuple[list, list, list]:
+        """A phase of several prompts (`BATCHES`): their outputs, logprobs and cached tokens."""
+        got, phases = self.result(name), LAUNCHES[name].phases
+        start = sum(BATCHES if p in self.batches else 1 for p in phases[:phases.index(phase)])
+        return tuple(got[k][start:start + BATCHES] for k in ("outputs", "logprobs", "num_cached_tokens"))
 
     def by_prompt(self, name: str) -> dict[str, tuple[list, list, int]]:
         got = self.result(name)
@@ -250,6 +265,22 @@ def test_a_linear_attention_model_reuses_a_document_when_its_prefill_steps_end_a
     got = runs.by_prompt("qwen-doc")
     assert got["a"][2] == 0 and got["b"][2] >= REUSABLE
     assert runs.result("qwen-doc")["metrics"]["tier/cpu/loaded"] >= 3      # two chunks and the state
+
+
+@pytest.mark.slow
+def test_conversations_resumed_together_from_their_states_compute_what_vllms_own_prefix_cache_does(runs):
+    """Three conversations' second turns in one batch, after a reset, each resuming from the state and KV
+    tiercache loads at 1,024 tokens: the tokens and logprobs are exactly those of vLLM resuming the same batch
+    from its own prefix cache. (vLLM's ``align`` mode copies the state onto the block the step runs in before
+    the step's loads; the connector copies the loaded state there again — without that, the step starts from
+    the block's stale state.)"""
+    ours_out, ours_lp, ours_cached = runs.batch("qwen-batch", "turns2")
+    own_out, own_lp, own_cached = runs.batch("qwen-batch-own", "turns2")
+    assert ours_cached == own_cached and min(ours_cached) >= 1024
+    assert ours_out == own_out
+    for ours, own in zip(ours_lp, own_lp):
+        assert ours == pytest.approx(own, abs=1e-6)
+    assert runs.result("qwen-batch")["metrics"]["loaded_tokens"] >= BATCHES * 1024
 
 
 @pytest.mark.slow

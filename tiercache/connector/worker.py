@@ -159,6 +159,10 @@ class OffloadWorker(WorkerConnector):
         elif layer == 0:
             self._settle_loads()   # whole-chunk loads complete before the first layer reads the cache
 
+    def settle_loads(self) -> None:
+        """Wait until this step's loads have landed, every layer (an engine that moves blocks after them)."""
+        self._settle_loads()
+
     def _settle_loads(self) -> None:
         """Collect this step's load results; a request whose load failed has its stores cancelled."""
         if not self._step_load_jobs:

@@ -70,6 +70,16 @@ class GroupPagesKV:
         """Copy each part's named blocks from a stored object into the engine's pages."""
         self._move(parts, chunk, chunk_blocks, into_engine=True)
 
+    def copy_blocks(self, group: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy blocks ``src`` of group ``group`` onto its blocks ``dst``, in every layer (one indexed copy
+        each)."""
+        if not src:
+            return
+        src_ids = torch.as_tensor(list(src), device=self.device)
+        dst_ids = torch.as_tensor(list(dst), device=self.device)
+        for pages in self.pages[group]:
+            pages.index_copy_(0, dst_ids, pages.index_select(0, src_ids))
+
     def _move(self, parts: Sequence[GroupBlocks], chunk: torch.Tensor, chunk_blocks: int, into_engine: bool) -> None:
         """One indexed copy per layer and part: the part's blocks of the stored object ↔ its engine blocks."""
         for (g, segment), part in zip(self._segments(chunk, chunk_blocks), parts, strict=True):
