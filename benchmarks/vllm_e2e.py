@@ -9,6 +9,9 @@ questions, ``--reps`` times, each time after dropping it again — so every reus
 be recomputed. Each configuration runs in a fresh vLLM (engine core and one worker per rank in their own
 processes); the report gives the median wall time of the reuse phases with and without the connector, their
 ratio, the tokens vLLM reports as cached, the connector's counters, and whether greedy outputs are identical.
+A third run keeps vLLM's own prefix cache between phases: the resume tiercache's loads give, batch for batch,
+the outputs it should equal where recomputing and resuming differ in the last bits (bf16 models); its cold
+phase, the same configuration as the run without the connector, shows whether vLLM repeats itself.
 The model is seeded and big enough that prefill dominates (made locally, no hub), of the family ``--family``
 names: ``llama`` (full attention), ``gemma3`` (three sliding-window layers to one of full attention) or
 ``deepseek_v2`` (MLA). The report adds the bytes the connector moved into L1 per stored token in the cold
@@ -157,10 +160,20 @@ def run_vllm(spec: dict, workdir: Path, script: str = __file__, kv_cache_gib: in
     return got
 
 
+def differ_per_phase(a: dict, b: dict) -> list[int]:
+    """How many prompts' greedy outputs differ between two runs, phase by phase."""
+    return [sum(u != v for u, v in zip(x["outputs"], y["outputs"])) for x, y in zip(a["phases"], b["phases"])]
+
+
 def connector_config(capacity: str) -> dict:
     return {"kv_connector": "TierCacheConnector", "kv_connector_module_path": "tiercache.connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"cpu": {"capacity": capacity}}}
+
+
+# Each configuration in its own vLLM: recomputing every reuse (vLLM's prefix cache reset before each phase),
+# vLLM's own prefix cache kept (the resume tiercache's loads should equal, batch for batch), and tiercache.
+RUNS = (("without", None, True), ("prefix cache", None, False), ("tiercache", connector_config("4GiB"), True))
 
 
 def stored_bytes(cold: dict[str, int], prompts: list[list[int]], args: argparse.Namespace, tp: int
@@ -222,14 +235,16 @@ def main() -> None:
         model = make_model(workdir / "model", args.family, args.hidden, args.layers, vocab)
         for tp in (int(t) for t in args.tp.split(",")):
             results = {}
-            for label, kv in (("without", None), ("tiercache", connector_config("4GiB"))):
+            for label, kv, reset in RUNS:
                 longest = max(len(p) for phase in phases for p in phase)
                 spec = {"model": str(model), "tp": tp, "max_model_len": longest + args.max_tokens + 16,
                         "max_tokens": args.max_tokens, "phases": phases, "kv_transfer_config": kv,
-                        "dtype": DTYPES[args.family]}
+                        "dtype": DTYPES[args.family], "reset": reset}
                 print(f"TP={tp} {label} ...", file=sys.stderr, flush=True)
                 results[label] = run_vllm(spec, workdir)
             reuse = {label: [p["seconds"] for p in r["phases"][1:]] for label, r in results.items()}
+            report.setdefault("outputs", {})[f"tp{tp}"] = {label: [p["outputs"] for p in r["phases"]]
+                                                           for label, r in results.items()}
             median = {label: statistics.median(v) for label, v in reuse.items()}
             report["runs"][f"tp{tp}"] = {
                 "cold_s": {label: round(r["phases"][0]["seconds"], 3) for label, r in results.items()},
@@ -237,10 +252,14 @@ def main() -> None:
                 "reuse_median_s": {label: round(v, 3) for label, v in median.items()},
                 "ratio": round(median["tiercache"] / median["without"], 3),
                 "cached_tokens_per_reuse": [p["cached_tokens"] for p in results["tiercache"]["phases"][1:]],
+                "prefix_cache_cached_tokens_per_reuse": [p["cached_tokens"]
+                                                         for p in results["prefix cache"]["phases"][1:]],
                 "outputs_equal": [p["outputs"] for p in results["tiercache"]["phases"]]
                                  == [p["outputs"] for p in results["without"]["phases"]],
-                "outputs_equal_per_phase": [a["outputs"] == b["outputs"] for a, b in
-                                            zip(results["tiercache"]["phases"], results["without"]["phases"])],
+                "prompts_differ": {  # per phase; cold phases: the prefix cache run is vLLM without a connector
+                    "tiercache_vs_without": differ_per_phase(results["tiercache"], results["without"]),
+                    "tiercache_vs_prefix_cache": differ_per_phase(results["tiercache"], results["prefix cache"]),
+                    "without_vs_prefix_cache": differ_per_phase(results["without"], results["prefix cache"])},
                 "counters": results["tiercache"]["counters"],
                 **stored_bytes(results["tiercache"]["cold_counters"], phases[0], args, tp),
                 **{k: v for k, v in results["tiercache"].items() if k in ("chunk_bytes", "resume_point_bytes")},
