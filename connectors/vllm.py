@@ -314,6 +314,25 @@ def state_groups(kv_cache_config: "KVCacheConfig | None", groups: KVGroups | Non
             for pos, group in enumerate(groups.groups) if group.kind == "state"]
 
 
+def plan_state_refreshes(groups: Sequence[tuple[int, int, int]],
+                         steps: Sequence[tuple[int, int, Sequence[Sequence[int]]]]) -> tuple[StateRefresh, ...]:
+    """The copies that put each loaded state where vLLM's step reads it. ``groups``: `state_groups`;
+    ``steps``: per request whose load writes a state this step, (its computed tokens, loaded ones included;
+    its tokens scheduled this step; its block table per vLLM group). vLLM's ``align`` mode runs a step in the
+    block of its last token and filled that block from the block of the last computed token — where the load
+    writes the state — before the load: that copy is made again. None where the two blocks are one, or either
+    is the null block."""
+    moves: dict[int, list[tuple[int, int]]] = {}
+    for computed, scheduled, tables in steps:
+        for position, group_id, block_size in groups:
+            loaded, running = (computed - 1) // block_size, ceil_div(computed + scheduled, block_size) - 1
+            table = tables[group_id]
+            if loaded != running and running < len(table) and table[loaded] and table[running]:
+                moves.setdefault(position, []).append((table[loaded], table[running]))
+    return tuple(StateRefresh(g, tuple(a for a, _ in pairs), tuple(b for _, b in pairs))
+                 for g, pairs in moves.items())
+
+
 def transfer_group_ids(kv_cache_config: "KVCacheConfig") -> list[int]:
     """The groups whose KV leaves the engine (vLLM rebuilds the others from them after a load)."""
     return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
@@ -560,21 +579,11 @@ class TierCacheConnector(KVConnectorBase_V1, SupportsHMA):
         runs in (`StateRefresh`), where they differ."""
         if not self._state_loads or self._kv_cache_manager is None:
             return ()
-        moves: dict[int, list[tuple[int, int]]] = {}
-        for rid in self._state_loads & scheduler_output.num_scheduled_tokens.keys():
-            request = self._requests.get(rid)
-            if request is None:
-                continue
-            tables = self._kv_cache_manager.get_block_ids(rid)
-            computed, scheduled = request.num_computed_tokens, scheduler_output.num_scheduled_tokens[rid]
-            for position, group_id, block_size in self._state_groups:
-                loaded, running = (computed - 1) // block_size, ceil_div(computed + scheduled, block_size) - 1
-                table = tables[group_id]
-                if loaded != running and running < len(table) and table[loaded] and table[running]:
-                    moves.setdefault(position, []).append((table[loaded], table[running]))
+        steps = [(self._requests[rid].num_computed_tokens, scheduler_output.num_scheduled_tokens[rid],
+                  self._kv_cache_manager.get_block_ids(rid))
+                 for rid in self._state_loads & scheduler_output.num_scheduled_tokens.keys() if rid in self._requests]
         self._state_loads.clear()
-        return tuple(StateRefresh(g, tuple(a for a, _ in pairs), tuple(b for _, b in pairs))
-                     for g, pairs in moves.items())
+        return plan_state_refreshes(self._state_groups, steps)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -548,6 +548,31 @@ def test_a_models_kv_cache_groups_are_read_from_vllms_config_and_an_unknown_kind
         kv_groups_of(config(KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], state)), 2)
 
 
+def test_a_state_loaded_in_the_step_that_resumes_from_it_is_copied_onto_the_block_the_step_runs_in():
+    """vLLM's align mode runs a step in the block of its last token, filled from the block of the last
+    computed token before the step's loads (`preprocess_mamba`); the connector's sync load writes the state
+    into the latter, so it plans that copy again: for every state group (here the second of vLLM's groups),
+    the loaded block onto the running one — not where they are one block, nor onto vLLM's null block."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from tiercache.connectors.vllm import StateRefresh, kv_groups_of, plan_state_refreshes, state_groups
+
+    full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    state = MambaSpec(block_size=256, shapes=((3, 64),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["gdn"], state)])
+    groups = state_groups(config, kv_groups_of(config, 1))
+    assert groups == [(1, 1, 256)]
+    attention = list(range(10, 16))
+    steps = [(1024, 316, (attention, [0, 0, 0, 17, 0, 23])),    # loaded at block 3, runs in block 5
+             (1024, 200, (attention, [0, 0, 0, 31, 32])),       # runs in block 4
+             (768, 40, (attention, [0, 0, 41, 42])),            # loaded at block 2, runs in block 3
+             (1024, 300, (attention, [0, 0, 0, 51, 0, 0]))]     # no block to run in: nothing to copy
+    assert plan_state_refreshes(groups, steps) == (StateRefresh(1, (17, 31, 41), (23, 32, 42)),)
+    assert plan_state_refreshes(groups, [(1024, 0, (attention, [0, 0, 0, 17]))]) == ()
+
+
 def test_the_connector_claims_hybrid_kv_cache_support():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
