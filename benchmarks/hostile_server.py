@@ -195,9 +195,9 @@ def main() -> int:
     parser.add_argument("--calls-per-round", type=int, default=200, help="the hostile tenant's maximal calls")
     parser.add_argument("--round-pause", type=float, default=1.0)
     parser.add_argument("--soak", type=float, default=0, help="seconds of the hostile tenant alone (see above)")
-    parser.add_argument("--cpu-cores", type=float, default=1.0,
-                        help="the server's --cpu-cores: the CPU its tenants share (one core of the machine, the "
-                             "other left to the engines; a large number shares none)")
+    parser.add_argument("--cpu-cores", type=float, default=0.0,
+                        help="the server's --cpu-cores: the CPU its tenants share (0: the server's default, every "
+                             "core; a number above the machine's cores shares none)")
     parser.add_argument("--json")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
