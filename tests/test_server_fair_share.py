@@ -6,6 +6,7 @@ at the lowest CPU priority: a hostile client runs on a machine of its own, and h
 take the engine's cores), and a reference engine in the test's process that stores a workload through the
 server (write-through) and drains. The checks are counts, never times: the suite passes with every core busy.
 """
+import contextlib
 import os
 import re
 import subprocess
@@ -90,22 +91,28 @@ def assert_every_store_counted(tier: dict) -> None:
     assert tier["store_planned"] == tier["stored"] + tier["store_rejected"] + dropped + tier["store_failed"], tier
 
 
-def under_attack(tmp_path, whose: str, kinds: str, *flags: str) -> tuple[dict, dict]:
-    """Acme's engine storing through a fresh server while ``kinds`` of hostile clients run as ``whose``:
-    (its gRPC tier's counts, the server's counters)."""
-    server = serve(tmp_path)
+@contextlib.contextmanager
+def attacked(server: CacheServerProcess, tmp_path, whose: str, kinds: str, *flags: str):
+    """``server`` while ``kinds`` of hostile clients run as ``whose`` (given time to take what they can and go
+    silent past every threshold); both stopped on leaving."""
     proc = None
     try:
         proc = hostile(server, tmp_path, whose, kinds, *flags)
-        time.sleep(1.5)           # the hostile clients take what they can, and go silent past every threshold
-        tier = store_through(server, tmp_path)
-        return tier, server_counters(server, tmp_path)
+        time.sleep(1.5)
+        yield server
     finally:
         try:
             if proc is not None:
                 stop(proc)
         finally:
             server.stop()
+
+
+def under_attack(tmp_path, whose: str, kinds: str, *flags: str) -> tuple[dict, dict]:
+    """Acme's engine storing through a fresh server while ``kinds`` of hostile clients run as ``whose``:
+    (its gRPC tier's counts, the server's counters)."""
+    with attacked(serve(tmp_path), tmp_path, whose, kinds, *flags) as server:
+        return store_through(server, tmp_path), server_counters(server, tmp_path)
 
 
 def undisturbed(tmp_path) -> dict:
@@ -167,22 +174,13 @@ def test_a_rival_reading_as_fast_as_it_can_is_held_to_its_share_of_the_servers_c
                                 "--metrics-port", str(metrics))
     acme = (("authorization", f"Bearer {(tmp_path / 'acme.token').read_text()}"),)
     lookup = pb.ContainsRequest(namespace=bytes(16), keys=[bytes(32)]).SerializeToString()
-    proc = None
-    try:
-        proc = hostile(server, tmp_path, "rival", "maximal_reads")
-        time.sleep(1.5)
+    with attacked(server, tmp_path, "rival", "maximal_reads"):
         before, start, answered = tenant_cpu_seconds(metrics), time.monotonic(), 0
         while time.monotonic() - start < 8.0:
             answered += pb.ContainsReply.FromString(raw_call(server, "Contains", lookup, metadata=acme)).present == 0
             time.sleep(0.05)
         elapsed, after = time.monotonic() - start, tenant_cpu_seconds(metrics)
         counters = server_counters(server, tmp_path)
-    finally:
-        try:
-            if proc is not None:
-                stop(proc)
-        finally:
-            server.stop()
     rival = after["rival"] - before.get("rival", 0.0)
     print(f"rival charged {rival:.2f} s of CPU in {elapsed:.1f} s; waited {counters['cpu_waits']} times, "
           f"{counters['cpu_waited_ms']} ms; acme {answered} calls answered")
