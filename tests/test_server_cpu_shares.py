@@ -78,9 +78,52 @@ def test_the_process_cpu_no_thread_was_charged_is_divided_by_the_grpc_bytes_each
     clocks.now += 2 * TICK_S
     clocks.process += 0.11
     cpu.delay("acme")
+    assert cpu.used()["acme"] == pytest.approx(0.01)      # a tick's CPU is divided at the next tick
+    clocks.now += 2 * TICK_S
+    cpu.delay("acme")
     used = cpu.used()
     assert used["rival"] == pytest.approx(0.075)
     assert used["acme"] == pytest.approx(0.01 + 0.025)
+
+
+def test_a_rivals_burst_is_charged_to_the_rival_though_its_calls_are_counted_after_the_transport_worked():
+    cpu, clocks = shares(cores=1.0)
+    cpu.delay("acme")
+    cpu.delay("rival")
+
+    def tick(cpu_s: float, **moved: int) -> None:
+        for tenant, nbytes in moved.items():
+            cpu.moved(tenant, nbytes)
+        clocks.now += 1.2 * TICK_S
+        clocks.process += cpu_s
+        cpu.delay("acme")
+
+    tick(0.005, acme=100 << 10)
+    tick(0.005, acme=100 << 10)
+    tick(0.05, acme=100 << 10)          # 200 rival calls began: the transport's work, no handler ran yet
+    tick(0.0, rival=200 * (64 << 10))   # ... and now they have, each call counted
+    tick(0.0)
+    used = cpu.used()
+    assert used["rival"] > 0.045
+    assert used["acme"] < 0.015         # its own 10 ms and a sliver of the burst
+    assert cpu.delay("acme") == 0.0
+
+
+def test_a_tenant_that_moved_nothing_lately_is_charged_nothing():
+    cpu, clocks = shares(cores=1.0)
+    cpu.delay("acme")
+    cpu.moved("rival", 1 << 20)
+    for _ in range(100):                    # 6 s of ticks: rival's bytes weigh nothing any more
+        clocks.now += 1.2 * TICK_S
+        cpu.delay("acme")
+    cpu.moved("acme", 1 << 10)
+    clocks.process += 0.02
+    for _ in range(2):
+        clocks.now += 1.2 * TICK_S
+        cpu.delay("acme")
+    used = cpu.used()
+    assert used["acme"] == pytest.approx(0.02, rel=1e-3)
+    assert used.get("rival", 0.0) == pytest.approx(0.0, abs=1e-6)
 
 
 def test_cpu_the_process_spent_before_a_long_quiet_spell_is_not_divided():

@@ -13,8 +13,13 @@ How a tenant's CPU is counted:
   values, a call's work in the handler pool, a ``Put`` stream's messages — is charged with that thread's
   CPU time (`time.thread_time`: user and system, so the kernel's copies of a socket send count).
 - **Its share of the rest.** What the process spends elsewhere — gRPC's transport and event loop receiving
-  and sending messages — is read from the process's CPU time every ``TICK_S`` and divided among the tenants
-  in proportion to the gRPC bytes they moved in that time (a call counting ``CALL_BYTES``).
+  and sending messages, refusing calls — is read from the process's CPU time every ``TICK_S`` and divided
+  among the tenants in proportion to the gRPC bytes they moved lately (a call counting ``CALL_BYTES`` from
+  the moment it arrives, refused or not; bytes weigh less by half every ``WEIGHT_HALF_LIFE_S``). A tick's
+  CPU is divided one tick late, by weights that count the next tick's bytes too: the transport's work comes
+  before a handler counts the call or the bytes it was for — 200 calls opened at once keep the transport
+  and the event loop busy for most of a tick before their handlers count one of them — so a tenant that
+  moved little while a rival's burst began is not charged that burst.
 
 Each tenant holds a credit of CPU seconds, refilled at its share and capped at ``BURST_S`` (a request's
 worth of work never waits), spent by what is charged, and never owed beyond ``MAX_DEBT_S``. Waiting is
@@ -36,6 +41,7 @@ BURST_S = 0.02        # CPU seconds a tenant may spend at once past its share (a
 MAX_DEBT_S = 0.5      # the most CPU seconds a tenant is held to owe (a wait of at most this over its share)
 CALL_BYTES = 64 << 10  # what one call weighs in gRPC's work, beside its bytes
 STALE_TICK_S = 1.0    # a longer gap since the last tick is left undivided (the server's start, an idle spell)
+WEIGHT_HALF_LIFE_S = 0.25  # how fast the bytes a tenant moved stop weighing in the division of the rest
 
 T = TypeVar("T")
 
@@ -60,7 +66,9 @@ class CpuShares:
         self._asked: dict[str, float] = {}
         self._used: Counter[str] = Counter()       # CPU seconds charged, per tenant (for the server's stats)
         self._moved: Counter[str] = Counter()      # gRPC bytes per tenant since the last tick
+        self._weight: dict[str, float] = {}        # ... and lately, decayed (what divides the rest)
         self._charged_since_tick = 0.0
+        self._undivided = 0.0                      # the last tick's CPU outside the tenants' threads
         self._tick_at = clock()
         self._process_at = process_clock()
         self.waits = 0
@@ -84,23 +92,34 @@ class CpuShares:
         self._used[tenant] += cpu_s
 
     def _tick(self, now: float) -> None:
-        """Divide the process's CPU that no tenant's thread was charged since the last tick among the tenants,
-        by the gRPC bytes each moved in it."""
+        """Divide the process's CPU that no tenant's thread was charged in the tick before this one among the
+        tenants, by the gRPC bytes each moved lately (this tick's included); keep this tick's for the next."""
         if now - self._tick_at < TICK_S:
             return
         process = self._process_clock()
+        self._weigh(now - self._tick_at)
+        weight = sum(self._weight.values())
+        if self._undivided > 0 and weight:
+            for tenant, lately in self._weight.items():
+                self._charge(tenant, self._undivided * lately / weight)
         rest = process - self._process_at - self._charged_since_tick
-        weight = sum(self._moved.values())
-        if rest > 0 and weight and now - self._tick_at <= STALE_TICK_S:   # not the server's start, nor idle time
-            for tenant, moved in self._moved.items():
-                self._charge(tenant, rest * moved / weight)
-        self._moved.clear()
+        fresh = now - self._tick_at <= STALE_TICK_S      # not the server's start, nor idle time
+        self._undivided = rest if fresh and rest > 0 else 0.0
         self._charged_since_tick = 0.0
         self._process_at, self._tick_at = process, now
         if len(self._asked) > 64:                       # bounded under tenants that come and go
             for t in [t for t, at in self._asked.items() if now - at > self.active_s]:
                 for table in (self._asked, self._credit, self._refilled_at):
                     table.pop(t, None)
+
+    def _weigh(self, elapsed_s: float) -> None:
+        """Fold the bytes moved since the last tick into the decayed weights, and forget what weighs nothing."""
+        decay = 0.5 ** (elapsed_s / WEIGHT_HALF_LIFE_S)
+        weights = {t: w * decay for t, w in self._weight.items()}
+        for tenant, moved in self._moved.items():
+            weights[tenant] = weights.get(tenant, 0.0) + moved
+        self._weight = {t: w for t, w in weights.items() if w >= 1.0}
+        self._moved.clear()
 
     # -- the calls -------------------------------------------------------------------------------------------
     def delay(self, tenant: str) -> float:

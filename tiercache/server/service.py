@@ -125,11 +125,13 @@ class CacheService:
             try:
                 # Health asks for no token, but one that names a tenant counts its call in that tenant's share
                 tenant = authorize(self.tenancy, context) if auth else caller(self.tenancy, context)
+                if tenant is not None:
+                    self.cpu.moved(tenant.name, 0, calls=1)
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
                     work = (lambda: fn(request, context, tenant)) if auth else (lambda: fn(request, context))
                     if tenant is not None:         # its CPU counted and shared, before its work begins
-                        self.cpu.moved(tenant.name, len(request), calls=1)
+                        self.cpu.moved(tenant.name, len(request))
                         await self.cpu.pace_async(tenant.name)
                         work = functools.partial(self.cpu.run, tenant.name, work)
                     reply = await asyncio.get_running_loop().run_in_executor(self.pool, work)
@@ -147,9 +149,10 @@ class CacheService:
             loop = asyncio.get_running_loop()
             try:
                 tenant = authorize(self.tenancy, context)
+                self.cpu.moved(tenant.name, 0, calls=1)
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
-                    self.cpu.moved(tenant.name, len(request), calls=1)
+                    self.cpu.moved(tenant.name, len(request))
                     await self.cpu.pace_async(tenant.name)
                     namespace, keys = await loop.run_in_executor(self.pool, self.cpu.run, tenant.name,
                                                                  functools.partial(self._get_request, request))
@@ -175,7 +178,9 @@ class CacheService:
         def run(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
             self.counters["rpc_put"] += 1
             try:
-                return self.puts.receive(requests, context, authorize(self.tenancy, context))
+                tenant = authorize(self.tenancy, context)
+                self.cpu.moved(tenant.name, 0, calls=1)
+                return self.puts.receive(requests, context, tenant)
             except BaseException as err:
                 self._end("put", context, err)
                 return b""
