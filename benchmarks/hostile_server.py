@@ -4,13 +4,23 @@ attack, the server's memory against its bound, and the targets they are held to.
     python benchmarks/hostile_server.py --repeats 3 --json out.json
 
 One `tiercache serve --capacity 64MiB --max-message 8MiB` with four tenants (acme, beta, rival, and ops, an
-admin that reads the counters). A turn: tenants acme and beta, one after the other, each run a reference
+admin that reads the counters and purges). A turn: tenants acme and beta, one after the other, each run a reference
 engine that stores a shared-prefix workload through the server (write-through), then a fresh engine that
 runs it again and takes its prefixes back (`tiercache.bench.hostile.tenant_run`, the gRPC tier's default
 timeouts). An attack turn does the same while a `tiercache.bench.hostile.HostileTenant`, in a process of its
 own, runs one attack (`ATTACKS`): each kind of hostile client alone as tenant rival, every kind at once, and
 ``own-silent-puts`` — two silent data-channel PUTs declaring the whole in-flight budget under acme's own token,
 the per-connection case. The server's RSS is sampled from /proc every 20 ms throughout a turn.
+
+The victims' engines run in this process, beside the server and the hostile client on the same machine; each
+runs its torch ops on one thread (``--engine-threads``). A hostile client runs on a machine of its own and so
+does a server; here they share the engines' cores, and an engine whose ops are split across every core waits
+at each op for the thread a busy server or client has preempted — which measures this machine, not the
+server's fairness (RESULTS.md shows both).
+
+Every turn begins with the victims' chunks purged, so that each stores into the same room: the tenants share
+the server's pool, and once their earlier turns have filled it, its eviction, not the hostile client, would
+decide which of a turn's new chunks are still there for its second engine.
 
 Each repeat runs a quiet turn and every attack turn (the order reversed on odd repeats), so an attack is
 compared with the quiet turn beside it: a victim's stores, hit ratio and TTFT p99 as ratios to that turn's,
@@ -89,6 +99,13 @@ def turn(address: str, pid: int, tokens: Path, seed: int, requests: int, hostile
     seconds = time.monotonic() - start
     hostile = (cpu_seconds(hostile_pid) - hostile_cpu) / seconds if hostile_pid else 0.0
     return Turn(runs, rss.peak_mib, (cpu_seconds(pid) - server_cpu) / seconds, hostile)
+
+
+def purge_victims(address: str, admin_token: str) -> None:
+    """Every chunk of the victims gone from the server (no engine of theirs runs to wait for)."""
+    for victim in VICTIMS:
+        request = pb.PurgeRequest(spec=pb.PurgeSpec(everything=True), tenant=victim, wait_s=0.01)
+        call(address, "Purge", request.SerializeToString(), admin_token)
 
 
 def start_hostile(address: str, data_port: int, tmp: Path, args, attack: str) -> subprocess.Popen:
@@ -198,15 +215,21 @@ def main() -> int:
     parser.add_argument("--cpu-cores", type=float, default=0.0,
                         help="the server's --cpu-cores: the CPU its tenants share (0: the server's default, every "
                              "core; a number above the machine's cores shares none)")
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="torch threads of the victims' engines (see above)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.engine_threads < 1:
+        parser.error(f"--engine-threads must be at least 1, got {args.engine_threads}")
+    import torch
+    torch.set_num_threads(args.engine_threads)
     attacks = [a for a in args.attacks.split(",") if a]
     if unknown := set(attacks) - set(ATTACKS):
         parser.error(f"unknown attacks {sorted(unknown)}; known: {', '.join(ATTACKS)}")
     tmp = Path(tempfile.mkdtemp(prefix="tiercache-hostile-"))
     tokens = {name: f"{name}-token-0123456789" for name in (*VICTIMS, "rival", "ops")}
     (tmp / "tenants.toml").write_text("".join(f'[tenants.{n}]\ntoken = "{t}"\n' for n, t in tokens.items())
-                                      + "admin = true\n")
+                                      + "admin = true\npurge = true\n")
     for name, token in tokens.items():
         (tmp / f"{name}.token").write_text(token)
     flags = ("--capacity", str(CAPACITY), "--max-message", str(MAX_MESSAGE), "--read-timeout", "20",
@@ -222,12 +245,13 @@ def main() -> int:
             server.close()
     repeats: list[dict[str, dict]] = []
     try:
-        # unrecorded: the engines' warm-up prompt is stored once here, so that no recorded turn stores it
+        # unrecorded: a first turn pays this process's and the server's start-up, not the first quiet turn
         turn(server.address, server.proc.pid, tmp, seed=-100, requests=1)
         for rep in range(args.repeats):
             order = ["quiet", *attacks]
             repeats.append({})
             for i, mode in enumerate(order if rep % 2 == 0 else order[::-1]):
+                purge_victims(server.address, tokens["ops"])
                 hostile = start_hostile(server.address, data_port, tmp, args, mode) if mode != "quiet" else None
                 try:
                     done = turn(server.address, server.proc.pid, tmp, seed=1000 * rep + 10 * i,

@@ -17,9 +17,9 @@ How a tenant's CPU is counted:
   among the tenants in proportion to the gRPC bytes they moved lately (a call counting ``CALL_BYTES`` from
   the moment it arrives, refused or not; bytes weigh less by half every ``WEIGHT_HALF_LIFE_S``). A tick's
   CPU is divided one tick late, by weights that count the next tick's bytes too: the transport's work comes
-  before a handler counts the call or the bytes it was for — 200 calls opened at once keep the transport
-  and the event loop busy for most of a tick before their handlers count one of them — so a tenant that
-  moved little while a rival's burst began is not charged that burst.
+  before a handler counts the call or the bytes it was for — a burst of calls opened at once keeps the
+  transport and the event loop busy for most of a tick before their handlers count one of them — so a
+  tenant that moved little while a rival's burst began is not charged that burst.
 
 Each tenant holds a credit of CPU seconds, refilled at its share and capped at ``BURST_S`` (a request's
 worth of work never waits), spent by what is charged, and never owed beyond ``MAX_DEBT_S``. Waiting is
