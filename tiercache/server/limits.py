@@ -237,6 +237,7 @@ class StreamWatch:
 
     def close(self) -> None:
         self._stop.set()
+        self._taken.put(None)       # wakes the watchdog from its wait for the next stream to end
         self._thread.join(timeout=2)
 
     def _watch(self) -> None:
@@ -245,8 +246,9 @@ class StreamWatch:
         next_tick = time.monotonic() + tick
         while not self._stop.is_set():
             try:
-                context, why = self._taken.get(timeout=max(0.0, next_tick - time.monotonic()))
-                end_call(context, why)
+                taken = self._taken.get(timeout=max(0.0, next_tick - time.monotonic()))
+                if taken is not None:
+                    end_call(*taken)
                 continue
             except queue.Empty:
                 next_tick = time.monotonic() + tick
