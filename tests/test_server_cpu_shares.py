@@ -73,7 +73,8 @@ def test_the_process_cpu_no_thread_was_charged_is_divided_by_the_grpc_bytes_each
     cpu.delay("acme")
     cpu.delay("rival")
     cpu.moved("rival", 3 << 20)
-    cpu.moved("acme", (1 << 20) - (64 << 10), calls=1)    # a call weighs 64 KiB beside its bytes
+    cpu.moved("acme", (1 << 20) - (64 << 10))
+    cpu.arrived("acme")                                   # a call weighs 64 KiB beside its bytes
     cpu.charge("acme", 0.01)                              # a thread's own time is charged once, not divided
     clocks.now += 2 * TICK_S
     clocks.process += 0.11

@@ -141,10 +141,14 @@ class CpuShares:
             self._charge(tenant, cpu_s)
             self._charged_since_tick += cpu_s
 
-    def moved(self, tenant: str, nbytes: int, calls: int = 0) -> None:
-        """gRPC moved ``nbytes`` (and began ``calls``) for ``tenant``: its weight in the transport's CPU."""
+    def moved(self, tenant: str, nbytes: int) -> None:
+        """gRPC moved ``nbytes`` for ``tenant``: its weight in the transport's CPU."""
         with self._lock:
-            self._moved[tenant] += nbytes + calls * CALL_BYTES
+            self._moved[tenant] += nbytes
+
+    def arrived(self, tenant: str) -> None:
+        """A call of ``tenant`` arrived, to be served or refused: it weighs ``CALL_BYTES`` beside its bytes."""
+        self.moved(tenant, CALL_BYTES)
 
     def pace(self, tenant: str) -> None:
         """Wait, on this thread, until ``tenant`` is within its share."""

@@ -126,7 +126,7 @@ class CacheService:
                 # Health asks for no token, but one that names a tenant counts its call in that tenant's share
                 tenant = authorize(self.tenancy, context) if auth else caller(self.tenancy, context)
                 if tenant is not None:
-                    self.cpu.moved(tenant.name, 0, calls=1)
+                    self.cpu.arrived(tenant.name)
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
                     work = (lambda: fn(request, context, tenant)) if auth else (lambda: fn(request, context))
@@ -149,7 +149,7 @@ class CacheService:
             loop = asyncio.get_running_loop()
             try:
                 tenant = authorize(self.tenancy, context)
-                self.cpu.moved(tenant.name, 0, calls=1)
+                self.cpu.arrived(tenant.name)
                 async with self._request_slot(context, tenant) as slot:
                     request = await slot.read()
                     self.cpu.moved(tenant.name, len(request))
@@ -179,7 +179,7 @@ class CacheService:
             self.counters["rpc_put"] += 1
             try:
                 tenant = authorize(self.tenancy, context)
-                self.cpu.moved(tenant.name, 0, calls=1)
+                self.cpu.arrived(tenant.name)
                 return self.puts.receive(requests, context, tenant)
             except BaseException as err:
                 self._end("put", context, err)
