@@ -135,6 +135,14 @@ def test_cpu_the_process_spent_before_a_long_quiet_spell_is_not_divided():
     clocks.process += 2.0
     cpu.delay("acme")
     assert "rival" not in cpu.used()
+    cpu.moved("rival", 1 << 20)
+    clocks.now += 0.06
+    clocks.process += 0.05                                # a tick's CPU, left to divide at the next tick ...
+    cpu.delay("acme")
+    cpu.moved("acme", 1 << 10)
+    clocks.now += 30.0                                    # ... which comes after a quiet spell: not divided
+    cpu.delay("acme")
+    assert "acme" not in cpu.used() and "rival" not in cpu.used()
 
 
 def test_a_zero_or_negative_budget_is_refused():

@@ -97,13 +97,13 @@ class CpuShares:
         if now - self._tick_at < TICK_S:
             return
         process = self._process_clock()
+        fresh = now - self._tick_at <= STALE_TICK_S      # not the server's start, nor idle time
         self._weigh(now - self._tick_at)
         weight = sum(self._weight.values())
-        if self._undivided > 0 and weight:
+        if fresh and self._undivided > 0 and weight:
             for tenant, lately in self._weight.items():
                 self._charge(tenant, self._undivided * lately / weight)
         rest = process - self._process_at - self._charged_since_tick
-        fresh = now - self._tick_at <= STALE_TICK_S      # not the server's start, nor idle time
         self._undivided = rest if fresh and rest > 0 else 0.0
         self._charged_since_tick = 0.0
         self._process_at, self._tick_at = process, now
