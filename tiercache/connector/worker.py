@@ -157,14 +157,11 @@ class OffloadWorker(WorkerConnector):
                 progress.wait(layer)
             self.load_seconds += time.perf_counter() - began
         elif layer == 0:
-            self._settle_loads()   # whole-chunk loads complete before the first layer reads the cache
+            self.settle_loads()   # whole-chunk loads complete before the first layer reads the cache
 
     def settle_loads(self) -> None:
-        """Wait until this step's loads have landed, every layer (an engine that moves blocks after them)."""
-        self._settle_loads()
-
-    def _settle_loads(self) -> None:
-        """Collect this step's load results; a request whose load failed has its stores cancelled."""
+        """Wait until this step's loads have landed, every layer, and collect their results; a request whose
+        load failed has its stores cancelled. (An engine that moves blocks after the loads calls it too.)"""
         if not self._step_load_jobs:
             return
         began = time.perf_counter()
@@ -181,7 +178,7 @@ class OffloadWorker(WorkerConnector):
         return None  # stores are whole chunks across all layers, handed over in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._settle_loads()  # every load ended (and failures are known) before any store is handed over
+        self.settle_loads()  # every load ended (and failures are known) before any store is handed over
         engine = self._engine
         for plan in self._meta.stores:
             owner = self._owners[plan.job_id]
