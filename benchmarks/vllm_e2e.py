@@ -246,6 +246,7 @@ def main() -> None:
             report.setdefault("outputs", {})[f"tp{tp}"] = {label: [p["outputs"] for p in r["phases"]]
                                                            for label, r in results.items()}
             median = {label: statistics.median(v) for label, v in reuse.items()}
+            differ = differ_per_phase(results["tiercache"], results["without"])
             report["runs"][f"tp{tp}"] = {
                 "cold_s": {label: round(r["phases"][0]["seconds"], 3) for label, r in results.items()},
                 "reuse_s": {label: [round(x, 3) for x in v] for label, v in reuse.items()},
@@ -254,10 +255,9 @@ def main() -> None:
                 "cached_tokens_per_reuse": [p["cached_tokens"] for p in results["tiercache"]["phases"][1:]],
                 "prefix_cache_cached_tokens_per_reuse": [p["cached_tokens"]
                                                          for p in results["prefix cache"]["phases"][1:]],
-                "outputs_equal": [p["outputs"] for p in results["tiercache"]["phases"]]
-                                 == [p["outputs"] for p in results["without"]["phases"]],
+                "outputs_equal": not any(differ),
                 "prompts_differ": {  # per phase; cold phases: the prefix cache run is vLLM without a connector
-                    "tiercache_vs_without": differ_per_phase(results["tiercache"], results["without"]),
+                    "tiercache_vs_without": differ,
                     "tiercache_vs_prefix_cache": differ_per_phase(results["tiercache"], results["prefix cache"]),
                     "without_vs_prefix_cache": differ_per_phase(results["without"], results["prefix cache"])},
                 "counters": results["tiercache"]["counters"],
